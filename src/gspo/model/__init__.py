@@ -1,0 +1,1 @@
+"""Model loading, token log-probs and MoE routing capture/replay."""
