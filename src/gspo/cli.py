@@ -1,0 +1,142 @@
+"""``gspo`` command line: train, compare, eval. Errors in user input print one line, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import typing
+from typing import Any
+
+from gspo.config import Config, _field_type, coerce, field_docs
+from gspo.errors import GspoError
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    docs = field_docs()
+    for f in dataclasses.fields(Config):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = _field_type(f)
+        default = f.default
+        help_ = f"{docs.get(f.name, '')} [default: {default}]".replace("%", "%%")
+        if typ is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=typ.__name__.upper(), help=help_)
+
+
+def _overrides(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(Config)} - set(skip)
+    return {k: coerce(k, v, "command line") for k, v in vars(ns).items() if k in names and v is not None}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, exit 2, like GspoError
+        self.exit(2, f"gspo: error: {message} (see 'gspo {self.prog.split()[-1]} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("train", help="train a policy (default: embedded tiny MoE on a synthetic task)",
+                       description="Train with GSPO / GSPO-token / GRPO. Flags override the YAML config.")
+    p.add_argument("--config", help="YAML file of config keys (flags given here override it)")
+    _add_config_flags(p)
+
+    c = sub.add_parser("compare", help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay, with a report",
+                       description="Run each algorithm on the same seeds and task, then write report.md + PNGs.")
+    c.add_argument("--config", help="YAML file of base config keys")
+    c.add_argument("--seeds", default="0", help="comma-separated seeds [default: 0]")
+    c.add_argument("--variants", default="gspo,gspo_token,grpo,grpo_replay",
+                   help="comma-separated: gspo, gspo_token, grpo, grpo_replay [default: all four]")
+    c.add_argument("--out", default="runs/compare", help="output folder [default: runs/compare]")
+    _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume"))
+
+    e = sub.add_parser("eval", help="greedy held-out evaluation of a checkpoint",
+                       description="Evaluate a saved model (HF folder) on a task's held-out set.")
+    e.add_argument("checkpoint", help="HF model folder (e.g. runs/NAME/final)")
+    e.add_argument("--task", default="reverse", help="task name or dataset path [default: reverse]")
+    e.add_argument("--reward", default="exact_match", help="reward spec [default: exact_match]")
+    e.add_argument("--eval-size", type=int, default=200, help="held-out examples [default: 200]")
+    e.add_argument("--max-new-tokens", type=int, default=12, help="generation limit [default: 12]")
+    e.add_argument("--seed", type=int, default=0, help="seed the held-out split is drawn with [default: 0]")
+    e.add_argument("--chat-template", action="store_true", help="wrap prompts with the chat template")
+    return parser
+
+
+def _launch_torchrun(nproc: int) -> int:
+    """Re-run this command under torchrun with ``nproc`` processes (``--nproc`` dropped)."""
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        args.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "gspo", *args, "--nproc", str(nproc)]
+    env = dict(os.environ, GSPO_LAUNCHED="1")
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from gspo.config import make_config
+
+    cfg = make_config(ns.config, _overrides(ns))
+    if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_torchrun(cfg.nproc)
+    from gspo.train.loop import train
+
+    summary = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        init, final = summary.get("initial_accuracy"), summary.get("final_accuracy")
+        if init is not None and final is not None:
+            print(f"held-out accuracy: {init:.3f} -> {final:.3f} ({100 * (final - init):+.1f} points)")
+        print(f"run folder: {summary['run_dir']}  (final model: {summary.get('final_dir')}, "
+              f"curves: {summary.get('plot')})")
+    return 0
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from gspo.compare import run_compare
+
+    skip = ("name", "output_dir", "seed", "algo", "routing_replay", "resume")
+    seeds = [int(s) for s in ns.seeds.split(",") if s.strip()]
+    report = run_compare(ns.config, _overrides(ns, skip), seeds, ns.variants.split(","), ns.out)
+    print(f"report: {report}")
+    return 0
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from gspo.evaluate import evaluate_checkpoint
+
+    out = evaluate_checkpoint(ns.checkpoint, ns.task, ns.reward, ns.eval_size, ns.max_new_tokens, ns.seed,
+                              ns.chat_template)
+    print(json.dumps(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "compare": cmd_compare, "eval": cmd_eval}[ns.command](ns)
+    except GspoError as e:
+        print(f"gspo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ngspo: interrupted; the last checkpoint is kept (continue with --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""The one training config: a flat dataclass, each field documented by the string below it.
+
+Values come from (later wins) the defaults here, a YAML file (``--config run.yaml``) and CLI flags
+(``--group-size 8``; dashes or underscores). Every value is validated in :meth:`Config.validate`;
+bad input raises :class:`GspoError` naming the field.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gspo.errors import GspoError
+
+
+@dataclass
+class Config:
+    # --- run -----------------------------------------------------------------------------------
+    name: str | None = None
+    """Run name; outputs go to ``<output_dir>/<name>``. Default: ``<algo>-<task>-s<seed>``."""
+    output_dir: str = "runs"
+    """Directory that holds one folder per run."""
+    seed: int = 0
+    """Seed for model init (embedded models), data order and sampling."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16. Log-probs and losses are always float32."""
+    threads: int = 0
+    """torch CPU threads per process (0: leave torch's default)."""
+    resume: bool = False
+    """Continue ``<output_dir>/<name>`` from its last checkpoint instead of starting fresh."""
+
+    # --- model and task --------------------------------------------------------------------------
+    model: str = "embedded:tiny-moe"
+    """``embedded:tiny-moe`` / ``embedded:tiny-dense`` (random init, built locally), a local HF
+    directory or a hub id loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id (default: same as ``model``)."""
+    task: str = "reverse"
+    """Embedded synthetic task (``reverse``, ``add``, ``sort``) or a dataset path (.jsonl, .json,
+    .csv, .parquet, or a local Hugging Face dataset directory)."""
+    prompt_field: str = "prompt"
+    """Dataset field holding the prompt."""
+    answer_field: str = "answer"
+    """Dataset field holding the reference answer passed to the reward."""
+    eval_task: str | None = None
+    """Held-out dataset path (default: embedded tasks draw a disjoint seed; datasets hold out
+    ``eval_size`` examples)."""
+    reward: str = "exact_match"
+    """Reward: ``exact_match``, ``math``, ``boxed``, ``code``, ``format:<regex>``, or a user
+    function ``pkg.module:fn`` / ``path/file.py:fn`` taking (prompts, completions, answers)."""
+    reward_on_error: str = "error"
+    """When the reward raises or returns NaN/inf: ``error`` (stop with a message) or ``zero``
+    (score 0, count a warning)."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template (instruct models)."""
+    system_prompt: str | None = None
+    """System message used with ``chat_template``."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are an error naming the example."""
+
+    # --- warm start ------------------------------------------------------------------------------
+    sft_steps: int = 150
+    """Supervised steps on (prompt, answer) before RL, so the policy starts with partial accuracy
+    (0 to skip; use 0 for pretrained instruct models)."""
+    sft_lr: float = 3e-3
+    """Learning rate of the supervised warm start."""
+    sft_batch_size: int = 64
+    """Examples per supervised step."""
+
+    # --- algorithm -----------------------------------------------------------------------------
+    algo: str = "gspo"
+    """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token) or ``grpo`` (token ratio baseline)."""
+    eps_low: float | None = None
+    """Lower clip range (default per algo: gspo 3e-4, grpo 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range (default per algo: gspo 4e-4, grpo 0.27)."""
+    grpo_aggregation: str = "seq_mean_token_mean"
+    """GRPO loss aggregation: ``seq_mean_token_mean`` (GRPO paper) or ``token_mean`` (DAPO)."""
+    adv_scale: str = "group"
+    """Advantage scaling: ``group`` std, ``batch`` std, or ``none`` (center only)."""
+    old_logp: str = "recompute"
+    """pi_old log-probs: ``recompute`` with the trainer before the update, or ``rollout`` (use the
+    sampler's log-probs, the paper's infrastructure simplification)."""
+    routing_replay: bool = False
+    """MoE only: force pi_old's experts in pi_theta's forward (Routing Replay; needed by GRPO)."""
+    log_volatility: bool = True
+    """MoE only: log the fraction of response tokens whose experts changed over each update."""
+
+    # --- rollout -------------------------------------------------------------------------------
+    steps: int = 150
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: int = 16
+    """Prompts per rollout batch."""
+    group_size: int = 8
+    """Responses sampled per prompt (G)."""
+    max_new_tokens: int = 12
+    """Generation limit per response."""
+    temperature: float = 1.0
+    """Sampling temperature (also applied to the trainer's log-probs)."""
+    rollout_engine: str = "hf"
+    """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
+
+    # --- optimization --------------------------------------------------------------------------
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch (the paper splits each batch into 4)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward inside a minibatch (0: whole minibatch at once)."""
+    lr: float = 2e-4
+    """AdamW learning rate for RL."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup in optimizer steps."""
+    logp_chunk_size: int = 1024
+    """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
+
+    # --- evaluation, logging, checkpoints --------------------------------------------------------
+    eval_every: int = 10
+    """Held-out greedy accuracy every N RL steps (0: only at start and end)."""
+    eval_size: int = 200
+    """Held-out examples."""
+    save_every: int = 50
+    """Checkpoint every N RL steps (always at the end)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs ``pip install wandb``)."""
+    progress: bool = True
+    """Show a progress line on stderr."""
+
+    # --- distributed ---------------------------------------------------------------------------
+    nproc: int = 1
+    """Processes for data-parallel training (``gspo train --nproc N`` launches torchrun)."""
+    parallel: str = "fsdp"
+    """Data-parallel wrapper when more than one process: ``fsdp`` (FSDP2) or ``ddp``."""
+
+    # ------------------------------------------------------------------------------------------
+    def validate(self) -> Config:
+        """Check every value; raise GspoError naming the first bad field."""
+        from gspo.advantages import SCALES
+        from gspo.losses import LOSSES
+
+        def bad(field: str, msg: str) -> GspoError:
+            return GspoError(f"config field '{field}': {msg} (got {getattr(self, field)!r})")
+
+        choices = {
+            "algo": tuple(LOSSES), "adv_scale": SCALES, "old_logp": ("recompute", "rollout"),
+            "reward_on_error": ("error", "zero"), "dtype": ("float32", "bfloat16", "float16"),
+            "grpo_aggregation": ("seq_mean_token_mean", "token_mean"), "rollout_engine": ("hf", "vllm"),
+            "parallel": ("fsdp", "ddp"),
+        }
+        for f, allowed in choices.items():
+            if getattr(self, f) not in allowed:
+                raise bad(f, f"must be one of {', '.join(allowed)}")
+        positive = ["steps", "prompts_per_step", "group_size", "max_new_tokens", "num_minibatches",
+                    "eval_size", "sft_batch_size", "logp_chunk_size", "nproc", "max_prompt_tokens"]
+        for f in positive:
+            if getattr(self, f) < 1:
+                raise bad(f, "must be >= 1")
+        for f in ["sft_steps", "micro_batch_size", "warmup_steps", "eval_every", "save_every", "threads"]:
+            if getattr(self, f) < 0:
+                raise bad(f, "must be >= 0")
+        for f in ["lr", "sft_lr"]:
+            if not getattr(self, f) > 0:
+                raise bad(f, "must be > 0")
+        if not self.temperature > 0:
+            raise bad("temperature", "must be > 0")
+        for f in ["eps_low", "eps_high"]:
+            v = getattr(self, f)
+            if v is not None and not 0 <= v < 1:
+                raise bad(f, "must be in [0, 1)")
+        if (self.prompts_per_step * self.group_size) % (self.num_minibatches * self.nproc):
+            raise bad("num_minibatches", f"prompts_per_step*group_size = {self.prompts_per_step * self.group_size}"
+                      f" must divide evenly into num_minibatches x nproc = {self.num_minibatches * self.nproc}")
+        if self.name is not None and (not self.name or "/" in self.name):
+            raise bad("name", "must be a non-empty folder name without '/'")
+        return self
+
+    @property
+    def run_name(self) -> str:
+        task = Path(self.task).stem if ("/" in self.task or "." in self.task) else self.task
+        return self.name or f"{self.algo}-{task}-s{self.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+    def clip_range(self) -> tuple[float, float]:
+        from gspo.losses import LOSSES
+
+        _, lo, hi = LOSSES[self.algo]
+        return (lo if self.eps_low is None else self.eps_low, hi if self.eps_high is None else self.eps_high)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> its docstring, read from the class source (the string under each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
+    return docs
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The non-None type of a field annotation (``int | None`` -> int)."""
+    hint = typing.get_type_hints(Config)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint
+
+
+def coerce(name: str, value: Any, source: str) -> Any:
+    """Convert ``value`` (a CLI string or YAML scalar) to field ``name``'s type; GspoError if it won't."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    if name not in fields:
+        close = [k for k in fields if k.startswith(name[:3])]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise GspoError(f"{source}: unknown config key '{name}'{hint}")
+    typ = _field_type(fields[name])
+    hint = typing.get_type_hints(Config)[name]
+    optional = type(None) in typing.get_args(hint)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise GspoError(f"{source}: config key '{name}' must not be empty")
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise GspoError(f"{source}: config key '{name}' expects {typ.__name__}, got {value!r}") from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping of config keys; errors name the file (and line for syntax errors)."""
+    p = Path(path)
+    if not p.is_file():
+        raise GspoError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise GspoError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise GspoError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return {k.replace("-", "_"): coerce(k.replace("-", "_"), v, path) for k, v in data.items()}
+
+
+def make_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults <- YAML file <- overrides (already coerced), validated."""
+    values: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    values.update(overrides or {})
+    return Config(**values).validate()
+
+
+def save_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

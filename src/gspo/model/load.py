@@ -1,0 +1,121 @@
+"""Load Hugging Face causal LMs and tokenizers, or build the embedded tiny MoE model.
+
+``embedded:tiny-moe`` is a randomly initialised Qwen3-MoE (transformers config) with a character
+tokenizer built locally with ``tokenizers`` and saved in Hugging Face format, so the default run needs
+no hub download. Any other spec is passed to ``AutoModelForCausalLM.from_pretrained`` (a hub id or a
+local directory), exactly as a user of TRL/verl would.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from gspo.errors import GspoError
+
+EMBEDDED_PREFIX = "embedded:"
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARS = string.digits + string.ascii_lowercase + " +-*=:,.?|>()"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level fast tokenizer (one token per character), saved/loaded like any HF tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def build_tiny_moe(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """Tiny Qwen3-MoE: 2 layers, 8 experts (top-2), hidden 64. Trains in minutes on a CPU."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        output_router_logits=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def build_tiny_dense(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """Tiny dense Qwen3 of about the same active size as :func:`build_tiny_moe`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config)
+
+
+EMBEDDED_MODELS = {"tiny-moe": build_tiny_moe, "tiny-dense": build_tiny_dense}
+
+
+def load_model_and_tokenizer(
+    spec: str, tokenizer_spec: str | None = None, dtype: str = "float32", seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return ``(model, tokenizer)`` for an ``embedded:<name>`` spec, a local directory or a hub id."""
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise GspoError(f"config field 'dtype': expected float32, bfloat16 or float16, got {dtype!r}")
+    if spec.startswith(EMBEDDED_PREFIX):
+        name = spec[len(EMBEDDED_PREFIX) :]
+        if name not in EMBEDDED_MODELS:
+            raise GspoError(f"config field 'model': unknown embedded model {name!r} (known: {sorted(EMBEDDED_MODELS)})")
+        tokenizer = build_char_tokenizer()
+        model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
+        return model, tokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_spec or spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GspoError(f"config field 'model': cannot load {spec!r}: {first}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> None:
+    """Write an HF-layout directory (safetensors weights, config, tokenizer)."""
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)

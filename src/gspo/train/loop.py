@@ -1,0 +1,457 @@
+"""The training loop: one readable function, ``train(cfg)``, plus the two steps it repeats.
+
+Each RL step:  sample prompts -> G responses each (rollout engine, sampler log-probs) -> rewards ->
+group advantages -> pi_old log-probs (recompute, or the sampler's) -> ``num_minibatches`` optimizer
+steps over contiguous slices of the rollout batch -> metrics, eval, checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gspo.advantages import group_advantages
+from gspo.config import Config, save_yaml
+from gspo.errors import GspoError
+from gspo.losses import LOSSES
+from gspo.model.forward import response_logprobs
+from gspo.model.load import load_model_and_tokenizer, save_pretrained
+from gspo.rollout.hf import HFRolloutEngine, left_pad
+from gspo.tasks import build_task
+from gspo.tasks.datasets import Example
+from gspo.tasks.rewards import safe_rewards
+from gspo.train import checkpoint as ckpt
+from gspo.train import distributed as dist_utils
+from gspo.train.logger import MetricsLogger, Progress, plot_metrics, read_metrics
+
+
+@dataclass
+class RolloutData:
+    """One rollout batch on this rank, ``B = prompts x G`` rows, groups contiguous."""
+
+    prompt_ids_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    response_ids_BT: torch.Tensor
+    response_mask_BT: torch.Tensor
+    sampler_logp_BT: torch.Tensor
+    adv_B: torch.Tensor
+
+    def slice(self, idx: slice) -> RolloutData:
+        return RolloutData(*(getattr(self, f)[idx] for f in self.__dataclass_fields__)).trim()
+
+    def trim(self) -> RolloutData:
+        """Drop prompt columns that are padding in every row (left) and response columns (right)."""
+        keep_p = self.prompt_mask_BP.any(0).nonzero()
+        keep_t = self.response_mask_BT.any(0).nonzero()
+        p0 = int(keep_p[0]) if len(keep_p) else self.prompt_mask_BP.shape[1] - 1
+        t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
+        return RolloutData(self.prompt_ids_BP[:, p0:], self.prompt_mask_BP[:, p0:], self.response_ids_BT[:, :t1],
+                           self.response_mask_BT[:, :t1], self.sampler_logp_BT[:, :t1], self.adv_B)
+
+    def to(self, device: torch.device) -> RolloutData:
+        return RolloutData(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def _completion_text(tokenizer: Any, ids_T: torch.Tensor, mask_T: torch.Tensor) -> str:
+    ids = ids_T[mask_T.bool()].tolist()
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list[list[int]]:
+    """Token ids per prompt (chat template if asked); too-long prompts are an error naming the prompt."""
+    from gspo.tasks.datasets import apply_chat_template
+
+    out = []
+    for ex in examples:
+        text = apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if cfg.chat_template else ex.prompt
+        ids = tokenizer(text, add_special_tokens=not cfg.chat_template).input_ids
+        if not ids:
+            raise GspoError(f"prompt is empty after tokenization: {ex.prompt[:60]!r}")
+        if len(ids) > cfg.max_prompt_tokens:
+            raise GspoError(f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: "
+                            f"{ex.prompt[:60]!r}")
+        out.append(ids)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the policy update
+
+
+def _forward(model: Any, mb: RolloutData, temperature: float, chunk: int, entropy: bool = False,
+             replay: Any = None, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """Response log-probs ``[B, T]`` (+ entropy), optionally replaying or capturing MoE routing."""
+    from gspo.model import routing as R
+
+    rec = None
+    ctx = R.replay_routing(model, replay) if replay is not None else nullcontext()
+    cap = R.capture_routing(model) if capture else nullcontext()
+    with ctx, cap as rec:
+        res = response_logprobs(model, mb.prompt_ids_BP, mb.prompt_mask_BP, mb.response_ids_BT,
+                                mb.response_mask_BT, temperature, chunk, return_entropy=entropy)
+    logp, ent = res if entropy else (res, None)
+    return logp, ent, (R.routing_snapshot(rec) if capture else None)
+
+
+def _response_positions_mask(mb: RolloutData) -> torch.Tensor:
+    """``[B, P+T]`` mask of the response tokens' positions in the full input (for routing stats)."""
+    return torch.cat([torch.zeros_like(mb.prompt_mask_BP), mb.response_mask_BT], 1)
+
+
+def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, data: RolloutData,
+                  cfg: Config, world_size: int = 1, is_moe: bool = False) -> dict[str, float]:
+    """``num_minibatches`` optimizer steps over contiguous slices of ``data``; returns mean metrics.
+
+    pi_old: minibatch 0's own first forward is on-policy (no update has happened yet), so its
+    detached log-probs *are* pi_old and nothing is recomputed for it. Other minibatches get one
+    no-grad forward before the first update (``old_logp="recompute"``), or use the sampler's
+    log-probs (``"rollout"``). Losses use the global minibatch size as normalizer; gradients are
+    averaged across ranks, so the loss is scaled by ``world_size`` to give the single-process update.
+    """
+    from gspo.model import routing as R
+
+    loss_fn, _, _ = LOSSES[cfg.algo]
+    eps_low, eps_high = cfg.clip_range()
+    extra = {"aggregation": cfg.grpo_aggregation} if cfg.algo == "grpo" else {}
+    B = data.adv_B.shape[0]
+    mb_size = B // cfg.num_minibatches
+    micro = cfg.micro_batch_size or mb_size
+    mbs = [data.slice(slice(i * mb_size, (i + 1) * mb_size)) for i in range(cfg.num_minibatches)]
+    want_routing = is_moe and (cfg.routing_replay or cfg.log_volatility)
+
+    # pi_old for minibatches 1.. (minibatch 0 uses its own first forward)
+    old_logps: list[torch.Tensor | None] = [None] * len(mbs)
+    old_routing: list[Any] = [None] * len(mbs)
+    need_recompute = cfg.old_logp == "recompute" or want_routing
+    if need_recompute:
+        with torch.no_grad():
+            for i, mb in enumerate(mbs[1:], start=1):
+                lp, _, routing = _forward(model, mb, cfg.temperature, cfg.logp_chunk_size, capture=want_routing)
+                old_logps[i], old_routing[i] = lp, routing
+
+    sums: dict[str, float] = defaultdict(float)
+    mismatch_tok, mismatch_seq, mismatch_n = 0.0, 0.0, 0
+    n_updates = 0
+    model.train()
+    for i, mb in enumerate(mbs):
+        optimizer.zero_grad(set_to_none=True)
+        mb_metrics: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+        n_micro = math.ceil(mb_size / micro)
+        for j in range(n_micro):
+            sl = slice(j * micro, (j + 1) * micro)
+            mmb = RolloutData(*(getattr(mb, f)[sl] for f in RolloutData.__dataclass_fields__))
+            if not want_routing:  # routing tensors are indexed by position: keep the minibatch's columns
+                mmb = mmb.trim()
+            T = mmb.response_ids_BT.shape[1]
+            replay = None
+            if cfg.routing_replay and is_moe and i > 0:
+                replay = R.slice_routing(old_routing[i], sl)
+            capture = want_routing and i == 0
+            logp, ent, routing = _forward(model, mmb, cfg.temperature, cfg.logp_chunk_size, entropy=True,
+                                          replay=replay, capture=capture)
+            if capture:
+                old_routing[0] = routing if old_routing[0] is None else R.cat_routing([old_routing[0], routing])
+            trainer_old = logp.detach() if i == 0 else (old_logps[i][sl, :T] if old_logps[i] is not None else None)
+            if trainer_old is not None:  # train/inference mismatch, always logged
+                d = (trainer_old - mmb.sampler_logp_BT) * mmb.response_mask_BT
+                n_tok = mmb.response_mask_BT.sum(-1).clamp(min=1)
+                mismatch_tok += float(d.abs().sum() / mmb.response_mask_BT.sum().clamp(min=1)) * len(n_tok)
+                mismatch_seq += float((d.sum(-1) / n_tok).abs().sum())
+                mismatch_n += len(n_tok)
+            old = mmb.sampler_logp_BT if cfg.old_logp == "rollout" else trainer_old
+            loss, metrics = loss_fn(logp, old, mmb.adv_B, mmb.response_mask_BT, eps_low, eps_high,
+                                    normalizer=mb_size * world_size, **extra)
+            (loss * world_size).backward()
+            w = mmb.adv_B.shape[0] / mb_size
+            for k, v in metrics.items():
+                mb_metrics[k] = mb_metrics[k] + v.detach().float() * w
+            m = mmb.response_mask_BT
+            mb_metrics["entropy"] = mb_metrics["entropy"] + (ent * m).sum() / m.sum().clamp(min=1) * w
+            mb_metrics["loss"] = mb_metrics["loss"] + loss.detach() * world_size
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+        if torch.isfinite(gnorm):
+            optimizer.step()
+            n_updates += 1
+        scheduler.step()
+        mb_metrics["grad_norm"] = gnorm.detach().float()
+        for k, v in mb_metrics.items():  # one host sync per minibatch
+            sums[k] += float(v) / len(mbs)
+
+    out = {f"loss/{k}": v for k, v in sums.items() if k not in ("entropy",)}
+    out["rollout/entropy"] = sums["entropy"]
+    out["loss/skipped_updates"] = float(len(mbs) - n_updates)
+    if mismatch_n:
+        out["mismatch/token_abs_logp_diff"] = mismatch_tok / mismatch_n
+        out["mismatch/seq_abs_logp_diff"] = mismatch_seq / mismatch_n
+    if is_moe and cfg.log_volatility:
+        out.update(_volatility(model, mbs, old_routing, cfg))
+    return out
+
+
+@torch.no_grad()
+def _volatility(model: Any, mbs: list[RolloutData], old_routing: list[Any], cfg: Config) -> dict[str, float]:
+    """Fraction of response tokens whose top-k experts differ between pi_old and the updated policy."""
+    from gspo.model import routing as R
+
+    per_layer: dict[str, float] = defaultdict(float)
+    total, n = 0.0, 0
+    for mb, old in zip(mbs, old_routing, strict=True):
+        _, _, new = _forward(model, mb, cfg.temperature, cfg.logp_chunk_size, capture=True)
+        overall, layers = R.routing_volatility(old, new, _response_positions_mask(mb))
+        w = int(mb.response_mask_BT.sum())
+        total += float(overall) * w
+        n += w
+        for k, v in layers.items():
+            per_layer[k] += float(v) * w
+    out = {"moe/volatility": total / max(n, 1)}
+    for k, v in per_layer.items():
+        out[f"moe/volatility/{k}"] = v / max(n, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# rollout, rewards, evaluation
+
+
+def collect_rollout(engine: Any, tokenizer: Any, task: Any, examples: list[Example], prompt_ids: list[list[int]],
+                    cfg: Config) -> tuple[RolloutData, dict[str, float]]:
+    """G samples per prompt, rewards, group advantages -> RolloutData (groups contiguous)."""
+    G = cfg.group_size
+    rep_ids = [p for p in prompt_ids for _ in range(G)]
+    t0 = time.time()
+    rb = engine.generate(rep_ids, cfg.max_new_tokens, cfg.temperature)
+    t_gen = time.time() - t0
+    completions = [_completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
+                   for i in range(len(rep_ids))]
+    prompts = [e.prompt for e in examples for _ in range(G)]
+    answers = [e.answer for e in examples for _ in range(G)]
+    rewards, n_bad = safe_rewards(task.reward, prompts, completions, answers, on_error=cfg.reward_on_error,
+                                  name=task.reward_name)
+    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(examples), G)
+    adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
+    p_ids, p_mask = left_pad(rep_ids, tokenizer.pad_token_id)
+    lengths = rb.response_mask_BT.sum(-1).float()
+    eos = (rb.response_ids_BT == tokenizer.eos_token_id).any(-1).float()
+    metrics = {
+        "rollout/reward_mean": float(rewards_NG.mean()),
+        "rollout/reward_std": float(rewards_NG.std(correction=0)),
+        "rollout/solved_groups": float((rewards_NG.std(1, correction=0) == 0).float().mean()),
+        "rollout/response_len": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": float(1 - eos.mean()),
+        "rollout/empty_completions": float(sum(1 for c in completions if not c.strip())),
+        "rollout/reward_errors": float(n_bad),
+        "time/generate_s": t_gen,
+    }
+    data = RolloutData(p_ids, p_mask, rb.response_ids_BT.cpu(), rb.response_mask_BT.cpu(),
+                       rb.sampler_logp_BT.float().cpu(), adv_B)
+    return data, metrics
+
+
+@torch.no_grad()
+def evaluate(engine: Any, tokenizer: Any, task: Any, prompt_ids: list[list[int]], cfg: Config) -> dict[str, float]:
+    """Greedy decoding on the held-out set: mean reward and accuracy (reward >= 1)."""
+    rb = engine.generate(prompt_ids, cfg.max_new_tokens, 1.0, greedy=True)
+    completions = [_completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
+                   for i in range(len(prompt_ids))]
+    ex = task.eval
+    rewards, _ = safe_rewards(task.reward, [e.prompt for e in ex], completions, [e.answer for e in ex],
+                              on_error=cfg.reward_on_error, name=task.reward_name)
+    r = np.asarray(rewards, dtype=np.float64)
+    return {"eval/reward_mean": float(r.mean()), "eval/accuracy": float((r >= 1.0 - 1e-9).mean())}
+
+
+def warm_start(model: Any, tokenizer: Any, examples: list[Example], prompt_ids: list[list[int]], cfg: Config,
+               device: torch.device, progress: bool) -> float:
+    """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss."""
+    rng = random.Random(cfg.seed + 7)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    bar = Progress(cfg.sft_steps, "warm start", enabled=progress)
+    answers = [tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples]
+    loss_v = float("nan")
+    model.train()
+    for step in range(cfg.sft_steps):
+        idx = [rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)]
+        p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id, device)
+        resp = [answers[i] for i in idx]
+        T = max(map(len, resp))
+        r_ids = torch.full((len(idx), T), tokenizer.pad_token_id, dtype=torch.long)
+        r_mask = torch.zeros((len(idx), T), dtype=torch.long)
+        for k, a in enumerate(resp):
+            r_ids[k, : len(a)], r_mask[k, : len(a)] = torch.tensor(a), 1
+        r_ids, r_mask = r_ids.to(device), r_mask.to(device)
+        logp = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, 1.0, cfg.logp_chunk_size)
+        loss = -(logp * r_mask).sum() / r_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 10 == 0 or step == cfg.sft_steps - 1:
+            loss_v = float(loss.detach())
+        bar.update(step + 1, f"nll {loss_v:.3f}")
+    return loss_v
+
+
+# ------------------------------------------------------------------------------------------------
+# the loop
+
+
+def _prompt_batch(n_train: int, data_pos: int, count: int, seed: int) -> list[int]:
+    """Indices ``data_pos .. data_pos+count`` of an epoch-wise shuffled order (deterministic, resumable)."""
+    out = []
+    for pos in range(data_pos, data_pos + count):
+        epoch, k = divmod(pos, n_train)
+        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[k]))
+    return out
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run RL post-training as configured; returns a summary (final eval, paths)."""
+    dctx = dist_utils.setup(cfg)
+    rank, world, device = dctx.rank, dctx.world_size, dctx.device
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = cfg.run_dir
+    resume_from = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints")
+    if not cfg.resume and ckpt.latest_checkpoint(run_dir) is not None:
+        raise GspoError(f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or "
+                        "--name to start a new run")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, run_dir / "config.yaml")
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)
+    model.to(device)
+    task = build_task(cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field,
+                      cfg.answer_field)
+    train_ids = encode_prompts(tokenizer, task.train, cfg)
+    eval_ids = encode_prompts(tokenizer, task.eval, cfg)
+    from gspo.model.routing import is_moe as _is_moe
+
+    is_moe = _is_moe(model)
+    progress = cfg.progress and rank == 0
+
+    start_step, data_pos = 0, 0
+    sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+    if resume_from is not None:
+        from safetensors.torch import load_file
+
+        state = ckpt.load_trainer_state(resume_from)
+        model.load_state_dict(load_file(str(resume_from / "model.safetensors")), strict=False)
+        if cfg.model.startswith("embedded:") or getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+    elif cfg.sft_steps:
+        warm_start(model, tokenizer, task.train, train_ids, cfg, device, progress)
+
+    model = dist_utils.wrap(model, cfg, dctx)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    warm = max(cfg.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    if resume_from is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, data_pos = state["step"], state["data_pos"]
+        sample_gen.set_state(state["sample_gen"][rank] if world > 1 else state["sample_gen"][0])
+        ckpt.set_rng_state(state["rng"])
+    engine = make_engine(cfg, model, tokenizer, sample_gen)
+    logger = MetricsLogger(run_dir, start_step if resume_from else None, cfg.wandb, cfg.to_dict()) if rank == 0 else None
+
+    def save(step: int) -> None:
+        gens = dist_utils.gather_objects(sample_gen.get_state(), dctx)
+        full_sd = dist_utils.full_state_dict(model, dctx)
+        if rank != 0:
+            return
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                 "data_pos": data_pos, "sample_gen": gens, "rng": ckpt.rng_state(), "config": cfg.to_dict()}
+        base = dist_utils.unwrap(model)
+        ckpt.save_checkpoint(run_dir, step, lambda p: _save_hf(base, tokenizer, p, full_sd), state)
+
+    if resume_from is None:
+        ev = evaluate(engine, tokenizer, task, eval_ids, cfg) if rank == 0 else {}
+        if logger:
+            logger.log(0, ev)
+        save(0)
+    initial = read_metrics(run_dir / "metrics.jsonl")[0] if rank == 0 else {}
+
+    bar = Progress(cfg.steps, f"{cfg.algo}", enabled=progress)
+    bar.update(start_step)
+    last: dict[str, float] = {}
+    prompts_local = cfg.prompts_per_step // world if cfg.prompts_per_step % world == 0 else None
+    if prompts_local is None:
+        raise GspoError(f"config field 'prompts_per_step': {cfg.prompts_per_step} must divide by nproc={world}")
+    for step in range(start_step + 1, cfg.steps + 1):
+        t0 = time.time()
+        idx = _prompt_batch(len(task.train), data_pos, cfg.prompts_per_step, cfg.seed)
+        idx = idx[rank * prompts_local : (rank + 1) * prompts_local]
+        data_pos += cfg.prompts_per_step
+        data, metrics = collect_rollout(engine, tokenizer, task, [task.train[i] for i in idx],
+                                        [train_ids[i] for i in idx], cfg)
+        t1 = time.time()
+        metrics.update(policy_update(model, optimizer, scheduler, data.to(device), cfg, world, is_moe))
+        engine.sync_weights()
+        metrics["time/update_s"] = time.time() - t1
+        metrics["time/step_s"] = time.time() - t0
+        metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics = dist_utils.mean_metrics(metrics, dctx)
+        if rank == 0 and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            metrics.update(evaluate(engine, tokenizer, task, eval_ids, cfg))
+        if logger:
+            logger.log(step, metrics)
+        last.update(metrics)
+        bar.update(step, f"reward {metrics['rollout/reward_mean']:.3f} acc {last.get('eval/accuracy', float('nan')):.3f}"
+                   f" clip {metrics.get('loss/clip_frac_tok', 0):.3f}")
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            save(step)
+
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    if rank == 0:
+        final_dir = run_dir / "final"
+        _save_hf(dist_utils.unwrap(model), tokenizer, final_dir, dist_utils.full_state_dict(model, dctx)
+                 if world > 1 else None)
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        plot_metrics(rows, run_dir / "curves.png", title=f"{cfg.algo} on {cfg.task} ({cfg.model})")
+        evals = [r for r in rows if r.get("eval/accuracy") is not None]
+        summary.update({"initial_accuracy": initial.get("eval/accuracy"),
+                        "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+                        "final_dir": str(final_dir), "plot": str(run_dir / "curves.png")})
+        logger.close()
+    else:
+        dist_utils.full_state_dict(model, dctx) if world > 1 else None
+    dist_utils.cleanup(dctx)
+    return summary
+
+
+def _save_hf(model: Any, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    if state_dict is not None:
+        model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+    else:
+        save_pretrained(model, tokenizer, path)
+
+
+def make_engine(cfg: Config, model: Any, tokenizer: Any, generator: torch.Generator) -> Any:
+    """Rollout engine by name; vLLM is imported only when selected."""
+    if cfg.rollout_engine == "vllm":
+        from gspo.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine.from_trainer(cfg, dist_utils.unwrap(model), tokenizer)
+    return HFRolloutEngine(dist_utils.unwrap(model) if cfg.nproc == 1 else model, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, generator)
