@@ -70,7 +70,7 @@ class Config:
     """Prompts longer than this are an error naming the example."""
 
     # --- warm start ------------------------------------------------------------------------------
-    sft_steps: int = 150
+    sft_steps: int = 200
     """Supervised steps on (prompt, answer) before RL, so the policy starts with partial accuracy
     (0 to skip; use 0 for pretrained instruct models)."""
     sft_lr: float = 3e-3
@@ -100,7 +100,7 @@ class Config:
     # --- rollout -------------------------------------------------------------------------------
     steps: int = 150
     """RL steps (one rollout batch each)."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     """Prompts per rollout batch."""
     group_size: int = 8
     """Responses sampled per prompt (G)."""
@@ -116,7 +116,7 @@ class Config:
     """Optimizer steps per rollout batch (the paper splits each batch into 4)."""
     micro_batch_size: int = 0
     """Sequences per forward/backward inside a minibatch (0: whole minibatch at once)."""
-    lr: float = 2e-4
+    lr: float = 3e-4
     """AdamW learning rate for RL."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
