@@ -7,6 +7,22 @@ import torch
 SCALES = ("group", "batch", "none")
 
 
+def _center(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """x - mean(x), two-pass so the result sums to ~0 even when |mean| >> spread."""
+    keep = dim is not None
+    c = x - (x.mean(dim=dim, keepdim=True) if keep else x.mean())
+    return c - (c.mean(dim=dim, keepdim=True) if keep else c.mean())
+
+
+def _pop_std(centered: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Population std of already-centered values, rescaled so squaring cannot overflow."""
+    keep = dim is not None
+    amax = centered.abs().amax(dim=dim, keepdim=True) if keep else centered.abs().amax()
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    rms = (centered / safe).pow(2).mean(dim=dim, keepdim=True) if keep else (centered / safe).pow(2).mean()
+    return amax * rms.sqrt()
+
+
 def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """A_ij = (r_ij - mean_j r_ij) / (std + eps) for ``rewards`` of shape ``[num_groups, G]``.
 
@@ -23,11 +39,18 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     rewards_NG = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    centered_NG = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
+    if rewards_NG.numel() == 0:
+        return rewards_NG.clone()
+    centered_NG = _center(rewards_NG, dim=1)
+    # sum/G rounds (e.g. seven float32 0.1s), so force exact zeros for groups of equal rewards
+    equal_N1 = (rewards_NG == rewards_NG[:, :1]).all(dim=1, keepdim=True)
+    centered_NG = torch.where(equal_N1, torch.zeros_like(centered_NG), centered_NG)
     if scale == "none":
         return centered_NG
     if scale == "group":
-        std = rewards_NG.std(dim=1, keepdim=True, correction=0)
+        std = _pop_std(centered_NG, dim=1)
     else:
-        std = rewards_NG.std(correction=0)
-    return centered_NG / (std + eps)
+        std = _pop_std(_center(rewards_NG, dim=None), dim=None)
+    denom = std + eps
+    # denom == 0 only when the std is 0 (all centered rewards are 0): avoid 0/0 when eps == 0
+    return centered_NG / torch.where(denom > 0, denom, torch.ones_like(denom))

@@ -87,8 +87,9 @@ def gspo_loss(
         normalizer: sequences averaged over by the whole optimizer step (default ``B``).
     """
     mask_BT = mask.to(logp.dtype)
-    adv_B = advantages.to(logp.dtype)
     has_tok_B = mask_BT.sum(-1) > 0
+    # rows without response tokens contribute 0; zeroing A there keeps a NaN A out of the gradient
+    adv_B = torch.where(has_tok_B, advantages.to(logp.dtype), 0.0)
     log_s_B = sequence_log_ratio(logp, old_logp, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     s_B = torch.exp(log_s_B)
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
@@ -107,7 +108,7 @@ def _sequence_metrics(
     s_B = s_B.detach()
     low_B, high_B = _clip_masks(s_B, adv_B, eps_low, eps_high)
     low_B, high_B = low_B & has_tok_B, high_B & has_tok_B
-    n_seq = has_tok_B.sum().clamp(min=1)
+    n_seq = has_tok_B.sum().clamp(min=1).to(mask_BT.dtype)
     n_tok_B = mask_BT.sum(-1)
     n_tok = n_tok_B.sum().clamp(min=1)
     out = {
@@ -147,10 +148,14 @@ def gspo_token_loss(
     adv_BT = torch.where(mask_BT.bool(), adv_BT, torch.zeros_like(adv_BT))
     n_tok_B = mask_BT.sum(-1)
     has_tok_B = n_tok_B > 0
-    log_s_B = sequence_log_ratio(logp, old_logp, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    safe_logp_BT = torch.where(mask_BT.bool(), logp, torch.zeros_like(logp))
+    raw_log_s_B = sequence_log_ratio(logp, old_logp, mask_BT).detach()
+    log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    # clamp passes no gradient outside [-MAX, MAX]; mirror that so GSPO-token == GSPO there too
+    in_range_B = (raw_log_s_B >= -MAX_LOG_RATIO) & (raw_log_s_B <= MAX_LOG_RATIO)
+    grad_BT = mask_BT.bool() & in_range_B[:, None]
+    safe_logp_BT = torch.where(grad_BT, logp, torch.zeros_like(logp))
     # value: s_i on every token; gradient: s_i * d logp_it
-    log_s_BT = log_s_B.detach()[:, None] + safe_logp_BT - safe_logp_BT.detach()
+    log_s_BT = log_s_B[:, None] + safe_logp_BT - safe_logp_BT.detach()
     s_BT = torch.exp(log_s_BT)
     obj_BT = torch.minimum(s_BT * adv_BT, s_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
     obj_B = (obj_BT * mask_BT).sum(-1) / n_tok_B.clamp(min=1)
@@ -164,7 +169,7 @@ def gspo_token_loss(
     # a sequence counts as clipped when the majority of its tokens are (with A_it = A_i: all or none)
     low_B = (low_BT & valid_BT).sum(-1) * 2 > n_tok_B
     high_B = (high_BT & valid_BT).sum(-1) * 2 > n_tok_B
-    n_seq = has_tok_B.sum().clamp(min=1)
+    n_seq = has_tok_B.sum().clamp(min=1).to(mask_BT.dtype)
     metrics = {
         "clip_frac_tok_low": (low_BT & valid_BT).sum() / n_tok,
         "clip_frac_tok_high": (high_BT & valid_BT).sum() / n_tok,
@@ -222,7 +227,7 @@ def grpo_loss(
     low_BT, high_BT = _clip_masks(w_det_BT, adv_BT, eps_low, eps_high)
     low_BT, high_BT = low_BT & valid_BT, high_BT & valid_BT
     n_tok = mask_BT.sum().clamp(min=1)
-    n_seq = has_tok_B.sum().clamp(min=1)
+    n_seq = has_tok_B.sum().clamp(min=1).to(mask_BT.dtype)
     # token-level clipping: fraction of each sequence's tokens clipped, averaged over sequences
     seq_low_B = low_BT.sum(-1) / n_tok_B.clamp(min=1)
     seq_high_B = high_BT.sum(-1) / n_tok_B.clamp(min=1)

@@ -1,4 +1,7 @@
-"""Process-group setup and model wrapping for data-parallel training (single process: no-ops)."""
+"""Process-group setup and model wrapping for data-parallel training (single process: no-ops).
+
+The loop calls only the functions here, so one process and N processes run the same code.
+"""
 
 from __future__ import annotations
 
@@ -33,15 +36,37 @@ def setup(cfg: Config) -> DistContext:
 
 
 def wrap(model: Any, cfg: Config, ctx: DistContext) -> Any:
+    """Data-parallel wrapper (FSDP2 or DDP) when world_size > 1."""
     return model
 
 
 def unwrap(model: Any) -> Any:
+    """The plain HF module inside a DDP wrapper (FSDP2 modules are the HF module itself)."""
     return getattr(model, "module", model)
 
 
-def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | None:
+def rollout_model(model: Any, ctx: DistContext) -> Any:
+    """The module the rollout engine samples from: the training module itself in one process."""
+    return unwrap(model)
+
+
+def sync_rollout_model(model: Any, rollout: Any, ctx: DistContext) -> None:
+    """Copy updated weights into the rollout module when it is a separate copy."""
     return None
+
+
+def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | None:
+    """Unsharded model state on rank 0 (collective; every rank must call). None: use the module's own."""
+    return None
+
+
+def optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, Any]:
+    return optimizer.state_dict()
+
+
+def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                              ctx: DistContext) -> None:
+    optimizer.load_state_dict(state)
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:

@@ -319,6 +319,10 @@ def _prompt_batch(n_train: int, data_pos: int, count: int, seed: int) -> list[in
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run RL post-training as configured; returns a summary (final eval, paths)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
+    transformers.utils.logging.set_verbosity_error()
     dctx = dist_utils.setup(cfg)
     rank, world, device = dctx.rank, dctx.world_size, dctx.device
     if cfg.threads:
@@ -351,12 +355,13 @@ def train(cfg: Config) -> dict[str, Any]:
     start_step, data_pos = 0, 0
     sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
     if resume_from is not None:
-        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
 
         state = ckpt.load_trainer_state(resume_from)
-        model.load_state_dict(load_file(str(resume_from / "model.safetensors")), strict=False)
-        if cfg.model.startswith("embedded:") or getattr(model.config, "tie_word_embeddings", False):
-            model.tie_weights()
+        # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
+        saved = AutoModelForCausalLM.from_pretrained(resume_from, dtype=next(model.parameters()).dtype)
+        model.load_state_dict(saved.state_dict())
+        del saved
     elif cfg.sft_steps:
         warm_start(model, tokenizer, task.train, train_ids, cfg, device, progress)
 
@@ -366,20 +371,22 @@ def train(cfg: Config) -> dict[str, Any]:
     warm = max(cfg.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     if resume_from is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        dist_utils.load_optimizer_state_dict(model, optimizer, state["optimizer"], dctx)
         scheduler.load_state_dict(state["scheduler"])
         start_step, data_pos = state["step"], state["data_pos"]
         sample_gen.set_state(state["sample_gen"][rank] if world > 1 else state["sample_gen"][0])
         ckpt.set_rng_state(state["rng"])
-    engine = make_engine(cfg, model, tokenizer, sample_gen)
+    rollout_model = dist_utils.rollout_model(model, dctx)
+    engine = make_engine(cfg, rollout_model, tokenizer, sample_gen)
     logger = MetricsLogger(run_dir, start_step if resume_from else None, cfg.wandb, cfg.to_dict()) if rank == 0 else None
 
     def save(step: int) -> None:
         gens = dist_utils.gather_objects(sample_gen.get_state(), dctx)
         full_sd = dist_utils.full_state_dict(model, dctx)
+        opt_sd = dist_utils.optimizer_state_dict(model, optimizer, dctx)
         if rank != 0:
             return
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+        state = {"optimizer": opt_sd, "scheduler": scheduler.state_dict(), "step": step,
                  "data_pos": data_pos, "sample_gen": gens, "rng": ckpt.rng_state(), "config": cfg.to_dict()}
         base = dist_utils.unwrap(model)
         ckpt.save_checkpoint(run_dir, step, lambda p: _save_hf(base, tokenizer, p, full_sd), state)
@@ -406,6 +413,7 @@ def train(cfg: Config) -> dict[str, Any]:
                                         [train_ids[i] for i in idx], cfg)
         t1 = time.time()
         metrics.update(policy_update(model, optimizer, scheduler, data.to(device), cfg, world, is_moe))
+        dist_utils.sync_rollout_model(model, rollout_model, dctx)
         engine.sync_weights()
         metrics["time/update_s"] = time.time() - t1
         metrics["time/step_s"] = time.time() - t0
@@ -452,6 +460,5 @@ def make_engine(cfg: Config, model: Any, tokenizer: Any, generator: torch.Genera
     if cfg.rollout_engine == "vllm":
         from gspo.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine.from_trainer(cfg, dist_utils.unwrap(model), tokenizer)
-    return HFRolloutEngine(dist_utils.unwrap(model) if cfg.nproc == 1 else model, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, generator)
+        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer)
+    return HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)

@@ -1,0 +1,573 @@
+"""Math tests for GSPO, GSPO-token and GRPO losses against independent plain-Python references."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from gspo.losses import LOSSES, MAX_LOG_RATIO, grpo_loss, gspo_loss, gspo_token_loss
+
+F64 = torch.float64
+ATOL = 1e-12
+
+# ----------------------------------------------------------------------------------------------
+# independent references (plain python lists + math, no torch)
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    return min(max(x, lo), hi)
+
+
+def _rows(t: torch.Tensor) -> list[list[float]]:
+    return t.detach().to(F64).tolist()
+
+
+def ref_gspo(logp, old, adv, mask, el=3e-4, eh=4e-4, n=None):
+    logp, old, mask = _rows(logp), _rows(old), _rows(mask)
+    adv = adv.tolist()
+    total = 0.0
+    for i in range(len(logp)):
+        toks = [t for t in range(len(logp[i])) if mask[i][t] == 1]
+        if not toks:
+            continue
+        s = math.exp(sum(logp[i][t] - old[i][t] for t in toks) / len(toks))
+        total += min(s * adv[i], _clip(s, 1 - el, 1 + eh) * adv[i])
+    return -total / (len(logp) if n is None else n)
+
+
+def ref_gspo_token(logp, old, adv_BT, mask, el=3e-4, eh=4e-4, n=None):
+    logp, old, mask, adv = _rows(logp), _rows(old), _rows(mask), _rows(adv_BT)
+    total = 0.0
+    for i in range(len(logp)):
+        toks = [t for t in range(len(logp[i])) if mask[i][t] == 1]
+        if not toks:
+            continue
+        s = math.exp(sum(logp[i][t] - old[i][t] for t in toks) / len(toks))
+        total += sum(min(s * adv[i][t], _clip(s, 1 - el, 1 + eh) * adv[i][t]) for t in toks) / len(toks)
+    return -total / (len(logp) if n is None else n)
+
+
+def ref_grpo(logp, old, adv_BT, mask, el=0.2, eh=0.27, n=None, aggregation="seq_mean_token_mean"):
+    logp, old, mask, adv = _rows(logp), _rows(old), _rows(mask), _rows(adv_BT)
+    seq_sum, tok_sum, n_tok = 0.0, 0.0, 0
+    for i in range(len(logp)):
+        toks = [t for t in range(len(logp[i])) if mask[i][t] == 1]
+        objs = []
+        for t in toks:
+            w = math.exp(logp[i][t] - old[i][t])
+            objs.append(min(w * adv[i][t], _clip(w, 1 - el, 1 + eh) * adv[i][t]))
+        tok_sum += sum(objs)
+        n_tok += len(toks)
+        if toks:
+            seq_sum += sum(objs) / len(toks)
+    if aggregation == "seq_mean_token_mean":
+        return -seq_sum / (len(logp) if n is None else n)
+    return -tok_sum / (max(n_tok, 1) if n is None else n)
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+MASK = torch.tensor(
+    [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=F64
+)
+
+
+def _batch(seq_log_ratios, adv, mask=MASK, seed=0, spread=0.05):
+    """logp/old_logp with the given mean log-ratio per row (token log-ratios vary around it)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = mask.shape
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3 - 0.1
+    noise = (torch.rand(B, T, generator=g, dtype=F64) - 0.5) * spread
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    noise = (noise - (noise * mask).sum(-1, keepdim=True) / n) * mask  # zero masked mean per row
+    delta = torch.tensor(seq_log_ratios, dtype=F64)[:, None] + noise
+    logp = torch.where(mask.bool(), old + delta, torch.full_like(old, -7.0))
+    return logp.requires_grad_(True), old, torch.tensor(adv, dtype=F64), mask
+
+
+# GSPO default eps: [1-3e-4, 1+4e-4]. rows: in range | high clip (A>0) | low clip (A<0) |
+# above range, A<0 (unclipped) | below range, A>0 (unclipped)
+GSPO_LR = [1e-4, 5e-3, -4e-3, 2e-2, -3e-2]
+GSPO_ADV = [0.7, 1.3, -0.9, -1.1, 0.4]
+GSPO_CLIPPED = [False, True, True, False, False]
+
+
+def _grad(loss, x):
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# closed-form values
+
+
+def test_gspo_value_matches_reference_all_clip_regions():
+    """gspo_loss equals the plain-python min/clip sequence objective in every clip region (default eps)."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    loss, _ = gspo_loss(logp, old, adv, mask)
+    assert loss.dtype == F64 and loss.dim() == 0
+    assert abs(loss.item() - ref_gspo(logp, old, adv, mask)) < ATOL
+
+
+@pytest.mark.parametrize("eps", [(0.2, 0.27), (0.05, 0.01), (0.0, 0.0)])
+def test_gspo_value_matches_reference_other_eps(eps):
+    """gspo_loss equals the reference for non-default eps, including eps=0 (pure clipping)."""
+    logp, old, adv, mask = _batch([0.3, -0.3, 0.02, -0.1, 0.25], [1.0, -2.0, 0.5, 1.5, -0.3], seed=1)
+    loss, _ = gspo_loss(logp, old, adv, mask, *eps)
+    assert abs(loss.item() - ref_gspo(logp, old, adv, mask, *eps)) < ATOL
+
+
+def test_gspo_value_small_padded_b3_t4():
+    """B=3, T=4 with padding: hand-built values equal the reference, and N defaults to B."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=F64)
+    old = torch.tensor([[-1.0, -2.0, 0, 0], [-0.5, -0.5, -0.5, -0.5], [-3.0, -1.0, -2.0, 9.0]], dtype=F64)
+    delta = torch.tensor([[0.1, -0.1, 5.0, 5.0], [0.2, 0.2, 0.2, 0.2], [-0.3, -0.3, -0.3, 5.0]], dtype=F64)
+    logp = (old + delta).requires_grad_(True)
+    adv = torch.tensor([2.0, 1.0, -1.0], dtype=F64)
+    el, eh = 0.1, 0.15
+    loss, _ = gspo_loss(logp, old, adv, mask, el, eh)
+    # row0: s=1 -> 2; row1: s=e^.2=1.2214>1.15, A>0 -> 1.15; row2: s=e^-.3=.7408<.9, A<0 -> -.9
+    expected = -(2.0 * 1.0 + 1.15 * 1.0 + 0.9 * -1.0) / 3
+    assert abs(loss.item() - expected) < ATOL
+    assert abs(loss.item() - ref_gspo(logp, old, adv, mask, el, eh)) < ATOL
+
+
+def test_gspo_token_value_matches_reference_per_token_advantages():
+    """gspo_token_loss with per-token advantages equals the per-token min/clip with ratio s_i."""
+    logp, old, _, mask = _batch(GSPO_LR, GSPO_ADV)
+    g = torch.Generator().manual_seed(3)
+    adv_BT = torch.randn(5, 5, generator=g, dtype=F64)
+    for eps in [(3e-4, 4e-4), (0.01, 0.02)]:
+        loss, _ = gspo_token_loss(logp, old, adv_BT, mask, *eps)
+        assert abs(loss.item() - ref_gspo_token(logp, old, adv_BT, mask, *eps)) < ATOL
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_grpo_value_matches_reference(aggregation):
+    """grpo_loss equals the per-token min/clip reference for both aggregations, all clip regions."""
+    mask = MASK
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(5, 5, generator=g, dtype=F64) * 2
+    # token log-ratios spanning below 1-0.2, inside, and above 1+0.27
+    delta = torch.tensor([-0.5, -0.1, 0.0, 0.1, 0.4])[torch.randint(0, 5, (5, 5), generator=g)].to(F64)
+    logp = (old + delta).requires_grad_(True)
+    adv_BT = torch.randn(5, 5, generator=g, dtype=F64)
+    for adv in (adv_BT, adv_BT[:, 0]):
+        loss, _ = grpo_loss(logp, old, adv, mask, aggregation=aggregation)
+        adv_ref = adv if adv.dim() == 2 else adv[:, None].expand(5, 5)
+        assert abs(loss.item() - ref_grpo(logp, old, adv_ref, mask, aggregation=aggregation)) < ATOL
+
+
+def test_grpo_token_mean_divides_by_total_tokens():
+    """DAPO token_mean: B=2 rows of 1 and 3 tokens, on-policy, equals -(sum of token A)/4."""
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=F64)
+    logp = torch.zeros(2, 3, dtype=F64, requires_grad=True)
+    adv = torch.tensor([4.0, 1.0], dtype=F64)
+    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, aggregation="token_mean")
+    assert abs(loss.item() - (-(4.0 + 3 * 1.0) / 4)) < ATOL
+    loss2, _ = grpo_loss(logp, logp.detach(), adv, mask)
+    assert abs(loss2.item() - (-(4.0 + 1.0) / 2)) < ATOL
+
+
+def test_grpo_rejects_unknown_aggregation():
+    """grpo_loss raises ValueError for an unknown aggregation name."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    with pytest.raises(ValueError):
+        grpo_loss(logp, old, adv, mask, aggregation="sum")
+
+
+# ----------------------------------------------------------------------------------------------
+# analytic gradients
+
+
+def test_gspo_gradient_closed_form():
+    """d loss/d logp_it = -(1/N) A_i s_i/|y_i| on response tokens, 0 on padding and clipped rows."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    for n in (None, 7.0):
+        loss, _ = gspo_loss(logp, old, adv, mask, normalizer=n)
+        g = _grad(loss, logp)
+        N = 5 if n is None else n
+        for i in range(5):
+            toks = mask[i].bool()
+            s = math.exp(((logp[i] - old[i])[toks]).sum().item() / toks.sum().item())
+            want = 0.0 if GSPO_CLIPPED[i] else -adv[i].item() * s / toks.sum().item() / N
+            assert torch.allclose(g[i][toks], torch.full_like(g[i][toks], want), atol=ATOL, rtol=0)
+            assert torch.all(g[i][~toks] == 0)
+
+
+def test_gspo_clip_region_rows_are_exactly_the_expected_ones():
+    """The fixture's rows are really in the intended regions (guards the gradient test itself)."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    _, m = gspo_loss(logp, old, adv, mask)
+    assert m["clip_frac_seq_high"].item() == pytest.approx(1 / 5, abs=ATOL)
+    assert m["clip_frac_seq_low"].item() == pytest.approx(1 / 5, abs=ATOL)
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_grpo_gradient_closed_form(aggregation):
+    """GRPO: d loss/d logp_it = -(1/N) A_i w_it/|y_i| (or /N_tok) unclipped, 0 clipped or padded."""
+    g_ = torch.Generator().manual_seed(5)
+    old = -torch.rand(5, 5, generator=g_, dtype=F64) * 2
+    delta = torch.tensor([-0.5, -0.1, 0.05, 0.1, 0.4])[torch.randint(0, 5, (5, 5), generator=g_)].to(F64)
+    logp = (old + delta).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 3.0], dtype=F64)
+    loss, _ = grpo_loss(logp, old, adv, MASK, aggregation=aggregation)
+    g = _grad(loss, logp)
+    n_tok = MASK.sum().item()
+    for i in range(5):
+        n_i = MASK[i].sum().item()
+        for t in range(5):
+            if MASK[i, t] == 0:
+                assert g[i, t].item() == 0.0
+                continue
+            w = math.exp(delta[i, t].item())
+            a = adv[i].item()
+            clipped = (w < 0.8 and a < 0) or (w > 1.27 and a > 0)
+            norm = 5 * n_i if aggregation == "seq_mean_token_mean" else n_tok
+            want = 0.0 if clipped else -a * w / norm
+            assert abs(g[i, t].item() - want) < ATOL
+
+
+def test_gspo_token_gradient_closed_form_per_token_advantages():
+    """GSPO-token: d loss/d logp_it = -(1/N) A_it s_i/|y_i| unless token (s_i, A_it) is clipped."""
+    logp, old, _, mask = _batch([2e-3, -2e-3, 1e-4, 0.0, 3e-3], [0, 0, 0, 0, 0])
+    adv_BT = torch.tensor([[1, -1, 2, 0, 0]] * 5, dtype=F64)
+    loss, _ = gspo_token_loss(logp, old, adv_BT, mask)
+    g = _grad(loss, logp)
+    for i in range(5):
+        toks = mask[i].bool()
+        n_i = toks.sum().item()
+        s = math.exp(((logp[i] - old[i])[toks]).sum().item() / n_i)
+        for t in range(5):
+            a = adv_BT[i, t].item()
+            clipped = (s < 1 - 3e-4 and a < 0) or (s > 1 + 4e-4 and a > 0)
+            want = 0.0 if (not toks[t] or clipped) else -a * s / n_i / 5
+            assert abs(g[i, t].item() - want) < ATOL
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo_seq", "grpo_tok"])
+def test_gradcheck(name):
+    """torch.autograd.gradcheck passes for every loss in float64 away from clip boundaries."""
+    if name.startswith("grpo"):
+        lr, el, eh = [0.05, 0.5, -0.5, 0.4, -0.4], 0.2, 0.27
+    else:
+        lr, el, eh = [1e-4, 5e-3, -4e-3, 2e-2, -3e-2], 3e-4, 4e-4
+    logp, old, adv, mask = _batch(lr, GSPO_ADV, spread=0.02 if name.startswith("grpo") else 1e-3)
+    x = logp.detach().clone().requires_grad_(True)
+
+    def f(x):
+        if name == "gspo":
+            return gspo_loss(x, old, adv, mask, el, eh)[0]
+        if name == "gspo_token":
+            return gspo_token_loss(x, old, adv[:, None] * torch.linspace(0.5, 1.5, 5, dtype=F64), mask)[0]
+        agg = "seq_mean_token_mean" if name == "grpo_seq" else "token_mean"
+        return grpo_loss(x, old, adv, mask, el, eh, aggregation=agg)[0]
+
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-7, atol=1e-9, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# identities between the losses
+
+
+@pytest.mark.parametrize("eps", [(3e-4, 4e-4), (0.2, 0.27)])
+@pytest.mark.parametrize("explicit_bt", [False, True])
+def test_gspo_token_equals_gspo_for_constant_advantages(eps, explicit_bt):
+    """GSPO-token == GSPO in value and gradient when A_it = A_i ([B] broadcast and explicit [B,T])."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    l1, m1 = gspo_loss(logp, old, adv, mask, *eps)
+    a = adv[:, None].expand(5, 5).clone() if explicit_bt else adv
+    l2, m2 = gspo_token_loss(logp, old, a, mask, *eps)
+    assert abs(l1.item() - l2.item()) < ATOL
+    assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
+    for k in m1:
+        assert torch.allclose(m1[k], m2[k], atol=ATOL), k
+
+
+def test_gspo_token_equals_gspo_beyond_log_ratio_clamp():
+    """GSPO-token == GSPO (value and gradient) even when |log s_i| exceeds MAX_LOG_RATIO."""
+    big = MAX_LOG_RATIO + 5
+    logp, old, adv, mask = _batch([big, -big, 0.0, big, -big], [-1.0, 1.0, 1.0, 1.0, -1.0])
+    l1, _ = gspo_loss(logp, old, adv, mask)
+    l2, _ = gspo_token_loss(logp, old, adv, mask)
+    assert abs(l1.item() - l2.item()) < 1e-9 * abs(l1.item())
+    assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
+
+
+def test_on_policy_gspo_gradient_equals_grpo_gradient():
+    """With logp == old_logp, GSPO and GRPO (seq_mean_token_mean) agree in value and gradient."""
+    logp, _, adv, mask = _batch([0.0] * 5, GSPO_ADV)
+    old = logp.detach().clone()
+    lg, mg = gspo_loss(logp, old, adv, mask)
+    lr, mr = grpo_loss(logp, old, adv, mask)
+    assert abs(lg.item() - lr.item()) < ATOL
+    assert abs(lg.item() - (-adv.sum().item() / 5)) < ATOL
+    gg, gr = _grad(lg, logp), _grad(lr, logp)
+    assert torch.allclose(gg, gr, atol=ATOL, rtol=0)
+    want = -(adv[:, None] / mask.sum(-1, keepdim=True) / 5) * mask
+    assert torch.allclose(gg, want, atol=ATOL, rtol=0)
+    assert mg["approx_kl"].item() == 0.0 and mr["approx_kl"].item() == 0.0
+
+
+def test_gspo_not_length_weighted():
+    """A long and a short sequence with equal per-token log-ratio and advantage contribute equally."""
+    mask = torch.tensor([[1] * 8, [1, 1] + [0] * 6], dtype=F64)
+    old = torch.linspace(-3, -0.1, 16, dtype=F64).view(2, 8)
+    for d in (1e-4, 2e-3, -2e-3):
+        logp = (old + d).requires_grad_(True)
+        for a in (1.5, -0.5):
+            adv = torch.tensor([a, a], dtype=F64)
+            loss, _ = gspo_loss(logp, old, adv, mask)
+            long_only, _ = gspo_loss(logp[:1], old[:1], adv[:1], mask[:1])
+            short_only, _ = gspo_loss(logp[1:], old[1:], adv[1:], mask[1:])
+            assert abs(long_only.item() - short_only.item()) < ATOL
+            assert abs(loss.item() - long_only.item()) < ATOL
+            g = _grad(loss, logp)  # each sequence's total gradient mass is the same
+            assert abs(g[0].sum().item() - g[1].sum().item()) < ATOL
+
+
+# ----------------------------------------------------------------------------------------------
+# invariances
+
+ALL_LOSSES = [
+    ("gspo", lambda *a, **k: gspo_loss(*a, **k)),
+    ("gspo_token", lambda *a, **k: gspo_token_loss(*a, **k)),
+    ("grpo", lambda *a, **k: grpo_loss(*a, **k)),
+    ("grpo_token_mean", lambda *a, **k: grpo_loss(*a, aggregation="token_mean", **k)),
+]
+
+
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_permutation_invariance(name, fn):
+    """Permuting the batch leaves loss and metrics unchanged and permutes the gradient rows."""
+    logp, old, adv, mask = _batch([0.01, -0.2, 0.3, 2e-3, -1e-3], GSPO_ADV)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    l1, m1 = fn(logp, old, adv, mask)
+    l2, m2 = fn(logp[perm], old[perm], adv[perm], mask[perm])
+    assert abs(l1.item() - l2.item()) < ATOL
+    assert torch.allclose(_grad(l1, logp)[perm], _grad(l2, logp), atol=ATOL, rtol=0)
+    for k in m1:
+        assert torch.allclose(m1[k], m2[k], atol=ATOL), k
+
+
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_padding_invariance_with_garbage(name, fn):
+    """Extra padded columns and garbage (NaN, +-inf, 1e30) at masked positions change nothing."""
+    logp, old, adv, mask = _batch([0.01, -0.2, 0.3, 2e-3, -1e-3], GSPO_ADV)
+    l1, m1 = fn(logp, old, adv, mask)
+    g1 = _grad(l1, logp)
+
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30], dtype=F64)
+    B, T = mask.shape
+    pad = 3
+    mask2 = torch.cat([mask, torch.zeros(B, pad, dtype=F64)], 1)
+    fill = garbage[torch.arange(B * (T + pad)) % 5].view(B, T + pad)
+    fill_old = garbage[(torch.arange(B * (T + pad)) + 2) % 5].view(B, T + pad)
+    logp2_base = torch.where(mask2.bool(), torch.cat([logp.detach(), fill[:, :pad]], 1), fill)
+    old2 = torch.where(mask2.bool(), torch.cat([old, fill[:, :pad]], 1), fill_old)
+    logp2 = logp2_base.clone().requires_grad_(True)
+    for adv2 in (adv, torch.where(mask2.bool(), adv[:, None].expand(B, T + pad), garbage[0])):
+        if name == "gspo" and adv2.dim() == 2:
+            continue
+        l2, m2 = fn(logp2, old2, adv2, mask2)
+        g2 = _grad(l2, logp2)
+        assert torch.isfinite(l2) and abs(l1.item() - l2.item()) < ATOL
+        assert torch.isfinite(g2).all()
+        assert torch.allclose(g1, g2[:, :T] * mask, atol=ATOL, rtol=0)
+        assert torch.all(g2[~mask2.bool()] == 0)
+        for k in m1:
+            assert torch.isfinite(m2[k]) and torch.allclose(m1[k], m2[k], atol=ATOL), k
+
+
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_normalizer_gradient_accumulation_equivalence(name, fn):
+    """Two half-batches with the global normalizer sum to the full-batch loss and gradient."""
+    logp, old, adv, mask = _batch([0.01, -0.2, 0.3, 2e-3, -1e-3], GSPO_ADV)
+    full, _ = fn(logp, old, adv, mask)
+    g_full = _grad(full, logp)
+    n = mask.sum() if name == "grpo_token_mean" else 5
+    for norm in (n, torch.as_tensor(float(n), dtype=F64)):
+        x = logp.detach().clone().requires_grad_(True)
+        a, _ = fn(x[:2], old[:2], adv[:2], mask[:2], normalizer=norm)
+        b, _ = fn(x[2:], old[2:], adv[2:], mask[2:], normalizer=norm)
+        assert abs((a + b).item() - full.item()) < ATOL
+        (a + b).backward()
+        assert torch.allclose(x.grad, g_full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_extreme_log_ratios_finite(name, fn, dtype):
+    """Log-ratios of +-1e4 and old_logp = -1e30 give a finite loss, gradients and metrics."""
+    mask = MASK.to(dtype)
+    old = torch.full((5, 5), -1.0, dtype=dtype)
+    old[0] = -1e30
+    old[3, 1] = -1e30
+    logp = torch.full((5, 5), -1.0, dtype=dtype)
+    logp[1] = -1e4
+    logp[2] = 1e4
+    logp[4, 0] = -1e4
+    logp.requires_grad_(True)
+    for adv in (torch.tensor(GSPO_ADV, dtype=dtype), -torch.tensor(GSPO_ADV, dtype=dtype)):
+        loss, m = fn(logp, old, adv, mask)
+        g = _grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_nan_advantage_on_empty_row_does_not_poison_gradient():
+    """A NaN advantage on a row with no response tokens leaves loss and gradient finite (row adds 0)."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    mask = mask.clone()
+    mask[4] = 0
+    adv2 = adv.clone()
+    adv2[4] = float("nan")
+    for fn in (gspo_loss, gspo_token_loss, grpo_loss):
+        l1, _ = fn(logp, old, adv, mask)
+        l2, _ = fn(logp, old, adv2, mask)
+        g2 = _grad(l2, logp)
+        assert abs(l1.item() - l2.item()) < ATOL and torch.isfinite(g2).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics
+
+
+def _k3(deltas):
+    return sum(math.expm1(d) - d for d in deltas) / len(deltas)
+
+
+def test_gspo_metrics_hand_computed():
+    """GSPO clip fractions (seq/token, low/high), ratio stats and k3 approx_kl match hand values."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=F64)
+    lr = [1e-4, 5e-3, -4e-3, 2e-2, 0.7]  # in range | high clip | low clip | above, A<0 | empty row
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0], dtype=F64)
+    old = torch.full((5, 4), -2.0, dtype=F64)
+    logp = (old + torch.tensor(lr, dtype=F64)[:, None] * mask).requires_grad_(True)
+    _, m = gspo_loss(logp, old, adv, mask)
+    want = {
+        "clip_frac_seq_low": 1 / 4,
+        "clip_frac_seq_high": 1 / 4,
+        "clip_frac_seq": 2 / 4,
+        "clip_frac_tok_low": 4 / 10,
+        "clip_frac_tok_high": 2 / 10,
+        "clip_frac_tok": 6 / 10,
+        "ratio_mean": sum(math.exp(x) for x in lr[:4]) / 4,
+        "ratio_min": math.exp(-4e-3),
+        "ratio_max": math.exp(2e-2),
+        "approx_kl": _k3([1e-4] * 3 + [5e-3] * 2 + [-4e-3] * 4 + [2e-2]),
+    }
+    for k, v in want.items():
+        assert abs(m[k].item() - v) < ATOL, k
+    _, mt = gspo_token_loss(logp, old, adv, mask)
+    for k, v in want.items():
+        assert abs(mt[k].item() - v) < ATOL, k
+
+
+def test_gspo_token_metrics_majority_rule_for_per_token_advantages():
+    """GSPO-token: token clip fractions count tokens; a sequence is clipped when most tokens are."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=F64)
+    old = torch.zeros(2, 4, dtype=F64)
+    logp = (torch.tensor([[0.01], [0.01]], dtype=F64) * mask).requires_grad_(True)  # s > 1 + eps_high
+    adv = torch.tensor([[1.0, 1.0, -1.0, 5.0], [1.0, -1.0, -1.0, 0.0]], dtype=F64)
+    _, m = gspo_token_loss(logp, old, adv, mask)
+    assert m["clip_frac_tok_high"].item() == pytest.approx(3 / 7, abs=ATOL)
+    assert m["clip_frac_tok_low"].item() == 0.0
+    assert m["clip_frac_seq_high"].item() == pytest.approx(1 / 2, abs=ATOL)
+    assert m["clip_frac_seq_low"].item() == 0.0
+
+
+def test_grpo_metrics_hand_computed():
+    """GRPO token clip fractions, per-sequence averaged fractions, token/sequence ratio stats, k3."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=F64)
+    d = torch.tensor([[-0.5, 0.0, 0.5, 0.0], [0.5, -0.5, 0.0, 0.0], [0.0] * 4], dtype=F64)
+    old = torch.full((3, 4), -1.0, dtype=F64)
+    logp = (old + d).requires_grad_(True)
+    adv = torch.tensor([[-1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0] * 4], dtype=F64)
+    # row0: t0 w=e^-.5 A<0 low; t2 w=e^.5 A>0 high. row1: t0 high; t1 w=e^-.5 A>0 unclipped.
+    _, m = grpo_loss(logp, old, adv, mask)
+    toks = [-0.5, 0.0, 0.5, 0.5, -0.5]
+    want = {
+        "clip_frac_tok_low": 1 / 5,
+        "clip_frac_tok_high": 2 / 5,
+        "clip_frac_tok": 3 / 5,
+        "clip_frac_seq_low": (1 / 3 + 0) / 2,
+        "clip_frac_seq_high": (1 / 3 + 1 / 2) / 2,
+        "clip_frac_seq": (2 / 3 + 1 / 2) / 2,
+        "ratio_mean": sum(math.exp(x) for x in toks) / 5,
+        "ratio_min": math.exp(-0.5),
+        "ratio_max": math.exp(0.5),
+        "seq_ratio_mean": (1.0 + 1.0) / 2,
+        "seq_ratio_min": 1.0,
+        "seq_ratio_max": 1.0,
+        "approx_kl": _k3(toks),
+    }
+    for k, v in want.items():
+        assert abs(m[k].item() - v) < ATOL, k
+
+
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_approx_kl_zero_on_policy_and_k3_off_policy(name, fn):
+    """approx_kl is exactly 0 on-policy and equals mean_t (e^d - 1 - d) off-policy."""
+    logp, old, adv, mask = _batch([0.01, -0.2, 0.3, 2e-3, -1e-3], GSPO_ADV)
+    _, m0 = fn(logp, logp.detach(), adv, mask)
+    assert m0["approx_kl"].item() == 0.0
+    _, m = fn(logp, old, adv, mask)
+    d = (logp.detach() - old)[mask.bool()].tolist()
+    assert abs(m["approx_kl"].item() - _k3(d)) < ATOL
+    assert m["approx_kl"].item() > 0
+
+
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+@pytest.mark.parametrize("empty_rows", ["one", "all"])
+def test_metrics_scalar_and_nan_free_with_empty_rows(name, fn, empty_rows):
+    """Metrics are detached 0-dim tensors without NaN with one or all rows fully padded."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    mask = mask.clone()
+    if empty_rows == "one":
+        mask[1] = 0
+    else:
+        mask.zero_()
+    loss, m = fn(logp, old, adv, mask)
+    g = _grad(loss, logp)
+    assert loss.dim() == 0 and torch.isfinite(loss) and torch.isfinite(g).all()
+    if empty_rows == "all":
+        assert loss.item() == 0.0 and torch.all(g == 0)
+        assert m["ratio_mean"].item() == 0.0 and m["ratio_min"].item() == 1.0 and m["ratio_max"].item() == 1.0
+    expected = {"clip_frac_seq", "clip_frac_seq_low", "clip_frac_seq_high", "clip_frac_tok",
+                "clip_frac_tok_low", "clip_frac_tok_high", "ratio_mean", "ratio_min", "ratio_max", "approx_kl"}
+    assert expected <= set(m)
+    for k, v in m.items():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad, k
+        assert torch.isfinite(v), k
+
+
+def test_empty_row_contributes_zero_but_counts_in_default_normalizer():
+    """A row with no response tokens adds 0 to the GSPO objective while N stays B."""
+    logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
+    mask = mask.clone()
+    mask[2] = 0
+    loss, _ = gspo_loss(logp, old, adv, mask)
+    assert abs(loss.item() - ref_gspo(logp, old, adv, mask)) < ATOL
+    keep = torch.tensor([0, 1, 3, 4])
+    sub, _ = gspo_loss(logp[keep], old[keep], adv[keep], mask[keep], normalizer=5)
+    assert abs(loss.item() - sub.item()) < ATOL
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+
+
+def test_losses_registry_entries_and_default_eps():
+    """LOSSES maps gspo/gspo_token/grpo to their functions with eps matching the signature defaults."""
+    assert set(LOSSES) == {"gspo", "gspo_token", "grpo"}
+    assert LOSSES["gspo"] == (gspo_loss, 3e-4, 4e-4)
+    assert LOSSES["gspo_token"] == (gspo_token_loss, 3e-4, 4e-4)
+    assert LOSSES["grpo"] == (grpo_loss, 0.2, 0.27)
+    for fn, el, eh in LOSSES.values():
+        params = inspect.signature(fn).parameters
+        assert params["eps_low"].default == el and params["eps_high"].default == eh
