@@ -1,0 +1,121 @@
+"""Hypothesis property tests for the losses and group advantages."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gspo.advantages import SCALES, group_advantages
+from gspo.losses import grpo_loss, gspo_loss, gspo_token_loss
+
+F64 = torch.float64
+SETTINGS = settings(max_examples=40, deadline=None)
+
+LOSS_FNS = {
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "grpo": grpo_loss,
+    "grpo_token_mean": lambda *a, **k: grpo_loss(*a, aggregation="token_mean", **k),
+}
+
+
+@st.composite
+def batches(draw, bound=1e30):
+    """Random [B,T] logp/old_logp (finite, up to +-bound), 0/1 mask, advantages."""
+    B = draw(st.integers(1, 4))
+    T = draw(st.integers(1, 6))
+    fl = st.floats(-bound, bound, allow_nan=False, allow_infinity=False)
+    small = st.floats(-3.0, 0.0, allow_nan=False)
+    vals = st.one_of(fl, small)
+    logp = torch.tensor(draw(st.lists(vals, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
+    old = torch.tensor(draw(st.lists(vals, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
+    adv = torch.tensor(draw(st.lists(st.floats(-1e3, 1e3), min_size=B, max_size=B)), dtype=F64)
+    name = draw(st.sampled_from(sorted(LOSS_FNS)))
+    dtype = draw(st.sampled_from([torch.float32, F64]))
+    return logp, old, mask, adv, name, dtype
+
+
+@SETTINGS
+@given(batches())
+def test_losses_finite_for_finite_inputs(b):
+    """Any finite inputs (including |x| up to 1e30 and random masks) give finite loss/grad/metrics."""
+    logp, old, mask, adv, name, dtype = b
+    x = logp.to(dtype).requires_grad_(True)
+    loss, m = LOSS_FNS[name](x, old.to(dtype), adv.to(dtype), mask.to(dtype))
+    (g,) = torch.autograd.grad(loss, x)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert torch.all(g[~mask.bool()] == 0)
+    assert all(v.dim() == 0 and torch.isfinite(v) for v in m.values())
+
+
+@SETTINGS
+@given(batches(bound=50.0), st.integers(0, 3), st.data())
+def test_losses_invariant_to_padding_content(b, extra, data):
+    """Rewriting masked positions (and appending padded columns) with garbage changes nothing."""
+    logp, old, mask, adv, name, _ = b
+    B, T = mask.shape
+    fn = LOSS_FNS[name]
+    x1 = logp.clone().requires_grad_(True)
+    l1, m1 = fn(x1, old, adv, mask)
+    (g1,) = torch.autograd.grad(l1, x1)
+
+    junk = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e300, -1e300, 0.0, 7.0])
+    n = B * (T + extra)
+    fill = torch.tensor(data.draw(st.lists(junk, min_size=n, max_size=n)), dtype=F64).view(B, T + extra)
+    fill_old = torch.tensor(data.draw(st.lists(junk, min_size=n, max_size=n)), dtype=F64).view(B, T + extra)
+    mask2 = torch.cat([mask, torch.zeros(B, extra, dtype=F64)], 1)
+    keep = mask2.bool()
+    logp2 = torch.where(keep, torch.cat([logp, fill[:, T:]], 1), fill)
+    old2 = torch.where(keep, torch.cat([old, fill[:, T:]], 1), fill_old)
+    x2 = logp2.requires_grad_(True)
+    l2, m2 = fn(x2, old2, adv, mask2)
+    (g2,) = torch.autograd.grad(l2, x2)
+    assert torch.allclose(l1, l2, atol=1e-12, rtol=1e-12)
+    assert torch.isfinite(g2).all() and torch.all(g2[~keep] == 0)
+    assert torch.allclose(g1, g2[:, :T], atol=1e-12, rtol=1e-12)
+    for k in m1:
+        assert torch.allclose(m1[k], m2[k], atol=1e-12, rtol=1e-12), k
+
+
+@SETTINGS
+@given(batches(bound=40.0), st.booleans(), st.sampled_from([(3e-4, 4e-4), (0.2, 0.27)]))
+def test_gspo_token_equals_gspo_for_constant_advantages(b, explicit, eps):
+    """GSPO-token with A_it = A_i equals GSPO in value and gradient for random batches."""
+    logp, old, mask, adv, _, _ = b
+    x1 = logp.clone().requires_grad_(True)
+    x2 = logp.clone().requires_grad_(True)
+    l1, _ = gspo_loss(x1, old, adv, mask, *eps)
+    a = adv[:, None].expand_as(logp).clone() if explicit else adv
+    l2, _ = gspo_token_loss(x2, old, a, mask, *eps)
+    (g1,) = torch.autograd.grad(l1, x1)
+    (g2,) = torch.autograd.grad(l2, x2)
+    tol = 1e-12 * max(1.0, l1.abs().item())
+    assert abs(l1.item() - l2.item()) <= tol
+    assert torch.allclose(g1, g2, atol=1e-12, rtol=1e-10)
+
+
+@st.composite
+def reward_batches(draw):
+    N = draw(st.integers(1, 5))
+    G = draw(st.integers(1, 8))
+    bound = draw(st.sampled_from([1.0, 1e6, 1e30]))
+    vals = st.one_of(st.floats(-bound, bound, allow_nan=False), st.sampled_from([0.0, 1.0, 0.1]))
+    r = draw(st.lists(vals, min_size=N * G, max_size=N * G))
+    dtype = draw(st.sampled_from([torch.float32, F64])) if bound < 1e30 else F64
+    return torch.tensor(r, dtype=dtype).view(N, G)
+
+
+@SETTINGS
+@given(reward_batches(), st.sampled_from(SCALES), st.sampled_from([1e-6, 0.0]))
+def test_advantages_finite_zero_sum_and_equal_groups_zero(r, scale, eps):
+    """Advantages are finite, sum to ~0 per group, and are exactly 0 for all-equal groups."""
+    out = group_advantages(r, scale, eps)
+    assert out.shape == r.shape and out.dtype == r.dtype
+    assert torch.isfinite(out).all()
+    rel = 1e-12 if r.dtype == F64 else 1e-5
+    mag = out.abs().amax(dim=1).clamp(min=1.0)
+    assert (out.sum(dim=1).abs() <= rel * r.shape[1] * mag).all()
+    equal = (r == r[:, :1]).all(dim=1)
+    assert torch.all(out[equal] == 0)
