@@ -1,0 +1,343 @@
+"""Routing capture / replay / volatility (gspo.model.routing) on tiny random-init MoE models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gspo.errors import GspoError
+from gspo.model import routing as R
+
+V = 40
+B, L = 3, 9
+
+
+def _qwen3():
+    from gspo.model.load import build_tiny_moe
+
+    return build_tiny_moe(V, seed=0)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(1)
+    return MixtralForCausalLM(cfg)
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(2)
+    return OlmoeForCausalLM(cfg)
+
+
+def _qwen2moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(3)
+    return Qwen2MoeForCausalLM(cfg)
+
+
+ARCHS = {"qwen3_moe": _qwen3, "mixtral": _mixtral, "olmoe": _olmoe, "qwen2_moe_no_norm": _qwen2moe}
+
+
+def _batch(seed: int = 0, b: int = B, seq: int = L):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (b, seq), generator=g)
+    mask = torch.ones(b, seq, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[2, :1] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _logits(model, ids, mask):
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+
+
+def _capture(model, ids, mask):
+    with R.capture_routing(model) as rec:
+        out = _logits(model, ids, mask)
+    return out, R.routing_snapshot(rec)
+
+
+def _hook_state(model):
+    return [
+        (
+            name,
+            tuple(m._forward_hooks),
+            tuple(m._forward_pre_hooks),
+            tuple(m._forward_hooks_with_kwargs),
+            tuple(m._forward_pre_hooks_with_kwargs),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def _perturb_routers(model, seed=5, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in R.find_routers(model).values():
+            r.weight.add_(torch.randn(r.weight.shape, generator=g) * scale)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_find_routers_names_and_is_moe():
+    """Qwen3-MoE routers are found as layer0/layer1 and is_moe is True; a dense model has none."""
+    from gspo.model.load import build_tiny_dense
+
+    m = _qwen3()
+    routers = R.find_routers(m)
+    assert list(routers) == ["layer0", "layer1"]
+    assert all(type(r).__name__ == "Qwen3MoeTopKRouter" for r in routers.values())
+    assert R.is_moe(m)
+    dense = build_tiny_dense(V)
+    assert R.find_routers(dense) == {} and not R.is_moe(dense)
+    with pytest.raises(GspoError, match="no MoE routers"):
+        with R.capture_routing(dense):
+            pass
+
+
+def test_unsupported_router_class_gives_helpful_error():
+    """A router-like module of an unregistered class raises GspoError naming the supported classes."""
+
+    class FancyTopKRouter(nn.Module):
+        pass
+
+    m = nn.Sequential(nn.Linear(2, 2), FancyTopKRouter())
+    with pytest.raises(GspoError, match="unsupported MoE router.*Qwen3MoeTopKRouter"):
+        R.find_routers(m)
+    with pytest.warns(UserWarning, match="unsupported"):
+        assert not R.is_moe(m)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_replay_unchanged_params_reproduces_logits_exactly(arch):
+    """With unchanged params, replaying captured routing (padded batch) gives bit-identical logits/indices."""
+    model = ARCHS[arch]().eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref, routing = _capture(model, ids, mask)
+        assert set(routing) == {"layer0", "layer1"}
+        for idx in routing.values():
+            assert idx.shape == (B, L, 2) and idx.dtype == torch.long
+        with R.replay_routing(model, routing), R.capture_routing(model) as rec:
+            out = _logits(model, ids, mask)
+    assert torch.equal(out, ref)
+    again = R.routing_snapshot(rec)
+    assert all(torch.equal(again[k], routing[k]) for k in routing)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_replay_after_perturbation_forces_recorded_indices(arch):
+    """After perturbing routers, capture inside replay (either nesting) returns the recorded indices and
+    logits differ from the free (non-replay) forward, whose routing did change."""
+    model = ARCHS[arch]().eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        before, old = _capture(model, ids, mask)
+        _perturb_routers(model)
+        free, new = _capture(model, ids, mask)
+        overall, _ = R.routing_volatility(old, new, mask)
+        assert overall > 0.2  # routing really changed
+        with R.replay_routing(model, old), R.capture_routing(model) as rec:
+            replayed = _logits(model, ids, mask)
+        with R.capture_routing(model) as rec2, R.replay_routing(model, old):  # other nesting order
+            replayed2 = _logits(model, ids, mask)
+    for r in (rec, rec2):
+        snap = R.routing_snapshot(r)
+        assert all(torch.equal(snap[k], old[k]) for k in old)
+    assert torch.equal(replayed, replayed2)
+    assert not torch.allclose(replayed, free, atol=1e-4)
+    assert not torch.equal(replayed, before)  # the scores still come from the perturbed router
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe_no_norm"])
+def test_replay_router_grads_match_closed_form(arch):
+    """Under replay every router.weight gets a nonzero grad equal to the closed-form softmax-gather
+    (renormalised or not) gradient computed from the router input and d loss / d scores."""
+    model = ARCHS[arch]().train()
+    if hasattr(model.config, "router_jitter_noise"):
+        assert model.config.router_jitter_noise == 0
+    ids, mask = _batch()
+    with torch.no_grad():
+        _, old = _capture(model, ids, mask)
+        _perturb_routers(model, scale=0.3)
+    routers = R.find_routers(model)
+    saved: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def saver(name):
+        def hook(_m, args, out):
+            out[1].retain_grad()
+            saved[name] = (args[0].detach().reshape(-1, args[0].shape[-1]), out[1], out[2])
+
+        return hook
+
+    with R.replay_routing(model, old):
+        hs = [r.register_forward_hook(saver(n)) for n, r in routers.items()]  # runs after replay's hook
+        try:
+            logits = _logits(model, ids, mask)
+        finally:
+            for h in hs:
+                h.remove()
+    model.zero_grad()
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    (logits * w).sum().backward()
+    renorm = getattr(model.config, "norm_topk_prob", True)  # Mixtral always renormalises
+    for name, router in routers.items():
+        h_NH, scores_Nk, idx_Nk = saved[name]
+        assert torch.equal(idx_Nk, old[name].reshape(-1, 2))
+        g_Nk = scores_Nk.grad
+        p_NE = torch.softmax(h_NH @ router.weight.detach().T, -1)
+        p_sel = p_NE.gather(-1, idx_Nk)
+        s_Nk = p_sel / p_sel.sum(-1, keepdim=True) if renorm else p_sel
+        assert torch.allclose(s_Nk, scores_Nk.detach(), atol=1e-6)
+        g_NE = torch.zeros_like(p_NE).scatter(-1, idx_Nk, g_Nk)
+        inner_N1 = (g_Nk * s_Nk).sum(-1, keepdim=True)
+        # renorm: s = softmax over the selected logits only; no renorm: s = full softmax at idx
+        base_NE = torch.zeros_like(p_NE).scatter(-1, idx_Nk, s_Nk) if renorm else p_NE
+        dz_NE = base_NE * (g_NE - inner_N1)
+        ref = dz_NE.T @ h_NH
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+        assert torch.allclose(router.weight.grad, ref, rtol=1e-4, atol=1e-7), name
+
+
+def test_hooks_removed_after_contexts_and_on_exception():
+    """After capture/replay (normal exit or exception) no hooks are left and outputs equal the baseline."""
+    model = _qwen3().eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        base = _logits(model, ids, mask)  # also lets transformers install its own persistent hooks
+        state = _hook_state(model)
+        _, routing = _capture(model, ids, mask)
+        _perturb_routers(model, scale=0.0)
+        with R.replay_routing(model, routing), R.capture_routing(model):
+            assert _hook_state(model) != state  # hooks are live inside
+            _logits(model, ids, mask)
+        assert _hook_state(model) == state
+        with pytest.raises(RuntimeError, match="boom"):
+            with R.replay_routing(model, routing), R.capture_routing(model):
+                _logits(model, ids, mask)
+                raise RuntimeError("boom")
+        assert _hook_state(model) == state
+        bad = {k: v[:1] for k, v in routing.items()}
+        with pytest.raises(GspoError, match="forced routing has shape"):
+            with R.replay_routing(model, bad):
+                _logits(model, ids, mask)
+        assert _hook_state(model) == state
+        assert torch.equal(_logits(model, ids, mask), base)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_generate_unaffected_outside_contexts():
+    """Greedy model.generate gives the same tokens before and after routing contexts were used."""
+    model = _qwen3().eval()
+    ids = torch.randint(3, V, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    g0 = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    with torch.no_grad():
+        _, routing = _capture(model, *_batch())
+        _perturb_routers(model, scale=0.0)
+        with R.replay_routing(model, routing):
+            _logits(model, *_batch())
+    g1 = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert torch.equal(g0, g1)
+
+
+def test_base_model_call_and_multi_forward_concatenation():
+    """Calling the base model (as the loop does) is captured; several forwards cat along B; slice/cat
+    round-trip; replay of the concatenated routing over the concatenated batch is exact."""
+    model = _qwen3().eval()
+    ids, mask = _batch()
+    base = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        _, full = _capture(model, ids, mask)
+        with R.capture_routing(model) as rec:
+            base(input_ids=ids[:1], attention_mask=mask[:1], use_cache=False)
+            base(input_ids=ids[1:], attention_mask=mask[1:], use_cache=False)
+        two = R.routing_snapshot(rec)
+    assert all(torch.equal(two[k], full[k]) for k in full)  # rows 1.. use left padding: positions ok too
+    parts = [R.slice_routing(full, slice(0, 1)), R.slice_routing(full, slice(1, None))]
+    assert parts[0]["layer0"].shape == (1, L, 2)
+    cat = R.cat_routing(parts)
+    assert all(torch.equal(cat[k], full[k]) for k in full)
+
+
+def test_expert_volatility_properties():
+    """Volatility: 0 identical, 1 disjoint, order-insensitive, respects the mask, empty mask -> 0."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(12)]).reshape(3, 4, 2)
+    ones = torch.ones(3, 4)
+    v = R.expert_volatility(old, old.clone(), ones)
+    assert v.dim() == 0 and v.dtype == torch.float32 and v == 0
+    assert R.expert_volatility(old, old.flip(-1), ones) == 0
+    disjoint = torch.stack(
+        [torch.tensor([e for e in range(8) if e not in row][:2]) for row in old.reshape(-1, 2)]
+    )
+    assert R.expert_volatility(old, disjoint.reshape(3, 4, 2), ones) == 1
+    changed = old.clone()
+    changed[0, 0] = disjoint[0]
+    mask = ones.clone()
+    mask[0, 0] = 0
+    assert R.expert_volatility(old, changed, mask) == 0
+    assert R.expert_volatility(old, changed, torch.zeros(3, 4)) == 0
+    with pytest.raises(GspoError, match="do not match"):
+        R.expert_volatility(old, old, torch.ones(3, 5))
+
+
+def test_volatility_closed_form_example():
+    """Hand-computed: 1 of 3 masked positions changes in layer0, none in layer1 -> 1/3, 0, mean 1/6."""
+    old = torch.tensor([[[0, 1], [2, 3], [4, 5], [6, 7]]])
+    new = torch.tensor([[[1, 0], [2, 4], [5, 4], [7, 0]]])  # pos1 and pos3 change; pos3 is masked out
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert torch.isclose(R.expert_volatility(old, new, mask), torch.tensor(1 / 3))
+    overall, per = R.routing_volatility({"layer0": old, "layer1": old}, {"layer0": new, "layer1": old}, mask)
+    assert set(per) == {"layer0", "layer1"}
+    assert torch.isclose(per["layer0"], torch.tensor(1 / 3)) and per["layer1"] == 0
+    assert overall.dim() == 0 and torch.isclose(overall, torch.tensor(1 / 6))
