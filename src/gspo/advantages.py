@@ -23,6 +23,18 @@ def _pop_std(centered: torch.Tensor, dim: int | None) -> torch.Tensor:
     return amax * rms.sqrt()
 
 
+def _pow2_scale(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Power of two ``2^k <= max|x| < 2^(k+1)`` (1 where max|x| is 0 or not finite).
+
+    Dividing by it is exact, and it maps the values into ``[-2, 2]`` so that sums cannot overflow near
+    ``finfo.max`` and subnormal rewards keep their relative precision.
+    """
+    amax = x.abs().amax(dim=dim, keepdim=True) if dim is not None else x.abs().amax()
+    ok = (amax > 0) & torch.isfinite(amax)
+    _, exp = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
+    return torch.where(ok, torch.ldexp(torch.ones_like(amax), exp - 1), torch.ones_like(amax))
+
+
 def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
     """A_ij = (r_ij - mean_j r_ij) / (std + eps) for ``rewards`` of shape ``[num_groups, G]``.
 
@@ -32,7 +44,9 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
         centering is kept per group).
         ``"none"``: center only.
     std is the population std (correction 0), so G = 1 gives A = 0, not NaN. A group whose rewards
-    are all equal has zero centered rewards and therefore A = 0 exactly for every scale.
+    are all equal has zero centered rewards and therefore A = 0 exactly for every scale. For finite
+    rewards the "group"/"batch" results are finite over the whole float range (they are computed in
+    power-of-two rescaled units, which is exact); "none" is finite whenever the centered value is.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, G], got shape {tuple(rewards.shape)}")
@@ -41,16 +55,22 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
     rewards_NG = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     if rewards_NG.numel() == 0:
         return rewards_NG.clone()
-    centered_NG = _center(rewards_NG, dim=1)
+    unit_N1 = _pow2_scale(rewards_NG, dim=1)
+    centered_NG = _center(rewards_NG / unit_N1, dim=1)  # in units of unit_N1
     # sum/G rounds (e.g. seven float32 0.1s), so force exact zeros for groups of equal rewards
     equal_N1 = (rewards_NG == rewards_NG[:, :1]).all(dim=1, keepdim=True)
     centered_NG = torch.where(equal_N1, torch.zeros_like(centered_NG), centered_NG)
     if scale == "none":
-        return centered_NG
+        return centered_NG * unit_N1
     if scale == "group":
-        std = _pop_std(centered_NG, dim=1)
+        std_N1 = _pop_std(centered_NG, dim=1)
+        # (c u) / (std u + eps) == c / (std + eps / u); eps / u = inf (u tiny) correctly gives ~0
+        denom = std_N1 + eps / unit_N1
     else:
-        std = _pop_std(_center(rewards_NG, dim=None), dim=None)
-    denom = std + eps
+        unit = _pow2_scale(rewards_NG, dim=None)
+        std = _pop_std(_center(rewards_NG / unit, dim=None), dim=None)
+        # (c u_N) / (std U + eps) == c (u_N / U) / (std + eps / U); u_N / U <= 1 is a power of two
+        centered_NG = centered_NG * (unit_N1 / unit)
+        denom = std + eps / unit
     # denom == 0 only when the std is 0 (all centered rewards are 0): avoid 0/0 when eps == 0
     return centered_NG / torch.where(denom > 0, denom, torch.ones_like(denom))

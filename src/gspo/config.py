@@ -128,6 +128,10 @@ class Config:
     """Gradient clipping by global norm (0 disables)."""
     warmup_steps: int = 0
     """Linear learning-rate warmup in optimizer steps."""
+    packing: str = "auto"
+    """Training forward layout: ``on`` packs all sequences of a micro-batch into one row (no padding
+    compute), ``off`` pads, ``auto`` packs only with flash attention (dense-mask attention makes packing
+    cost more than the padding it saves)."""
     logp_chunk_size: int = 1024
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
 
@@ -162,7 +166,7 @@ class Config:
             "algo": tuple(LOSSES), "adv_scale": SCALES, "old_logp": ("recompute", "rollout"),
             "reward_on_error": ("error", "zero"), "dtype": ("float32", "bfloat16", "float16"),
             "grpo_aggregation": ("seq_mean_token_mean", "token_mean"), "rollout_engine": ("hf", "vllm"),
-            "parallel": ("fsdp", "ddp"),
+            "parallel": ("fsdp", "ddp"), "packing": ("auto", "on", "off"),
         }
         for f, allowed in choices.items():
             if getattr(self, f) not in allowed:

@@ -60,39 +60,45 @@ class HFRolloutEngine:
 
     def _generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float,
                   greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample up to ``max_new_tokens``; a row that emits EOS leaves the batch (and the KV cache)."""
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         ids_BP, mask_BP = left_pad(prompt_ids, self.pad_token_id, device)
         B = ids_BP.shape[0]
+        out_ids = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        out_logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
         cache = DynamicCache()
-        attn_BL = mask_BP
-        pos_B1 = position_ids_from_mask(mask_BP)
+        rows = torch.arange(B, device=device)  # original row of each live batch entry
+        attn = mask_BP
+        pos = position_ids_from_mask(mask_BP)
         step_ids = ids_BP
-        tokens, logps, alive = [], [], []
-        done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attn_BL, position_ids=pos_B1,
-                             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-            logits_BV = out.logits[:, -1].float()
+        n_steps = 0
+        for t in range(max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self._cache_kw: cache})
+            logits_bV = out.logits[:, -1].float()
             if greedy or temperature == 0:
-                tok_B = logits_BV.argmax(-1)
-                logp_BV = torch.log_softmax(logits_BV, -1)
+                logp_bV = torch.log_softmax(logits_bV, -1)
+                tok_b = logits_bV.argmax(-1)
             else:
-                logp_BV = torch.log_softmax(logits_BV / temperature, -1)
-                tok_B = torch.multinomial(logp_BV.exp(), 1, generator=self.generator).squeeze(-1)
-            tok_B = torch.where(done_B, torch.full_like(tok_B, self.pad_token_id), tok_B)
-            alive.append(~done_B)
-            tokens.append(tok_B)
-            logps.append(logp_BV.gather(-1, tok_B[:, None]).squeeze(-1))
-            done_B = done_B | (tok_B == self.eos_token_id)
-            if bool(done_B.all()):
+                logp_bV = torch.log_softmax(logits_bV / temperature, -1)
+                tok_b = torch.multinomial(logp_bV.exp(), 1, generator=self.generator).squeeze(-1)
+            out_ids[rows, t] = tok_b
+            out_logp[rows, t] = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
+            out_mask[rows, t] = 1
+            n_steps = t + 1
+            live = tok_b != self.eos_token_id
+            if not bool(live.any()):
                 break
-            step_ids = tok_B[:, None]
-            attn_BL = torch.cat([attn_BL, torch.ones((B, 1), dtype=attn_BL.dtype, device=device)], dim=1)
-            pos_B1 = pos_B1[:, -1:] + 1
+            if not bool(live.all()):  # drop finished rows so later steps spend nothing on them
+                keep = live.nonzero().squeeze(-1)
+                cache.reorder_cache(keep)
+                rows, tok_b, attn, pos = rows[keep], tok_b[keep], attn[keep], pos[keep]
+            step_ids = tok_b[:, None]
+            attn = torch.cat([attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype, device=device)], dim=1)
+            pos = pos[:, -1:] + 1
         self.model.train(was_training)
-        mask_BT = torch.stack(alive, 1).long()
-        ids_BT = torch.stack(tokens, 1)
-        logp_BT = torch.stack(logps, 1) * mask_BT
-        return ids_BT, mask_BT, logp_BT
+        T = max(n_steps, 1)
+        return out_ids[:, :T], out_mask[:, :T], out_logp[:, :T]

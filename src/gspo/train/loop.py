@@ -89,24 +89,38 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list
 # the policy update
 
 
-def _forward(model: Any, mb: RolloutData, temperature: float, chunk: int, entropy: bool = False,
-             replay: Any = None, capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+def _forward(model: Any, mb: RolloutData, cfg: Config, entropy: bool = False, replay: Any = None,
+             capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """Response log-probs ``[B, T]`` (+ entropy), optionally replaying or capturing MoE routing."""
     from gspo.model import routing as R
 
-    rec = None
     ctx = R.replay_routing(model, replay) if replay is not None else nullcontext()
     cap = R.capture_routing(model) if capture else nullcontext()
     with ctx, cap as rec:
         res = response_logprobs(model, mb.prompt_ids_BP, mb.prompt_mask_BP, mb.response_ids_BT,
-                                mb.response_mask_BT, temperature, chunk, return_entropy=entropy)
+                                mb.response_mask_BT, cfg.temperature, cfg.logp_chunk_size,
+                                return_entropy=entropy, pack=_use_packing(model, cfg))
     logp, ent = res if entropy else (res, None)
     return logp, ent, (R.routing_snapshot(rec) if capture else None)
 
 
-def _response_positions_mask(mb: RolloutData) -> torch.Tensor:
-    """``[B, P+T]`` mask of the response tokens' positions in the full input (for routing stats)."""
-    return torch.cat([torch.zeros_like(mb.prompt_mask_BP), mb.response_mask_BT], 1)
+def _use_packing(model: Any, cfg: Config) -> bool:
+    """Packing removes padding compute; with dense-mask attention (sdpa/eager) its attention cost
+    grows with the packed length squared, so ``auto`` packs only with flash attention."""
+    if cfg.packing != "auto":
+        return cfg.packing == "on"
+    impl = getattr(getattr(dist_utils.unwrap(model), "config", None), "_attn_implementation", "") or ""
+    return impl.startswith("flash")
+
+
+def micro_batches(mb: RolloutData, micro: int) -> list[RolloutData]:
+    """Split a minibatch into micro-batches of rows with similar lengths (length bucketing), each
+    trimmed to its own longest prompt and response, so little compute goes to padding."""
+    total_B = mb.prompt_mask_BP.sum(-1) + mb.response_mask_BT.sum(-1)
+    order = torch.argsort(total_B, stable=True) if micro < len(total_B) else torch.arange(len(total_B))
+    fields = RolloutData.__dataclass_fields__
+    return [RolloutData(*(getattr(mb, f)[order[j : j + micro]] for f in fields)).trim()
+            for j in range(0, len(order), micro)]
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, data: RolloutData,
@@ -124,60 +138,48 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     loss_fn, _, _ = LOSSES[cfg.algo]
     eps_low, eps_high = cfg.clip_range()
     extra = {"aggregation": cfg.grpo_aggregation} if cfg.algo == "grpo" else {}
-    B = data.adv_B.shape[0]
-    mb_size = B // cfg.num_minibatches
+    mb_size = data.adv_B.shape[0] // cfg.num_minibatches
     micro = cfg.micro_batch_size or mb_size
-    mbs = [data.slice(slice(i * mb_size, (i + 1) * mb_size)) for i in range(cfg.num_minibatches)]
+    # mbs[i][j]: micro-batch j of minibatch i; the same tensors serve pi_old, the update and volatility
+    mbs = [micro_batches(data.slice(slice(i * mb_size, (i + 1) * mb_size)), micro)
+           for i in range(cfg.num_minibatches)]
     want_routing = is_moe and (cfg.routing_replay or cfg.log_volatility)
-
-    # pi_old for minibatches 1.. (minibatch 0 uses its own first forward)
-    old_logps: list[torch.Tensor | None] = [None] * len(mbs)
-    old_routing: list[Any] = [None] * len(mbs)
-    need_recompute = cfg.old_logp == "recompute" or want_routing
-    if need_recompute:
+    old_logp: dict[tuple[int, int], torch.Tensor] = {}
+    old_routing: dict[tuple[int, int], Any] = {}
+    if cfg.old_logp == "recompute" or want_routing:
         with torch.no_grad():
-            for i, mb in enumerate(mbs[1:], start=1):
-                lp, _, routing = _forward(model, mb, cfg.temperature, cfg.logp_chunk_size, capture=want_routing)
-                old_logps[i], old_routing[i] = lp, routing
+            for i in range(1, len(mbs)):
+                for j, mmb in enumerate(mbs[i]):
+                    old_logp[i, j], _, old_routing[i, j] = _forward(model, mmb, cfg, capture=want_routing)
 
     sums: dict[str, float] = defaultdict(float)
-    mismatch_tok, mismatch_seq, mismatch_n = 0.0, 0.0, 0
+    mismatch = torch.zeros(3)  # sum |token diff| (per-seq mean), sum |seq diff|, n sequences
     n_updates = 0
     model.train()
-    for i, mb in enumerate(mbs):
+    for i in range(len(mbs)):
         optimizer.zero_grad(set_to_none=True)
         mb_metrics: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-        n_micro = math.ceil(mb_size / micro)
-        for j in range(n_micro):
-            sl = slice(j * micro, (j + 1) * micro)
-            mmb = RolloutData(*(getattr(mb, f)[sl] for f in RolloutData.__dataclass_fields__))
-            if not want_routing:  # routing tensors are indexed by position: keep the minibatch's columns
-                mmb = mmb.trim()
-            T = mmb.response_ids_BT.shape[1]
-            replay = None
-            if cfg.routing_replay and is_moe and i > 0:
-                replay = R.slice_routing(old_routing[i], sl)
-            capture = want_routing and i == 0
-            logp, ent, routing = _forward(model, mmb, cfg.temperature, cfg.logp_chunk_size, entropy=True,
-                                          replay=replay, capture=capture)
-            if capture:
-                old_routing[0] = routing if old_routing[0] is None else R.cat_routing([old_routing[0], routing])
-            trainer_old = logp.detach() if i == 0 else (old_logps[i][sl, :T] if old_logps[i] is not None else None)
-            if trainer_old is not None:  # train/inference mismatch, always logged
-                d = (trainer_old - mmb.sampler_logp_BT) * mmb.response_mask_BT
-                n_tok = mmb.response_mask_BT.sum(-1).clamp(min=1)
-                mismatch_tok += float(d.abs().sum() / mmb.response_mask_BT.sum().clamp(min=1)) * len(n_tok)
-                mismatch_seq += float((d.sum(-1) / n_tok).abs().sum())
-                mismatch_n += len(n_tok)
+        for j, mmb in enumerate(mbs[i]):
+            replay = old_routing[i, j] if (cfg.routing_replay and is_moe and i > 0) else None
+            logp, ent, routing = _forward(model, mmb, cfg, entropy=True, replay=replay,
+                                          capture=want_routing and i == 0)
+            if i == 0:
+                old_logp[0, j], old_routing[0, j] = logp.detach(), routing
+            trainer_old = old_logp.get((i, j))
+            m_BT = mmb.response_mask_BT
+            n_tok_B = m_BT.sum(-1).clamp(min=1)
+            if trainer_old is not None:  # train/inference mismatch, always logged when measurable
+                d_BT = (trainer_old - mmb.sampler_logp_BT) * m_BT
+                mismatch += torch.stack([(d_BT.abs().sum(-1) / n_tok_B).sum(), (d_BT.sum(-1) / n_tok_B).abs().sum(),
+                                         torch.tensor(float(len(n_tok_B)))]).detach().cpu()
             old = mmb.sampler_logp_BT if cfg.old_logp == "rollout" else trainer_old
-            loss, metrics = loss_fn(logp, old, mmb.adv_B, mmb.response_mask_BT, eps_low, eps_high,
+            loss, metrics = loss_fn(logp, old, mmb.adv_B, m_BT, eps_low, eps_high,
                                     normalizer=mb_size * world_size, **extra)
             (loss * world_size).backward()
             w = mmb.adv_B.shape[0] / mb_size
             for k, v in metrics.items():
                 mb_metrics[k] = mb_metrics[k] + v.detach().float() * w
-            m = mmb.response_mask_BT
-            mb_metrics["entropy"] = mb_metrics["entropy"] + (ent * m).sum() / m.sum().clamp(min=1) * w
+            mb_metrics["entropy"] = mb_metrics["entropy"] + (ent * m_BT).sum() / m_BT.sum().clamp(min=1) * w
             mb_metrics["loss"] = mb_metrics["loss"] + loss.detach() * world_size
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
         if torch.isfinite(gnorm):
@@ -188,35 +190,38 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
         for k, v in mb_metrics.items():  # one host sync per minibatch
             sums[k] += float(v) / len(mbs)
 
-    out = {f"loss/{k}": v for k, v in sums.items() if k not in ("entropy",)}
+    out = {f"loss/{k}": v for k, v in sums.items() if k != "entropy"}
     out["rollout/entropy"] = sums["entropy"]
     out["loss/skipped_updates"] = float(len(mbs) - n_updates)
-    if mismatch_n:
-        out["mismatch/token_abs_logp_diff"] = mismatch_tok / mismatch_n
-        out["mismatch/seq_abs_logp_diff"] = mismatch_seq / mismatch_n
+    if mismatch[2] > 0:
+        out["mismatch/token_abs_logp_diff"] = float(mismatch[0] / mismatch[2])
+        out["mismatch/seq_abs_logp_diff"] = float(mismatch[1] / mismatch[2])
     if is_moe and cfg.log_volatility:
         out.update(_volatility(model, mbs, old_routing, cfg))
     return out
 
 
 @torch.no_grad()
-def _volatility(model: Any, mbs: list[RolloutData], old_routing: list[Any], cfg: Config) -> dict[str, float]:
+def _volatility(model: Any, mbs: list[list[RolloutData]], old_routing: dict[tuple[int, int], Any],
+                cfg: Config) -> dict[str, float]:
     """Fraction of response tokens whose top-k experts differ between pi_old and the updated policy."""
     from gspo.model import routing as R
+    from gspo.model.forward import make_layout
 
-    per_layer: dict[str, float] = defaultdict(float)
-    total, n = 0.0, 0
-    for mb, old in zip(mbs, old_routing, strict=True):
-        _, _, new = _forward(model, mb, cfg.temperature, cfg.logp_chunk_size, capture=True)
-        overall, layers = R.routing_volatility(old, new, _response_positions_mask(mb))
-        w = int(mb.response_mask_BT.sum())
-        total += float(overall) * w
-        n += w
-        for k, v in layers.items():
-            per_layer[k] += float(v) * w
-    out = {"moe/volatility": total / max(n, 1)}
-    for k, v in per_layer.items():
-        out[f"moe/volatility/{k}"] = v / max(n, 1)
+    per_layer: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+    total, n = torch.zeros(()), 0
+    for i, row in enumerate(mbs):
+        for j, mmb in enumerate(row):
+            _, _, new = _forward(model, mmb, cfg, capture=True)
+            lay = make_layout(mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT,
+                              _use_packing(model, cfg))
+            overall, layers = R.routing_volatility(old_routing[i, j], new, lay.response_pos_RL)
+            w = int(mmb.response_mask_BT.sum())
+            total, n = total + overall.float().cpu() * w, n + w
+            for k, v in layers.items():
+                per_layer[k] = per_layer[k] + v.float().cpu() * w
+    out = {"moe/volatility": float(total) / max(n, 1)}
+    out.update({f"moe/volatility/{k}": float(v) / max(n, 1) for k, v in per_layer.items()})
     return out
 
 

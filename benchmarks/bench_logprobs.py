@@ -1,0 +1,121 @@
+"""Forward+backward time and peak memory of LM-head log-probs: naive ``[N, V]`` logits vs chunked.
+
+Each variant runs in a fresh subprocess. Peak memory there is ``ru_maxrss`` at the end minus
+``ru_maxrss`` right after allocating (and touching) the inputs, so it counts only what the
+log-prob computation adds: logits buffers, autograd saved tensors and the gradients (both variants
+produce the same ``[N, H]`` and ``[V, H]`` gradients). Time is the best of ``--repeats`` runs of
+forward + ``backward`` w.r.t. both hidden and LM-head weight.
+
+    python benchmarks/bench_logprobs.py                      # Qwen3 vocab 151,936, H=256, N=2048
+    python benchmarks/bench_logprobs.py --chunk-sizes 256 512 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+
+def _maxrss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * (1 if sys.platform == "darwin" else 1024)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from gspo.model.logprobs import logprobs_from_hidden, naive_logprobs_from_hidden
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(args.n, args.hidden, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) * 0.05).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, args.vocab, (args.n,), generator=g)
+    coef = torch.randn(args.n, generator=g)
+    # touch a tiny problem first so lazily loaded kernels/libraries count in the baseline
+    small = logprobs_from_hidden(hidden[:2], weight[:8], targets[:2] % 8, chunk_size=1)
+    naive_logprobs_from_hidden(hidden[:2], weight[:8], targets[:2] % 8).sum().backward()
+    small.sum().backward()
+    hidden.grad = weight.grad = None
+    base = _maxrss_bytes()
+
+    if args.variant == "naive":
+
+        def fn():
+            return naive_logprobs_from_hidden(hidden, weight, targets, temperature=args.temperature)
+    else:
+
+        def fn():
+            return logprobs_from_hidden(
+                hidden, weight, targets, chunk_size=args.chunk_size, temperature=args.temperature
+            )
+
+    times = []
+    for _ in range(args.repeats):
+        hidden.grad = weight.grad = None
+        t0 = time.perf_counter()
+        logp = fn()
+        (logp * coef).sum().backward()
+        times.append(time.perf_counter() - t0)
+        checksum = float(logp.detach().double().sum()), float(weight.grad.double().abs().sum())
+        del logp
+    peak = _maxrss_bytes() - base
+    print(json.dumps({"time_s": min(times), "times_s": times, "peak_bytes": peak, "checksum": checksum}))
+
+
+def run_variant(args: argparse.Namespace, variant: str, chunk_size: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--worker", variant, "--n", str(args.n), "--hidden", str(args.hidden),
+           "--vocab", str(args.vocab), "--dtype", args.dtype, "--threads", str(args.threads),
+           "--repeats", str(args.repeats), "--temperature", str(args.temperature)]
+    if chunk_size is not None:
+        cmd += ["--chunk-size", str(chunk_size)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=2048, help="flattened positions N")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size H")
+    ap.add_argument("--vocab", type=int, default=151_936, help="vocab size V (Qwen3: 151,936)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per variant (best is reported)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=None,
+                    help="chunked variants to run (default: the library default chunk size)")
+    ap.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    ap.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.variant = args.worker
+        worker(args)
+        return
+
+    from gspo.model.logprobs import DEFAULT_CHUNK_SIZE
+
+    chunk_sizes = args.chunk_sizes or [DEFAULT_CHUNK_SIZE]
+    gib = 2**30
+    print(f"N={args.n} H={args.hidden} V={args.vocab} dtype={args.dtype} threads={args.threads} "
+          f"repeats={args.repeats} (full [N,V] float32 logits = {args.n * args.vocab * 4 / gib:.2f} GiB)")
+    naive = run_variant(args, "naive", None)
+    print(f"naive           : fwd+bwd {naive['time_s']:.2f} s (runs {[round(t, 2) for t in naive['times_s']]}), "
+          f"peak +{naive['peak_bytes'] / gib:.3f} GiB")
+    for cs in chunk_sizes:
+        res = run_variant(args, "chunked", cs)
+        print(f"chunked cs={cs:<5}: fwd+bwd {res['time_s']:.2f} s (runs {[round(t, 2) for t in res['times_s']]}), "
+              f"peak +{res['peak_bytes'] / gib:.3f} GiB")
+        dl = abs(res["checksum"][0] - naive["checksum"][0]) / max(1.0, abs(naive["checksum"][0]))
+        mem_ratio = res["peak_bytes"] / naive["peak_bytes"]
+        time_ratio = res["time_s"] / naive["time_s"]
+        print(f"  chunk_size={cs}: peak memory ratio chunked/naive = {mem_ratio:.3f} (target <= 0.25), "
+              f"time ratio = {time_ratio:.3f} (target <= 1.1); checksum rel diff {dl:.1e}")
+
+
+if __name__ == "__main__":
+    main()

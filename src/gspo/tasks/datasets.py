@@ -1,0 +1,287 @@
+"""Prompt datasets: (prompt, reference answer) rows from JSONL / JSON / CSV / Parquet / HF directories.
+
+Every problem with the data is a one-line :class:`GspoError` that names the file, the line (or row)
+and the field, e.g. ``data.jsonl:17: missing field 'prompt' (fields: question, solution)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import numbers
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo.errors import GspoError
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+    """Reference passed to the reward: the answer, or test code for the ``code`` reward."""
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The row's other fields, untouched."""
+
+
+_JSONL = (".jsonl", ".ndjson")
+_FORMATS = ".jsonl, .json, .csv, .tsv, .parquet or a Hugging Face dataset directory"
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _read_text(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise GspoError(f"{path}:{line}: not valid UTF-8 text ({e.reason})") from None
+
+
+def _json_error(path: str, e: json.JSONDecodeError) -> GspoError:
+    return GspoError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})")
+
+
+def _iter_jsonl(path: str, text: str) -> Iterator[tuple[str, Any]]:
+    # split("\n"), not splitlines(): U+2028 and friends may appear raw inside JSON strings.
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise GspoError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        yield f"{path}:{lineno}", obj
+
+
+def _iter_json(path: str, text: str) -> Iterator[tuple[str, Any]]:
+    """Items of a top-level JSON list, each located by the line where it starts."""
+    ws = " \t\r\n"
+    n, i = len(text), 0
+    while i < n and text[i] in ws:
+        i += 1
+    if i == n:
+        return
+    if text[i] == "{":
+        # Either one object (not a dataset) or JSON Lines saved as .json: tell them apart.
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            if e.msg == "Extra data":
+                yield from _iter_jsonl(path, text)
+                return
+            raise _json_error(path, e) from None
+        raise GspoError(f"{path}: expected a JSON list of objects, got one object "
+                        "(for one object per line, use .jsonl)")
+    if text[i] != "[":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise _json_error(path, e) from None
+        raise GspoError(f"{path}: expected a JSON list of objects, got {_type_name(value)}")
+    decoder = json.JSONDecoder()
+    line, line_pos = 1, 0
+
+    def line_at(pos: int) -> int:  # incremental, so a long list stays O(n)
+        nonlocal line, line_pos
+        line += text.count("\n", line_pos, pos)
+        line_pos = pos
+        return line
+
+    def skip(j: int) -> int:
+        while j < n and text[j] in ws:
+            j += 1
+        return j
+
+    i = skip(i + 1)
+    if i < n and text[i] == "]":
+        i = skip(i + 1)
+    else:
+        while True:
+            start = i
+            try:
+                obj, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError as e:
+                raise _json_error(path, e) from None
+            yield f"{path}:{line_at(start)}", obj
+            i = skip(i)
+            if i < n and text[i] == ",":
+                i = skip(i + 1)
+                continue
+            if i < n and text[i] == "]":
+                i = skip(i + 1)
+                break
+            raise GspoError(f"{path}:{line_at(min(i, n))}: invalid JSON: expected ',' or ']' after a list item")
+    if i < n:
+        raise GspoError(f"{path}:{line_at(i)}: invalid JSON: extra data after the list")
+
+
+def _iter_csv(path: str, text: str, delimiter: str) -> Iterator[tuple[str, Any]]:
+    # Long prompts / test code exceed the default 128 KiB field limit.
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    header: list[str] | None = None
+    prev = 0  # reader.line_num after the previous row, so a row starts at prev + 1
+    try:
+        for values in reader:
+            start, prev = prev + 1, reader.line_num
+            if not values:  # blank line
+                continue
+            if header is None:
+                header = values
+                seen = set()
+                for name in header:
+                    if name in seen:
+                        raise GspoError(f"{path}:{start}: duplicate column {name!r} in the header")
+                    seen.add(name)
+                continue
+            if len(values) > len(header):
+                raise GspoError(f"{path}:{start}: row has {len(values)} values but the header has "
+                                f"{len(header)} columns")
+            # A short row lacks the trailing columns: they are missing fields, not empty strings.
+            yield f"{path}:{start}", dict(zip(header, values))
+    except csv.Error as e:
+        raise GspoError(f"{path}:{reader.line_num}: invalid CSV: {e}") from None
+
+
+def _check_columns(path: str, columns: list[str], prompt_field: str, answer_field: str) -> None:
+    for name in (prompt_field, answer_field):
+        if name not in columns:
+            raise GspoError(f"{path}: missing field {name!r} (columns: {', '.join(columns)})")
+
+
+def _iter_parquet(path: str, prompt_field: str, answer_field: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise GspoError(f"{path}: reading .parquet needs pyarrow: pip install gspo[data]") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise GspoError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
+    _check_columns(path, table.column_names, prompt_field, answer_field)
+    for i, row in enumerate(table.to_pylist(), 1):
+        yield f"{path}: row {i}", row
+
+
+def _iter_hf_dir(path: str, prompt_field: str, answer_field: str, split: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets as hf
+    except ImportError:
+        raise GspoError(f"{path}: loading a dataset directory needs the datasets package: "
+                        "pip install gspo[data]") from None
+    saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
+    try:
+        obj = hf.load_from_disk(path) if saved else hf.load_dataset(path)
+    except Exception as e:
+        raise GspoError(f"{path}: cannot load dataset directory: {_one_line(e)}") from None
+    if isinstance(obj, (hf.DatasetDict, dict)):
+        if split not in obj:
+            raise GspoError(f"{path}: no split {split!r} (splits: {', '.join(obj)})")
+        obj = obj[split]
+    _check_columns(path, list(obj.column_names), prompt_field, answer_field)
+    for i, row in enumerate(obj, 1):
+        yield f"{path}: {split} row {i}", row
+
+
+def _answer(v: Any, loc: str, name: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Number):
+        raise GspoError(f"{loc}: field {name!r} must be a string or a number, got {_type_name(v)}")
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise GspoError(f"{loc}: field {name!r} is {v}")
+        if v.is_integer():  # 72.0 (e.g. an int column with nulls read as float) -> "72"
+            return str(int(v))
+    return str(v)
+
+
+def _example(loc: str, row: Any, prompt_field: str, answer_field: str) -> Example:
+    if not isinstance(row, dict):
+        raise GspoError(f"{loc}: expected an object with fields, got {_type_name(row)}")
+    for name in (prompt_field, answer_field):
+        if name not in row:
+            fields = ", ".join(str(k) for k in list(row)[:12]) or "none"
+            raise GspoError(f"{loc}: missing field {name!r} (fields: {fields})")
+        if row[name] is None:
+            raise GspoError(f"{loc}: field {name!r} is null")
+    prompt = row[prompt_field]
+    if not isinstance(prompt, str):
+        raise GspoError(f"{loc}: field {prompt_field!r} must be a string, got {_type_name(prompt)}")
+    if not prompt.strip():
+        raise GspoError(f"{loc}: field {prompt_field!r} is empty")
+    answer = _answer(row[answer_field], loc, answer_field)
+    meta = {k: v for k, v in row.items() if k != prompt_field and k != answer_field}
+    return Example(prompt, answer, meta)
+
+
+def _rows(path: str, prompt_field: str, answer_field: str, split: str) -> Iterable[tuple[str, Any]]:
+    if os.path.isdir(path):
+        return _iter_hf_dir(path, prompt_field, answer_field, split)
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        return _iter_parquet(path, prompt_field, answer_field)
+    if ext in _JSONL:
+        return _iter_jsonl(path, _read_text(path))
+    if ext == ".json":
+        return _iter_json(path, _read_text(path))
+    if ext in (".csv", ".tsv"):
+        return _iter_csv(path, _read_text(path), "\t" if ext == ".tsv" else ",")
+    raise GspoError(f"{path}: unsupported dataset format {ext or '(no extension)'!r} (expected {_FORMATS})")
+
+
+def load_prompt_dataset(path: str, prompt_field: str = "prompt", answer_field: str = "answer",
+                        split: str = "train") -> list[Example]:
+    """Examples from a local dataset; formats by extension (``.jsonl``/``.ndjson``, ``.json`` list,
+    ``.csv``/``.tsv`` with a header row, ``.parquet``) or a directory (``datasets.save_to_disk``
+    output, or data files loadable by ``datasets.load_dataset``; ``split`` applies only there).
+
+    Answers that are numbers become strings (integral floats without ``.0``); other fields go to
+    ``Example.meta``. Raises :class:`GspoError` naming file, line/row and field on bad data.
+    """
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.exists(path):
+        hint = ""
+        if not os.path.splitext(path)[1] and path.count("/") == 1:
+            hint = " (for a Hugging Face Hub dataset, save it locally first: load_dataset(...).save_to_disk(DIR))"
+        raise GspoError(f"dataset file not found: {path}{hint}")
+    try:
+        examples = [_example(loc, row, prompt_field, answer_field)
+                    for loc, row in _rows(path, prompt_field, answer_field, split)]
+    except OSError as e:
+        raise GspoError(f"{path}: cannot read: {_one_line(e)}") from None
+    if not examples:
+        raise GspoError(f"{path}: dataset is empty (no examples)")
+    return examples
+
+
+def apply_chat_template(tokenizer: Any, prompt: str, system: str | None = None) -> str:
+    """``prompt`` (and ``system``) as a chat turn ending in the assistant prefix, via the tokenizer's
+    chat template; the prompt unchanged (``system`` ignored) when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return prompt
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # e.g. a template that rejects the system role
+        what = " with a system prompt" if system else ""
+        raise GspoError(f"the tokenizer's chat template failed{what}: {_one_line(e)}") from None
+    if not isinstance(text, str):
+        raise GspoError(f"the tokenizer's chat template returned {_type_name(text)}, expected a string")
+    return text
+

@@ -1,0 +1,422 @@
+"""Reward functions: ``fn(prompts, completions, answers) -> list[float]``, one score per sample.
+
+The batch signature lets a reward share work across a group (parse the reference once, run code in
+parallel). Built-ins are looked up by :func:`load_reward`; user functions are loaded from
+``package.module:function`` or ``path/to/file.py:function``. :func:`safe_rewards` is the only way
+the trainer calls a reward: it turns exceptions, NaN/inf, non-numbers and wrong lengths into either a
+one-line :class:`GspoError` or zero scores plus a count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+from typing import Any
+
+from gspo.errors import GspoError
+
+RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
+
+_BUILTINS = "exact_match, math, boxed, code, format:<regex>"
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------
+# exact match
+
+
+def exact_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion equals the answer up to surrounding whitespace."""
+    return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answers)]
+
+
+# ------------------------------------------------------------------------------------------------
+# math: boxed / final-number string match, and math-verify
+
+
+def _reference(answer: str) -> str:
+    """The final answer of a reference: after GSM8K's ``####`` when present."""
+    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent."""
+    idx, tag = max((text.rfind(t), t) for t in ("\\boxed", "\\fbox"))
+    if idx < 0:
+        return None
+    j = idx + len(tag)
+    if j < len(text) and text[j] == " ":  # \boxed 5
+        m = re.match(r" +([^\s$]+)", text[j:])
+        return m.group(1) if m else None
+    if j >= len(text) or text[j] != "{":
+        return None
+    depth = 0
+    for k in range(j, len(text)):
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1 : k]
+    return None  # unbalanced: truncated generation
+
+
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _normalize(s: str) -> str:
+    """Canonical string for comparison: TeX spacing/wrappers dropped, numbers as reduced fractions."""
+    s = s.strip()
+    while len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+        s = s[1:-1].strip()
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    for tok in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ "):
+        s = s.replace(tok, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\\frac\{(-?\d+)\}\{(-?\d+)\}", r"\1/\2", s)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)  # 1,000 -> 1000
+    try:
+        if re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)", s):
+            return str(Fraction(s))  # 3.50 == 7/2 == 3.5
+        m = re.fullmatch(r"([-+]?\d+)/(\d+)", s)
+        if m and int(m.group(2)) != 0:
+            return str(Fraction(int(m.group(1)), int(m.group(2))))
+    except (ValueError, ZeroDivisionError):
+        pass
+    return s
+
+
+def _final_answer(completion: str) -> str | None:
+    boxed = extract_boxed(completion)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
+def boxed_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the last ``\\boxed{}`` of the completion (else its last number) matches the reference
+    after normalization (whitespace, ``$``, TeX spacing, ``1,000``, ``0.5 == 1/2 == \\frac{1}{2}``).
+    No dependency; :func:`math_verify_reward` is the symbolic, more forgiving version."""
+    out = []
+    for c, a in zip(completions, answers):
+        pred = _final_answer(c)
+        ref = _reference(a)
+        ref = extract_boxed(ref) or ref
+        out.append(1.0 if pred is not None and _normalize(pred) == _normalize(ref) else 0.0)
+    return out
+
+
+def _math_verify() -> tuple[Any, Any]:
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise GspoError("reward 'math' needs the math-verify package: pip install gspo[math]") from None
+    return parse, verify
+
+
+def math_verify_reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when math-verify judges the completion's final answer equal to the reference (symbolic:
+    ``\\frac{1}{2}`` == ``0.5``, ``1+x^2`` == ``x^2+1``, sets, intervals)."""
+    parse, verify = _math_verify()
+    # math-verify's timeouts use SIGALRM, which only works in the main thread; elsewhere run without.
+    t = 5 if threading.current_thread() is threading.main_thread() else None
+    golds: dict[str, Any] = {}  # the G completions of a group share one reference
+    out = []
+    for c, a in zip(completions, answers):
+        if a not in golds:
+            ref = _reference(a)
+            wrapped = ref if ("$" in ref or "\\boxed" in ref or "\\(" in ref) else f"${ref}$"
+            golds[a] = parse(wrapped, parsing_timeout=t) or parse(ref, parsing_timeout=t)
+        gold = golds[a]
+        ok = bool(gold) and verify(gold, parse(c, parsing_timeout=t), timeout_seconds=t)
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# format
+
+
+def format_reward(pattern: str) -> RewardFn:
+    """1.0 when the whole completion matches ``pattern`` (``re.fullmatch``, DOTALL so ``.`` spans
+    lines, e.g. ``<think>.*</think>\\s*<answer>.*</answer>``), else 0.0."""
+    try:
+        rx = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise GspoError(f"reward 'format:{pattern}': invalid regex: {e}") from None
+
+    def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        return [1.0 if rx.fullmatch(c) else 0.0 for c in completions]
+
+    return _named(reward, f"format:{pattern}")
+
+
+# ------------------------------------------------------------------------------------------------
+# code execution
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The last fenced ```python block (else the last untagged ``` block; an unterminated final
+    block counts), or the whole completion when there is no fence."""
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(completion)]
+    for wanted in (("python", "py", "python3"), ("",)):
+        bodies = [body for lang, body in blocks if lang in wanted]
+        if bodies:
+            return bodies[-1]
+    return completion
+
+
+def make_code_reward(timeout_s: float = 5.0, memory_mb: int = 512, workers: int | None = None) -> RewardFn:
+    """Reward running ``extract_code(completion) + answer`` (the answer holds the test code, e.g.
+    asserts) in :func:`gspo.tasks.sandbox.run_untrusted`: 1.0 if it exits 0 in time, else 0.0.
+    Programs run in parallel threads (each one a subprocess), ``workers`` default: CPU count."""
+    from gspo.tasks.sandbox import run_untrusted
+
+    def run(program: str) -> float:
+        return 1.0 if run_untrusted(program, timeout_s=timeout_s, memory_mb=memory_mb).ok else 0.0
+
+    def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        programs = [f"{extract_code(c)}\n\n{a}\n" for c, a in zip(completions, answers)]
+        n = min(len(programs), workers or os.cpu_count() or 1)
+        if n <= 1:
+            return [run(p) for p in programs]
+        with ThreadPoolExecutor(n, thread_name_prefix="gspo-sandbox") as pool:
+            return list(pool.map(run, programs))
+
+    return _named(reward, "code_execution_reward")
+
+
+code_execution_reward: RewardFn = make_code_reward()
+
+
+# ------------------------------------------------------------------------------------------------
+# loading and combining
+
+
+def _load_builtin(name: str) -> RewardFn | None:
+    if name == "exact_match":
+        return exact_match
+    if name in ("math", "math_verify"):
+        _math_verify()  # fail at startup, not at the first reward call
+        return math_verify_reward
+    if name == "boxed":
+        return boxed_match
+    if name == "code":
+        return code_execution_reward
+    if name.startswith("format:"):
+        if not name[len("format:") :]:
+            raise GspoError("reward 'format:': empty regex (use format:<regex>)")
+        return format_reward(name[len("format:") :])
+    return None
+
+
+def _import_file(spec: str, file: str) -> Any:
+    path = os.path.abspath(os.path.expanduser(file))
+    if not os.path.isfile(path):
+        raise GspoError(f"reward {spec!r}: file not found: {file}")
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    mod_name = f"gspo_user_reward_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    mspec = importlib.util.spec_from_file_location(mod_name, path)
+    assert mspec is not None and mspec.loader is not None
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[mod_name] = module  # dataclasses / pickling look the module up by name
+    sys.path.insert(0, os.path.dirname(path))  # so the file can import its sibling helpers
+    try:
+        mspec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise GspoError(f"reward {spec!r}: importing {file} failed: {_one_line(e)}") from None
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return module
+
+
+def _load_user(spec: str) -> RewardFn:
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise GspoError(f"reward {spec!r}: expected module:function or path/to/file.py:function")
+    if target.endswith(".py"):
+        module = _import_file(spec, target)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise GspoError(f"reward {spec!r}: {target} has no attribute {attr!r}")
+    if not callable(fn):
+        raise GspoError(f"reward {spec!r}: {attr} is not callable (got {type(fn).__name__})")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins / C callables: no signature to check
+        return fn
+    try:
+        sig.bind([], [], [])
+    except TypeError:
+        raise GspoError(f"reward {spec!r}: {attr}{sig} cannot be called as fn(prompts, completions, "
+                        "answers) -> list[float]") from None
+    return fn
+
+
+def load_reward(spec: str) -> RewardFn:
+    """A reward by spec: a built-in (``exact_match``, ``math``, ``boxed``, ``code``,
+    ``format:<regex>``) or a user function ``package.module:function`` / ``path/to/file.py:function``
+    called as ``fn(prompts, completions, answers) -> list[float]``."""
+    spec = spec.strip()
+    fn = _load_builtin(spec)
+    if fn is not None:
+        return fn
+    if ":" not in spec:
+        raise GspoError(f"unknown reward {spec!r} (built-in: {_BUILTINS}; or module:function, "
+                        "path/to/file.py:function)")
+    return _load_user(spec)
+
+
+def combine(rewards: list[tuple[RewardFn, float]]) -> RewardFn:
+    """Weighted sum ``sum_k w_k * r_k`` of rewards (e.g. correctness + 0.1 * format)."""
+    if not rewards:
+        raise ValueError("combine() needs at least one (reward, weight) pair")
+    parts = list(rewards)
+
+    def combined(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        total = [0.0] * len(completions)
+        for fn, w in parts:
+            values = list(fn(prompts, completions, answers))
+            if len(values) != len(total):
+                raise ValueError(f"{_fn_name(fn)} returned {len(values)} values for {len(total)} samples")
+            for i, v in enumerate(values):
+                total[i] += w * float(v)
+        return total
+
+    return _named(combined, "+".join(f"{w:g}*{_fn_name(fn)}" for fn, w in parts))
+
+
+# ------------------------------------------------------------------------------------------------
+# calling a reward safely
+
+
+class _BadBatch(Exception):
+    """The whole return value is unusable (not a list, wrong length)."""
+
+
+def _score(v: Any) -> float | str:
+    """The float for a returned value, or a description of why it is not one."""
+    if v is None or isinstance(v, (str, bytes)):
+        return f"{_type_name(v)} {v!r:.40}" if v is not None else "None"
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return f"{_type_name(v)} {v!r:.40}"
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return f
+
+
+def _type_name(v: Any) -> str:
+    return type(v).__name__
+
+
+def _scores(out: Any, n: int) -> list[float | str]:
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
+        raise _BadBatch(f"returned {_type_name(out)} instead of a list of {n} floats")
+    values = list(out)
+    if len(values) != n:
+        raise _BadBatch(f"returned {len(values)} values for {n} samples")
+    return [_score(v) for v in values]
+
+
+def safe_rewards(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str],
+                 on_error: str = "error", name: str | None = None) -> tuple[list[float], int]:
+    """Call ``fn`` and check it returned ``len(completions)`` finite numbers.
+
+    ``on_error="error"``: any problem raises a one-line :class:`GspoError` naming the function and
+    the sample. ``on_error="zero"``: bad samples score 0.0; when the whole call fails (raises, wrong
+    length, not a list) each sample is retried alone to isolate the bad ones. Returns
+    ``(scores, n_bad)`` for the caller to log. A :class:`GspoError` from ``fn`` (a setup problem such
+    as a missing package) always propagates.
+    """
+    if on_error not in ("error", "zero"):
+        raise ValueError(f"on_error must be 'error' or 'zero', got {on_error!r}")
+    n = len(completions)
+    if len(prompts) != n or len(answers) != n:
+        raise ValueError(f"got {len(prompts)} prompts, {n} completions, {len(answers)} answers")
+    if n == 0:
+        return [], 0
+    label = name or _fn_name(fn)
+
+    def fail(what: str, i: int | None = None) -> GspoError:
+        where = f" for sample {i} (completion {completions[i][:60]!r})" if i is not None else ""
+        return GspoError(f"reward function {label} {what}{where}")
+
+    try:
+        scores = _scores(fn(prompts, completions, answers), n)
+    except GspoError:
+        raise
+    except _BadBatch as e:
+        if on_error == "error":
+            raise fail(str(e)) from None
+        return _per_sample(fn, prompts, completions, answers)
+    except Exception as e:
+        if on_error == "error":
+            raise fail(f"raised {_one_line(e)}") from e
+        return _per_sample(fn, prompts, completions, answers)
+    out, bad = [], 0
+    for i, s in enumerate(scores):
+        if isinstance(s, str):
+            if on_error == "error":
+                raise fail(f"returned {s}", i)
+            out.append(0.0)
+            bad += 1
+        else:
+            out.append(s)
+    return out, bad
+
+
+def _per_sample(fn: RewardFn, prompts: list[str], completions: list[str],
+                answers: list[str]) -> tuple[list[float], int]:
+    out, bad = [], 0
+    for p, c, a in zip(prompts, completions, answers):
+        try:
+            s = _scores(fn([p], [c], [a]), 1)[0]
+        except GspoError:
+            raise
+        except Exception:
+            s = "error"
+        if isinstance(s, str):
+            out.append(0.0)
+            bad += 1
+        else:
+            out.append(s)
+    return out, bad

@@ -1,0 +1,92 @@
+"""policy_update: packing, micro-batching and pi_old reuse change cost, never the update."""
+
+import copy
+
+import pytest
+import torch
+
+from gspo.config import Config
+from gspo.model.forward import response_logprobs
+from gspo.rollout.hf import HFRolloutEngine, left_pad
+from gspo.train.loop import RolloutData, policy_update
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_moe):
+    """A 16-row rollout of the tiny MoE with varied lengths and fixed advantages."""
+    model, tok = tiny_moe
+    prompts = [tok(f"rev:{n}=").input_ids for n in [1, 12, 123, 1234, 12345, 123456, 1234567, 9] * 2]
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    rb = eng.generate(prompts, 10, temperature=1.0)
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    adv = torch.linspace(-1.5, 1.5, 16)
+    return RolloutData(ids, mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, adv)
+
+
+def _run(model, data, **kw):
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = Config(prompts_per_step=2, group_size=8, log_volatility=False, max_grad_norm=0, **kw).validate()
+    metrics = policy_update(m, opt, sched, data, cfg, 1, is_moe=True)
+    return m, metrics
+
+
+def test_packed_equals_padded_logprobs_and_grads(tiny_moe, batch):
+    """Packing all rows into one sequence gives the padded layout's log-probs and gradients."""
+    model, _ = tiny_moe
+    b = batch
+    grads = []
+    for pack in (False, True):
+        model.zero_grad()
+        lp = response_logprobs(model, b.prompt_ids_BP, b.prompt_mask_BP, b.response_ids_BT, b.response_mask_BT,
+                               pack=pack)
+        (lp * b.adv_B[:, None]).sum().backward()
+        grads.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=2e-5, rtol=0)
+    for g0, g1 in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(g0, g1, atol=2e-5, rtol=1e-4)
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("kw", [{"micro_batch_size": 3}, {"packing": "on"}, {"micro_batch_size": 2, "packing": "on"}])
+def test_micro_batching_and_packing_do_not_change_the_update(tiny_moe, batch, kw):
+    """Length-bucketed micro-batches (grad accumulation) and packing give the whole-minibatch update."""
+    model, _ = tiny_moe
+    ref, ref_m = _run(model, batch, num_minibatches=2)
+    got, got_m = _run(model, batch, num_minibatches=2, **kw)
+    for (n, p), q in zip(ref.named_parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=n)
+    assert abs(ref_m["loss/loss"] - got_m["loss/loss"]) < 1e-6
+    assert abs(ref_m["loss/clip_frac_tok"] - got_m["loss/clip_frac_tok"]) < 1e-6
+
+
+def _count_forwards(model, data, **kw):
+    m = copy.deepcopy(model)
+    calls = []
+    base = getattr(m, m.base_model_prefix)
+    h = base.register_forward_pre_hook(lambda *a: calls.append(1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = Config(prompts_per_step=2, group_size=8, **kw).validate()
+    policy_update(m, opt, sched, data, cfg, 1, is_moe=True)
+    h.remove()
+    return len(calls)
+
+
+def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
+    """pi_old costs no forward for minibatch 1 (its own first pass), none at all with rollout log-probs."""
+    model, _ = tiny_moe
+    assert _count_forwards(model, batch, num_minibatches=1, log_volatility=False) == 1
+    assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4 + 3
+    assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False, old_logp="rollout") == 4
+    # volatility needs pi_old's routing everywhere plus one pass under the updated policy
+    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 3 + 4 + 4
+
+
+def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):
+    """With one minibatch the ratio is exactly 1: pi_old is the same forward's detached log-probs."""
+    model, _ = tiny_moe
+    _, m = _run(model, batch, num_minibatches=1)
+    assert m["loss/ratio_min"] == m["loss/ratio_max"] == 1.0
+    assert m["loss/clip_frac_tok"] == 0.0 and m["loss/approx_kl"] == 0.0
