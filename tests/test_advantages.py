@@ -148,3 +148,47 @@ def test_input_not_modified_and_empty_ok():
     group_advantages(r, "batch")
     assert torch.equal(r, r0)
     assert group_advantages(torch.zeros(0, 4)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", SCALES)
+def test_power_of_two_rescaling_is_exact_up_to_the_float_limits(scale, dtype):
+    """A(2^k r) == A(r) bit for bit ("group"/"batch", eps=0) and == 2^k A(r) ("none"), for k up to
+    the top of the float range (sums of rewards near finfo.max must not overflow to inf/NaN)."""
+    r = torch.tensor(REWARDS, dtype=dtype)  # |r| <= 4 = 2^2
+    max_exp, min_exp = (128, -126) if dtype == torch.float32 else (1024, -1022)  # finfo.max < 2^max_exp
+    top = max_exp - 3  # 4 * 2^top < finfo.max, but a sum of 4 such values overflows
+    bottom = min_exp + 2  # 0.25 * 2^bottom is still a normal float
+    base = group_advantages(r, scale, 0.0)
+    for k in (bottom, -20, 20, top):
+        f = 2.0**k
+        got = group_advantages(r * f, scale, 0.0)
+        assert torch.isfinite(got).all(), k
+        want = base * f if scale == "none" else base
+        assert torch.equal(got, want), k
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_extreme_magnitudes_hand_values(scale):
+    """Rewards near finfo.max or subnormal still give the exact normalized values (eps=0)."""
+    F32 = torch.float32
+    big = group_advantages(torch.tensor([[1.7e308, 1.0e308]], dtype=F64), scale, 0.0)
+    assert torch.allclose(big, torch.tensor([[1.0, -1.0]], dtype=F64), atol=ATOL, rtol=0)
+    big32 = group_advantages(torch.tensor([[3e38, 3e38, 1e38]], dtype=F32), scale, 0.0)
+    want32 = torch.tensor([[2**-0.5, 2**-0.5, -(2**0.5)]], dtype=F32)
+    assert torch.allclose(big32, want32, atol=1e-6, rtol=0)
+    tiny = group_advantages(torch.tensor([[0.0, 5e-324], [1e-310, -3e-310]], dtype=F64), "group", 0.0)
+    assert torch.equal(tiny, torch.tensor([[-1.0, 1.0], [1.0, -1.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_eps_dominates_tiny_spreads(scale):
+    """With eps=1e-6 a spread of 1e-300 gives ~1e-294-sized advantages, never NaN or inf (eps / tiny
+    unit overflows to inf there, which must give 0, not NaN)."""
+    r = torch.tensor([[0.0, 5e-324], [1e-300, -1e-300], [0.0, 1.0]], dtype=F64)
+    out = group_advantages(r, scale, 1e-6)
+    assert torch.isfinite(out).all()
+    assert (out[:2].abs() <= 1e-293).all()
+    if scale == "group":
+        assert torch.allclose(out[1], torch.tensor([1e-294, -1e-294], dtype=F64), atol=0, rtol=1e-9)
+        assert torch.allclose(out[2], torch.tensor([-1.0, 1.0], dtype=F64) / (1 + 2e-6), atol=ATOL, rtol=0)

@@ -173,6 +173,58 @@ def test_grpo_token_mean_divides_by_total_tokens():
     assert abs(loss2.item() - (-(4.0 + 1.0) / 2)) < ATOL
 
 
+def test_grpo_value_hand_computed_b3_t4_both_aggregations():
+    """B=3, T=4 GRPO by hand: both clip sides, A<0, garbage padding; seq-mean vs token-mean."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=F64)
+    w = torch.tensor([[1.1, 1.5, 9.0, 0.01], [0.5, 1.0, 1.2, 2.0], [0.9, 0.7, 1.3, 50.0]], dtype=F64)
+    old = torch.tensor(
+        [[-1.0, -2.0, -3.0, -4.0], [-0.5, -0.7, -0.9, -1.1], [-2.0, -0.1, -0.3, -5.0]], dtype=F64
+    )
+    logp = (old + w.log()).requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    # row0 (A=1):  1.1 | 1.5 -> clip 1.27                        sum 2.37,  mean 1.185
+    # row1 (A=-2): 0.5 -> clip .8*-2=-1.6 | -2 | -2.4 | 2.0 unclipped -4 (A<0 keeps the high side)
+    #              sum -10.0, mean -2.5
+    # row2 (A=.5): .45 | .7 -> .35 (A>0 keeps the low side) | 1.3 -> clip .635   sum 1.435
+    rows = [(2.37, 2), (-10.0, 4), (1.435, 3)]
+    want_seq = -sum(t / n for t, n in rows) / 3
+    want_tok = -sum(t for t, _ in rows) / 9
+    got_seq, _ = grpo_loss(logp, old, adv, mask)
+    got_tok, _ = grpo_loss(logp, old, adv, mask, aggregation="token_mean")
+    assert abs(got_seq.item() - want_seq) < ATOL
+    assert abs(got_tok.item() - want_tok) < ATOL
+    # per-token gradient: -(A w / |y_i|) / B where unclipped, else 0
+    g = _grad(got_seq, logp)
+    want_g = torch.tensor(
+        [[-1.1 / 2, 0, 0, 0], [0, 2.0 / 4, 2.4 / 4, 4.0 / 4], [-0.45 / 3, -0.35 / 3, 0, 0]], dtype=F64
+    )
+    assert torch.allclose(g, want_g / 3, atol=ATOL, rtol=0)
+
+
+def test_gspo_token_value_and_gradient_hand_computed():
+    """GSPO-token by hand (eps .1/.2): per-token A picks clip side per token; grad -(A_it s_i/|y_i|)/B."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=F64)
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -4.0]], dtype=F64)
+    delta = torch.tensor(
+        [
+            [math.log(1.5) + 0.1, math.log(1.5) - 0.1, math.log(1.5)],
+            [math.log(0.8) + 0.05, math.log(0.8) - 0.05, 3.0],
+        ],
+        dtype=F64,
+    )
+    logp = (old + delta).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0], [-1.0, 0.5, 7.0]], dtype=F64)
+    loss, m = gspo_token_loss(logp, old, adv, mask, 0.1, 0.2)
+    # row0 s=1.5: A=1 -> 1.2 (clipped) | A=-1 -> -1.5 | A=2 -> 2.4 (clipped)   mean 0.7
+    # row1 s=0.8: A=-1 -> -0.9 (clipped) | A=.5 -> .4                         mean -0.25
+    assert abs(loss.item() - (-(0.7 - 0.25) / 2)) < ATOL
+    want_g = torch.tensor([[0.0, 1.5 / 3, 0.0], [0.0, -0.5 * 0.8 / 2, 0.0]], dtype=F64) / 2
+    assert torch.allclose(_grad(loss, logp), want_g, atol=ATOL, rtol=0)
+    assert abs(m["clip_frac_tok_high"].item() - 2 / 5) < ATOL
+    assert abs(m["clip_frac_tok_low"].item() - 1 / 5) < ATOL
+    assert abs(m["ratio_mean"].item() - (1.5 + 0.8) / 2) < ATOL
+
+
 def test_grpo_rejects_unknown_aggregation():
     """grpo_loss raises ValueError for an unknown aggregation name."""
     logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
@@ -300,6 +352,29 @@ def test_gspo_token_equals_gspo_beyond_log_ratio_clamp():
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
 
 
+def test_gspo_token_matches_gspo_exactly_in_float32_with_large_log_probs():
+    """float32, |logp| ~ 1e3 (ulp 6e-5): GSPO-token's per-token ratio is exactly s_i, not s_i rounded
+    at the scale of |logp|, so value and clip metrics equal GSPO's bit for bit (also at clip edges)."""
+    f32 = torch.float32
+    T = 4  # mean of 4 equal float32 values is exact, so the two values are comparable with ==
+    lr = torch.tensor([1e-4, 3.8e-4, 4.2e-4, -2.8e-4, -3.2e-4, 0.0, 2e-3, -2e-3])
+    # one token per row at ~ -1000, three at O(1) magnitude, so s_i is finer than ulp(1000)
+    old = torch.tensor([-1000.0, -0.3, -0.7, -1.3]).repeat(8, 1) - torch.arange(8.0)[:, None] * 0.37
+    noise = torch.tensor([0.0, 3.1e-5, -1.7e-5, -1.4e-5])
+    logp = (old + lr[:, None] + noise).requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
+    mask = torch.ones(8, T)
+    l1, m1 = gspo_loss(logp, old, adv, mask)
+    l2, m2 = gspo_token_loss(logp, old, adv, mask)
+    assert l1.item() == l2.item()
+    for k in m1:
+        assert torch.equal(m1[k], m2[k]), k
+    assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=0, rtol=1e-6)
+    # the float32 result also agrees with the float64 computation on the same float32 inputs
+    l64, _ = gspo_loss(logp.detach().double(), old.double(), adv.double(), mask.double())
+    assert abs(l1.item() - l64.item()) < 1e-6
+
+
 def test_on_policy_gspo_gradient_equals_grpo_gradient():
     """With logp == old_logp, GSPO and GRPO (seq_mean_token_mean) agree in value and gradient."""
     logp, _, adv, mask = _batch([0.0] * 5, GSPO_ADV)
@@ -420,6 +495,52 @@ def test_extreme_log_ratios_finite(name, fn, dtype):
         g = _grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
         assert all(torch.isfinite(v) for v in m.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_half_precision_inputs_are_computed_in_float32(name, fn, dtype):
+    """bf16/fp16 log-probs give exactly the float32 result on the same (rounded) values: token counts
+    above 256 and ratios at the 1e-4 clip scale are not rounded to half precision."""
+    g = torch.Generator().manual_seed(7)
+    B, T = 3, 300
+    mask = torch.ones(B, T)
+    mask[1, 257:] = 0
+    mask[2, 100:] = 0
+    old = (-torch.rand(B, T, generator=g) * 4).to(dtype)
+    logp = (old.float() + torch.randn(B, T, generator=g) * 0.01 + 1e-4).to(dtype)
+    adv = torch.tensor([1.0, -0.5, 0.8])
+    x = logp.clone().requires_grad_(True)
+    loss, m = fn(x, old, adv, mask)
+    x32 = logp.float().requires_grad_(True)
+    loss32, m32 = fn(x32, old.float(), adv, mask)
+    assert loss.dtype == torch.float32 and loss.item() == loss32.item()
+    gx, g32 = _grad(loss, x), _grad(loss32, x32)
+    assert gx.dtype == dtype and torch.equal(gx, g32.to(dtype))
+    for k in m32:
+        assert m[k].dtype == torch.float32 and torch.equal(m[k], m32[k]), k
+
+
+@pytest.mark.parametrize("name,fn", ALL_LOSSES)
+def test_float32_log_ratio_overflow_stays_finite(name, fn):
+    """Finite float32 inputs whose difference overflows (3e38 - -3e38 = inf, and -inf in the same row)
+    give a finite loss, no gradient on the overflowing tokens, and leave the other rows untouched."""
+    logp = torch.tensor([[3e38, -3e38, -1.0, -1.0], [-1.0, -1.1, -0.9, -1.0]], requires_grad=True)
+    old = torch.tensor([[-3e38, 3e38, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
+    mask = torch.ones(2, 4)
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = fn(logp, old, adv, mask)
+    g = _grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert all(torch.isfinite(v) for v in m.values())
+    assert torch.all(g[0, :2] == 0)
+    n = 8 if name == "grpo_token_mean" else 2
+    x1 = logp.detach()[1:].clone().requires_grad_(True)
+    l1, _ = fn(x1, old[1:], adv[1:], mask[1:], normalizer=n)
+    assert torch.allclose(g[1:], _grad(l1, x1), atol=1e-7, rtol=0)
+    if name.startswith("gspo"):
+        # +-inf tokens cancel in the (clamped) mean: s_0 = 1, so the finite tokens still get -A/|y|/B
+        assert torch.allclose(g[0, 2:], torch.full((2,), -1.0 / 4 / 2), atol=1e-7, rtol=0)
 
 
 def test_nan_advantage_on_empty_row_does_not_poison_gradient():

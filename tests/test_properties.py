@@ -20,12 +20,24 @@ LOSS_FNS = {
 }
 
 
+def _finite_max(dtype: torch.dtype) -> float:
+    """Largest magnitude that stays finite in ``dtype`` after rounding from float64."""
+    return 3.3e38 if dtype == torch.bfloat16 else torch.finfo(dtype).max
+
+
 @st.composite
-def batches(draw, bound=1e30):
-    """Random [B,T] logp/old_logp (finite, up to +-bound), 0/1 mask, advantages."""
+def batches(draw, bound=None):
+    """Random [B,T] logp/old_logp (finite, up to +-bound; default the whole range of the drawn
+    dtype), 0/1 mask, advantages. Values are exact in float64; callers cast to ``dtype``."""
     B = draw(st.integers(1, 4))
     T = draw(st.integers(1, 6))
-    fl = st.floats(-bound, bound, allow_nan=False, allow_infinity=False)
+    dtype = draw(st.sampled_from([torch.float32, F64, torch.bfloat16]))
+    if bound is None:
+        top = _finite_max(dtype)
+        width = 32 if dtype == torch.float32 else 64  # bf16 values round on the cast
+        fl = st.floats(-top, top, allow_nan=False, allow_infinity=False, width=width)
+    else:
+        fl = st.floats(-bound, bound, allow_nan=False, allow_infinity=False)
     small = st.floats(-3.0, 0.0, allow_nan=False)
     vals = st.one_of(fl, small)
     logp = torch.tensor(draw(st.lists(vals, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
@@ -33,21 +45,22 @@ def batches(draw, bound=1e30):
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
     adv = torch.tensor(draw(st.lists(st.floats(-1e3, 1e3), min_size=B, max_size=B)), dtype=F64)
     name = draw(st.sampled_from(sorted(LOSS_FNS)))
-    dtype = draw(st.sampled_from([torch.float32, F64]))
     return logp, old, mask, adv, name, dtype
 
 
 @SETTINGS
 @given(batches())
 def test_losses_finite_for_finite_inputs(b):
-    """Any finite inputs (including |x| up to 1e30 and random masks) give finite loss/grad/metrics."""
+    """Any finite inputs over the whole float range of float32/float64/bf16 (logp - old_logp may
+    overflow) and random masks give finite loss/grad/metrics, zero grad on padding."""
     logp, old, mask, adv, name, dtype = b
     x = logp.to(dtype).requires_grad_(True)
     loss, m = LOSS_FNS[name](x, old.to(dtype), adv.to(dtype), mask.to(dtype))
     (g,) = torch.autograd.grad(loss, x)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert loss.dtype == torch.promote_types(dtype, torch.float32) and g.dtype == dtype
     assert torch.all(g[~mask.bool()] == 0)
-    assert all(v.dim() == 0 and torch.isfinite(v) for v in m.values())
+    assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in m.values())
 
 
 @SETTINGS
@@ -96,14 +109,48 @@ def test_gspo_token_equals_gspo_for_constant_advantages(b, explicit, eps):
     assert torch.allclose(g1, g2, atol=1e-12, rtol=1e-10)
 
 
+@SETTINGS
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(1, 6), min_size=4, max_size=4),
+    st.lists(st.floats(-50.0, 0.0), min_size=24, max_size=24),
+    st.lists(st.floats(-6e-4, 6e-4), min_size=24, max_size=24),
+    st.lists(st.floats(-2.0, 2.0), min_size=4, max_size=4),
+)
+def test_gspo_token_equals_gspo_in_float32(B, lengths, old_vals, delta_vals, adv_vals):
+    """float32, realistic log-probs and log-ratios straddling the default clip edges: GSPO-token's
+    clip metrics equal GSPO's exactly (same s_i) and the loss agrees to float32 rounding."""
+    T = 6
+    old = torch.tensor((old_vals * 2)[: B * T]).view(B, T)
+    delta = torch.tensor((delta_vals * 2)[: B * T]).view(B, T)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lengths[:B])[:, None]).float()
+    x1 = (old + delta).requires_grad_(True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    adv = torch.tensor(adv_vals[:B])
+    l1, m1 = gspo_loss(x1, old, adv, mask)
+    l2, m2 = gspo_token_loss(x2, old, adv, mask)
+    for k in m1:
+        assert torch.equal(m1[k], m2[k]), k
+    assert abs(l1.item() - l2.item()) <= 1e-6 * (adv.abs().sum().item() + 1e-30)
+    (g1,) = torch.autograd.grad(l1, x1)
+    (g2,) = torch.autograd.grad(l2, x2)
+    assert torch.allclose(g1, g2, atol=1e-7, rtol=1e-5)
+
+
 @st.composite
 def reward_batches(draw):
     N = draw(st.integers(1, 5))
     G = draw(st.integers(1, 8))
-    bound = draw(st.sampled_from([1.0, 1e6, 1e30]))
-    vals = st.one_of(st.floats(-bound, bound, allow_nan=False), st.sampled_from([0.0, 1.0, 0.1]))
+    dtype = draw(st.sampled_from([torch.float32, F64]))
+    width = 64 if dtype == F64 else 32
+    # "max": the whole finite range, subnormals included
+    bound = draw(st.sampled_from([1.0, 1e6, 1e30, "max"]))
+    top = torch.finfo(dtype).max if bound == "max" else min(bound, torch.finfo(dtype).max)
+    vals = st.one_of(
+        st.floats(-top, top, allow_nan=False, allow_infinity=False, width=width),
+        st.sampled_from([0.0, 1.0, 0.1]),
+    )
     r = draw(st.lists(vals, min_size=N * G, max_size=N * G))
-    dtype = draw(st.sampled_from([torch.float32, F64])) if bound < 1e30 else F64
     return torch.tensor(r, dtype=dtype).view(N, G)
 
 
@@ -113,9 +160,37 @@ def test_advantages_finite_zero_sum_and_equal_groups_zero(r, scale, eps):
     """Advantages are finite, sum to ~0 per group, and are exactly 0 for all-equal groups."""
     out = group_advantages(r, scale, eps)
     assert out.shape == r.shape and out.dtype == r.dtype
-    assert torch.isfinite(out).all()
+    N, G = r.shape
+    if scale == "none":  # centered rewards: finite whenever representable (|r - mean| <= 2 max|r|)
+        assert torch.isfinite(out).all() or r.abs().max() > torch.finfo(r.dtype).max / 2
+    else:
+        assert torch.isfinite(out).all()
+        # population std: |r - mean| <= sqrt(G) std_group, and <= sqrt(N G) std_batch
+        lim = (G if scale == "group" else N * G) ** 0.5
+        assert (out.abs() <= lim * (1 + 1e-5)).all()
+    out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
     rel = 1e-12 if r.dtype == F64 else 1e-5
     mag = out.abs().amax(dim=1).clamp(min=1.0)
     assert (out.sum(dim=1).abs() <= rel * r.shape[1] * mag).all()
     equal = (r == r[:, :1]).all(dim=1)
     assert torch.all(out[equal] == 0)
+
+
+@st.composite
+def normal_reward_batches(draw):
+    """Rewards that are 0 or of magnitude in [1e-10, 1e10], so 2^k r (|k| <= 60) stays normal."""
+    N = draw(st.integers(1, 4))
+    G = draw(st.integers(1, 6))
+    mag = st.floats(1e-10, 1e10)
+    val = st.one_of(st.just(0.0), mag, mag.map(lambda v: -v), st.sampled_from([0.0, 1.0, 0.1]))
+    dtype = draw(st.sampled_from([torch.float32, F64]))
+    return torch.tensor(draw(st.lists(val, min_size=N * G, max_size=N * G)), dtype=dtype).view(N, G)
+
+
+@SETTINGS
+@given(normal_reward_batches(), st.sampled_from(SCALES), st.integers(-60, 60))
+def test_advantages_exactly_invariant_to_power_of_two_rescaling(r, scale, k):
+    """With eps=0, A(2^k r) == A(r) bit for bit ("group"/"batch") and == 2^k A(r) ("none")."""
+    a = group_advantages(r, scale, 0.0)
+    b = group_advantages(r * 2.0**k, scale, 0.0)
+    assert torch.equal(b, a * 2.0**k if scale == "none" else a)

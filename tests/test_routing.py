@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -81,7 +85,64 @@ def _qwen2moe():
     return Qwen2MoeForCausalLM(cfg)
 
 
-ARCHS = {"qwen3_moe": _qwen3, "mixtral": _mixtral, "olmoe": _olmoe, "qwen2_moe_no_norm": _qwen2moe}
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=0,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(4)
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def _granitemoe():
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    cfg = GraniteMoeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    torch.manual_seed(5)
+    return GraniteMoeForCausalLM(cfg)
+
+
+ARCHS = {
+    "qwen3_moe": _qwen3,
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "qwen2_moe_no_norm": _qwen2moe,
+    "deepseek_v3": _deepseek_v3,
+    "granitemoe": _granitemoe,
+}
 
 
 def _batch(seed: int = 0, b: int = B, seq: int = L):
@@ -94,9 +155,9 @@ def _batch(seed: int = 0, b: int = B, seq: int = L):
     return ids, mask
 
 
-def _logits(model, ids, mask):
+def _logits(model, ids, mask, **kw):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw).logits
 
 
 def _capture(model, ids, mask):
@@ -125,11 +186,17 @@ def _perturb_routers(model, seed=5, scale=0.5):
             r.weight.add_(torch.randn(r.weight.shape, generator=g) * scale)
 
 
+def _same(a: R.Routing, b: R.Routing) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ------------------------------------------------------------------------------------------------
+# discovery and the registry
 
 
 def test_find_routers_names_and_is_moe():
-    """Qwen3-MoE routers are found as layer0/layer1 and is_moe is True; a dense model has none."""
+    """Qwen3-MoE routers are found as layer0/layer1 and is_moe is True; a dense model has none and
+    capture on it raises GspoError."""
     from gspo.model.load import build_tiny_dense
 
     m = _qwen3()
@@ -144,37 +211,91 @@ def test_find_routers_names_and_is_moe():
             pass
 
 
-def test_unsupported_router_class_gives_helpful_error():
-    """A router-like module of an unregistered class raises GspoError naming the supported classes."""
+def test_unsupported_router_or_block_gives_helpful_error():
+    """An unregistered router-like class, or a transformers-4-style block (nn.Linear gate + experts
+    list, routing inline), raises GspoError naming the supported classes; is_moe warns and is False."""
 
     class FancyTopKRouter(nn.Module):
         pass
 
-    m = nn.Sequential(nn.Linear(2, 2), FancyTopKRouter())
-    with pytest.raises(GspoError, match="unsupported MoE router.*Qwen3MoeTopKRouter"):
-        R.find_routers(m)
-    with pytest.warns(UserWarning, match="unsupported"):
-        assert not R.is_moe(m)
+    class OldSparseMoeBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 2, bias=False)
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    for m in (nn.Sequential(nn.Linear(2, 2), FancyTopKRouter()), nn.Sequential(OldSparseMoeBlock())):
+        with pytest.raises(GspoError, match="unsupported MoE router.*Qwen3MoeTopKRouter"):
+            R.find_routers(m)
+        with pytest.warns(UserWarning, match="unsupported"):
+            assert not R.is_moe(m)
+
+
+def _registered_routers():
+    out = []
+    for (mod_name, cls_name), fn in R._SCORE_FNS.items():
+        try:
+            out.append(pytest.param(getattr(importlib.import_module(mod_name), cls_name), fn, id=cls_name))
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls,score_fn", _registered_routers())
+def test_registered_score_fn_reproduces_router_scores_bitwise(cls, score_fn, dtype, norm):
+    """For every registered router class: its score function at the router's own indices equals the
+    router's own scores bit for bit (and dtype), so the registry replicates each router's formula."""
+    cfg = SimpleNamespace(
+        num_experts_per_tok=2,
+        num_experts=8,
+        num_local_experts=8,
+        norm_topk_prob=norm,
+        hidden_size=16,
+        routed_scaling_factor=2.5,
+        n_group=2,
+        topk_group=1,
+    )
+    torch.manual_seed(0)
+    router = cls(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        if hasattr(router, "e_score_correction_bias"):  # choice != score: the bias must drop out
+            router.e_score_correction_bias.normal_()
+    router = router.to(dtype)
+    h_NH = torch.randn(12, 16, dtype=dtype)
+    logits, scores, idx = router(h_NH)
+    assert idx.shape == (12, 2)
+    forced = score_fn(router, logits, idx).to(scores.dtype)
+    assert torch.equal(forced, scores)
+
+
+# ------------------------------------------------------------------------------------------------
+# replay
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_replay_unchanged_params_reproduces_logits_exactly(arch):
-    """With unchanged params, replaying captured routing (padded batch) gives bit-identical logits/indices."""
+    """With unchanged params, replaying captured routing (padded batch) gives bit-identical logits, and
+    capture inside replay returns the same indices; the recorder is a mapping of [B, T, k] LongTensors."""
     model = ARCHS[arch]().eval()
     ids, mask = _batch()
     with torch.no_grad():
-        ref, routing = _capture(model, ids, mask)
-        assert set(routing) == {"layer0", "layer1"}
-        for idx in routing.values():
+        with R.capture_routing(model) as rec:
+            ref = _logits(model, ids, mask)
+        routing = R.routing_snapshot(rec)
+        assert set(routing) == {"layer0", "layer1"} and set(rec) == set(routing) and len(rec) == 2
+        for name, idx in routing.items():
             assert idx.shape == (B, L, 2) and idx.dtype == torch.long
-        with R.replay_routing(model, routing), R.capture_routing(model) as rec:
+            assert torch.equal(rec[name], idx)
+        with R.replay_routing(model, routing), R.capture_routing(model) as rec2:
             out = _logits(model, ids, mask)
     assert torch.equal(out, ref)
-    again = R.routing_snapshot(rec)
-    assert all(torch.equal(again[k], routing[k]) for k in routing)
+    assert _same(dict(rec2), routing)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_replay_after_perturbation_forces_recorded_indices(arch):
     """After perturbing routers, capture inside replay (either nesting) returns the recorded indices and
     logits differ from the free (non-replay) forward, whose routing did change."""
@@ -190,9 +311,7 @@ def test_replay_after_perturbation_forces_recorded_indices(arch):
             replayed = _logits(model, ids, mask)
         with R.capture_routing(model) as rec2, R.replay_routing(model, old):  # other nesting order
             replayed2 = _logits(model, ids, mask)
-    for r in (rec, rec2):
-        snap = R.routing_snapshot(r)
-        assert all(torch.equal(snap[k], old[k]) for k in old)
+    assert _same(R.routing_snapshot(rec), old) and _same(R.routing_snapshot(rec2), old)
     assert torch.equal(replayed, replayed2)
     assert not torch.allclose(replayed, free, atol=1e-4)
     assert not torch.equal(replayed, before)  # the scores still come from the perturbed router
@@ -248,65 +367,174 @@ def test_replay_router_grads_match_closed_form(arch):
         assert torch.allclose(router.weight.grad, ref, rtol=1e-4, atol=1e-7), name
 
 
-def test_hooks_removed_after_contexts_and_on_exception():
-    """After capture/replay (normal exit or exception) no hooks are left and outputs equal the baseline."""
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v3", "granitemoe"])
+def test_replay_router_grads_match_finite_differences(arch):
+    """In float64 under replay (routing fixed, so the loss is smooth in the router weights) autograd's
+    router.weight grad matches central finite differences on sampled entries, for every router."""
+    model = ARCHS[arch]().double().eval()
+    model.set_experts_implementation("eager")  # the default grouped_mm kernel has no float64
+    ids, mask = _batch()
+    w = torch.randn(B, L, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        _, old = _capture(model, ids, mask)
+        _perturb_routers(model, scale=0.3)
+
+    def loss():
+        with R.replay_routing(model, old):
+            return (_logits(model, ids, mask) * w).sum()
+
+    model.zero_grad()
+    loss().backward()
+    g = torch.Generator().manual_seed(2)
+    eps = 1e-6
+    for name, router in R.find_routers(model).items():
+        grad = router.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, name
+        for _ in range(3):
+            i, j = (int(torch.randint(n, (1,), generator=g)) for n in router.weight.shape)
+            with torch.no_grad():
+                router.weight[i, j] += eps
+                up = loss()
+                router.weight[i, j] -= 2 * eps
+                down = loss()
+                router.weight[i, j] += eps
+            fd = (up - down) / (2 * eps)
+            assert torch.isclose(fd, grad[i, j], rtol=1e-5, atol=1e-7), (name, i, j, float(fd), float(grad[i, j]))
+
+
+def test_replay_rejects_wrong_shapes_and_missing_layers():
+    """Replay checks the exact [B, T] of every call (not just B*T) and that every router has routing."""
     model = _qwen3().eval()
     ids, mask = _batch()
     with torch.no_grad():
-        base = _logits(model, ids, mask)  # also lets transformers install its own persistent hooks
-        state = _hook_state(model)
         _, routing = _capture(model, ids, mask)
-        _perturb_routers(model, scale=0.0)
+        transposed = {k: v.reshape(L, B, 2) for k, v in routing.items()}  # same token count
+        with pytest.raises(GspoError, match=r"forced routing has shape \[9, 3, 2\]"):
+            with R.replay_routing(model, transposed):
+                _logits(model, ids, mask)
+        with pytest.raises(GspoError, match="no entry for router"):
+            with R.replay_routing(model, {"layer0": routing["layer0"]}):
+                pass
+
+
+def test_replay_warns_under_activation_checkpointing():
+    """With activation checkpointing on (and grad enabled) replay warns that a later recompute would not
+    be replayed; without it there is no warning."""
+    model = _qwen3().train()
+    ids, mask = _batch()
+    with torch.no_grad():
+        _, routing = _capture(model, ids, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with R.replay_routing(model, routing):
+            pass
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="activation checkpointing"):
+        with R.replay_routing(model, routing):
+            pass
+
+
+# ------------------------------------------------------------------------------------------------
+# hooks, generate, multi-forward
+
+
+def test_hooks_removed_after_contexts_and_on_exception():
+    """After capture/replay (normal exit, exception inside, shape error raised from a hook) no hooks are
+    left (every module's hook dicts are empty) and outputs equal the baseline."""
+    model = _qwen3().eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        base = _logits(model, ids, mask)
+        empty = _hook_state(model)
+        assert all(not any(s[1:]) for s in empty)
+        _, routing = _capture(model, ids, mask)
         with R.replay_routing(model, routing), R.capture_routing(model):
-            assert _hook_state(model) != state  # hooks are live inside
+            assert _hook_state(model) != empty  # hooks are live inside
             _logits(model, ids, mask)
-        assert _hook_state(model) == state
+        assert _hook_state(model) == empty
         with pytest.raises(RuntimeError, match="boom"):
             with R.replay_routing(model, routing), R.capture_routing(model):
                 _logits(model, ids, mask)
                 raise RuntimeError("boom")
-        assert _hook_state(model) == state
+        assert _hook_state(model) == empty
         bad = {k: v[:1] for k, v in routing.items()}
         with pytest.raises(GspoError, match="forced routing has shape"):
             with R.replay_routing(model, bad):
                 _logits(model, ids, mask)
-        assert _hook_state(model) == state
+        assert _hook_state(model) == empty
         assert torch.equal(_logits(model, ids, mask), base)
-    assert all(not m._forward_pre_hooks for m in model.modules())
+    for r in R.find_routers(model).values():
+        assert not r._forward_hooks and not r._forward_pre_hooks
 
 
-def test_generate_unaffected_outside_contexts():
-    """Greedy model.generate gives the same tokens before and after routing contexts were used."""
+def test_replay_with_transformers_router_logits_recorder():
+    """output_router_logits=True makes transformers install its own persistent router hooks: replay
+    still reproduces logits and router_logits exactly, and on exit those hooks are left as they were."""
+    model = _qwen3().eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_router_logits=True)
+        with R.capture_routing(model) as rec:
+            ref = model(**kw)
+        state = _hook_state(model)  # now includes transformers' output-capturing hooks
+        assert any(s[1] for s in state)
+        with R.replay_routing(model, R.routing_snapshot(rec)):
+            out = model(**kw)
+        assert _hook_state(model) == state
+    assert torch.equal(out.logits, ref.logits)
+    assert all(torch.equal(a, b) for a, b in zip(out.router_logits, ref.router_logits, strict=True))
+    assert torch.equal(out.aux_loss, ref.aux_loss)
+
+
+def test_generate_unaffected_outside_contexts_and_capturable_inside():
+    """Greedy KV-cached generate gives the same tokens before and after routing contexts were used (no
+    context active); inside capture_routing it records each step, which dim=1 joins into the routing
+    of every fed position, equal to one full forward over those tokens; dim=0 refuses (lengths differ)."""
     model = _qwen3().eval()
     ids = torch.randint(3, V, (2, 5), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     g0 = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     with torch.no_grad():
         _, routing = _capture(model, *_batch())
-        _perturb_routers(model, scale=0.0)
         with R.replay_routing(model, routing):
             _logits(model, *_batch())
     g1 = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     assert torch.equal(g0, g1)
+    with R.capture_routing(model) as rec:
+        g2 = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert torch.equal(g0, g2)
+    assert [list(c.shape) for c in rec.calls["layer0"]] == [[2, 5, 2]] + [[2, 1, 2]] * 5
+    steps = R.routing_snapshot(rec, dim=1)
+    fed = g2[:, :-1]  # the last sampled token is never fed back
+    with torch.no_grad():
+        _, full = _capture(model, fed, torch.ones_like(fed))
+    assert _same(steps, full)
+    with pytest.raises(GspoError, match="cannot be concatenated along dim 0"):
+        R.routing_snapshot(rec)
 
 
 def test_base_model_call_and_multi_forward_concatenation():
-    """Calling the base model (as the loop does) is captured; several forwards cat along B; slice/cat
-    round-trip; replay of the concatenated routing over the concatenated batch is exact."""
+    """Calling the base model (as the training loop does) is captured; several forwards cat along B;
+    slice/cat round-trip."""
     model = _qwen3().eval()
     ids, mask = _batch()
     base = getattr(model, model.base_model_prefix)
     with torch.no_grad():
         _, full = _capture(model, ids, mask)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         with R.capture_routing(model) as rec:
-            base(input_ids=ids[:1], attention_mask=mask[:1], use_cache=False)
-            base(input_ids=ids[1:], attention_mask=mask[1:], use_cache=False)
-        two = R.routing_snapshot(rec)
-    assert all(torch.equal(two[k], full[k]) for k in full)  # rows 1.. use left padding: positions ok too
+            base(input_ids=ids[:1], attention_mask=mask[:1], position_ids=pos[:1], use_cache=False)
+            base(input_ids=ids[1:], attention_mask=mask[1:], position_ids=pos[1:], use_cache=False)
+    assert len(rec.calls["layer0"]) == 2
+    assert _same(R.routing_snapshot(rec), full) and _same(dict(rec), full)
     parts = [R.slice_routing(full, slice(0, 1)), R.slice_routing(full, slice(1, None))]
     assert parts[0]["layer0"].shape == (1, L, 2)
-    cat = R.cat_routing(parts)
-    assert all(torch.equal(cat[k], full[k]) for k in full)
+    assert _same(R.cat_routing(parts), full)
+
+
+# ------------------------------------------------------------------------------------------------
+# volatility
 
 
 def test_expert_volatility_properties():
@@ -326,13 +554,15 @@ def test_expert_volatility_properties():
     mask = ones.clone()
     mask[0, 0] = 0
     assert R.expert_volatility(old, changed, mask) == 0
+    assert torch.isclose(R.expert_volatility(old, changed, ones), torch.tensor(1 / 12))
     assert R.expert_volatility(old, changed, torch.zeros(3, 4)) == 0
     with pytest.raises(GspoError, match="do not match"):
         R.expert_volatility(old, old, torch.ones(3, 5))
 
 
 def test_volatility_closed_form_example():
-    """Hand-computed: 1 of 3 masked positions changes in layer0, none in layer1 -> 1/3, 0, mean 1/6."""
+    """Hand-computed: 1 of 3 masked positions changes in layer0 (a swap is no change, one replaced
+    expert is), none in layer1 -> 1/3, 0, mean 1/6."""
     old = torch.tensor([[[0, 1], [2, 3], [4, 5], [6, 7]]])
     new = torch.tensor([[[1, 0], [2, 4], [5, 4], [7, 0]]])  # pos1 and pos3 change; pos3 is masked out
     mask = torch.tensor([[1, 1, 1, 0]])
@@ -341,3 +571,5 @@ def test_volatility_closed_form_example():
     assert set(per) == {"layer0", "layer1"}
     assert torch.isclose(per["layer0"], torch.tensor(1 / 3)) and per["layer1"] == 0
     assert overall.dim() == 0 and torch.isclose(overall, torch.tensor(1 / 6))
+    with pytest.raises(GspoError, match="layer names differ"):
+        R.routing_volatility({"layer0": old}, {"layer1": old}, mask)

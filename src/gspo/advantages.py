@@ -65,12 +65,12 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
     if scale == "group":
         std_N1 = _pop_std(centered_NG, dim=1)
         # (c u) / (std u + eps) == c / (std + eps / u); eps / u = inf (u tiny) correctly gives ~0
-        denom = std_N1 + eps / unit_N1
+        denom = std_N1 + torch.full_like(unit_N1, eps) / unit_N1  # not eps * (1/u): 0 * inf
     else:
         unit = _pow2_scale(rewards_NG, dim=None)
         std = _pop_std(_center(rewards_NG / unit, dim=None), dim=None)
         # (c u_N) / (std U + eps) == c (u_N / U) / (std + eps / U); u_N / U <= 1 is a power of two
         centered_NG = centered_NG * (unit_N1 / unit)
-        denom = std + eps / unit
+        denom = std + torch.full_like(unit, eps) / unit
     # denom == 0 only when the std is 0 (all centered rewards are 0): avoid 0/0 when eps == 0
     return centered_NG / torch.where(denom > 0, denom, torch.ones_like(denom))

@@ -23,9 +23,26 @@ Tensor = torch.Tensor
 MAX_LOG_RATIO = 20.0
 
 
+def _compute_dtype(logp: Tensor, old_logp: Tensor) -> torch.dtype:
+    """At least float32: bf16/fp16 cannot resolve ratios at GSPO's 1e-4 clip scale (ulp(1) = 2^-8
+    in bf16) nor count more than 256 tokens exactly."""
+    return torch.promote_types(torch.promote_types(logp.dtype, old_logp.dtype), torch.float32)
+
+
+def _log_ratio_limit(logp_BT: Tensor) -> float:
+    """Per-token bound on |log-ratio| such that a sum over ``T`` tokens cannot overflow.
+
+    Far beyond anything real (3.4e38 / 2T in float32) and only reached when ``logp - old_logp``
+    itself overflows; without it, +inf and -inf tokens in one row would sum to NaN.
+    """
+    return torch.finfo(logp_BT.dtype).max / (2 * max(logp_BT.shape[-1], 1))
+
+
 def _masked_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """log pi_theta - log pi_old with padding set to exactly 0 (so NaN/inf there cannot leak)."""
-    return torch.where(mask_BT.bool(), logp_BT - old_logp_BT, torch.zeros_like(logp_BT))
+    """log pi_theta - log pi_old with padding set to exactly 0 (so NaN/inf there cannot leak),
+    clamped to +-:func:`_log_ratio_limit` (no gradient beyond it)."""
+    lim = _log_ratio_limit(logp_BT)
+    return torch.where(mask_BT.bool(), logp_BT - old_logp_BT, torch.zeros_like(logp_BT)).clamp(-lim, lim)
 
 
 def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -86,7 +103,9 @@ def gspo_loss(
         mask: ``[B, T]`` 1 for response tokens.
         normalizer: sequences averaged over by the whole optimizer step (default ``B``).
     """
-    mask_BT = mask.to(logp.dtype)
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
     has_tok_B = mask_BT.sum(-1) > 0
     # rows without response tokens contribute 0; zeroing A there keeps a NaN A out of the gradient
     adv_B = torch.where(has_tok_B, advantages.to(logp.dtype), 0.0)
@@ -141,8 +160,10 @@ def gspo_token_loss(
     Args:
         advantages: ``[B, T]`` per-token advantages (a ``[B]`` tensor is broadcast over tokens).
     """
-    mask_BT = mask.to(logp.dtype)
-    adv_BT = advantages.to(logp.dtype)
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
+    adv_BT = advantages.to(dtype)
     if adv_BT.dim() == 1:
         adv_BT = adv_BT[:, None].expand_as(logp)
     adv_BT = torch.where(mask_BT.bool(), adv_BT, torch.zeros_like(adv_BT))
@@ -150,12 +171,15 @@ def gspo_token_loss(
     has_tok_B = n_tok_B > 0
     raw_log_s_B = sequence_log_ratio(logp, old_logp, mask_BT).detach()
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    # clamp passes no gradient outside [-MAX, MAX]; mirror that so GSPO-token == GSPO there too
+    # the clamps pass no gradient outside [-MAX, MAX] (sequence) or +-lim (token, see
+    # _masked_log_ratio); mirror that so GSPO-token == GSPO there too
     in_range_B = (raw_log_s_B >= -MAX_LOG_RATIO) & (raw_log_s_B <= MAX_LOG_RATIO)
-    grad_BT = mask_BT.bool() & in_range_B[:, None]
+    tok_ok_BT = (logp.detach() - old_logp).abs() <= _log_ratio_limit(logp)
+    grad_BT = mask_BT.bool() & in_range_B[:, None] & tok_ok_BT
     safe_logp_BT = torch.where(grad_BT, logp, torch.zeros_like(logp))
-    # value: s_i on every token; gradient: s_i * d logp_it
-    log_s_BT = log_s_B[:, None] + safe_logp_BT - safe_logp_BT.detach()
+    # value: exactly s_i on every token (x - sg[x] == 0, whereas (log_s + x) - x rounds at the scale
+    # of |x|: ~1e-6 in float32 for logp ~ -20); gradient: s_i * d logp_it
+    log_s_BT = log_s_B[:, None] + (safe_logp_BT - safe_logp_BT.detach())
     s_BT = torch.exp(log_s_BT)
     obj_BT = torch.minimum(s_BT * adv_BT, s_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
     obj_B = (obj_BT * mask_BT).sum(-1) / n_tok_B.clamp(min=1)
@@ -205,9 +229,11 @@ def grpo_loss(
     """
     if aggregation not in ("seq_mean_token_mean", "token_mean"):
         raise ValueError(f"aggregation must be 'seq_mean_token_mean' or 'token_mean', got {aggregation!r}")
-    mask_BT = mask.to(logp.dtype)
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
     valid_BT = mask_BT.bool()
-    adv_BT = advantages.to(logp.dtype)
+    adv_BT = advantages.to(dtype)
     if adv_BT.dim() == 1:
         adv_BT = adv_BT[:, None].expand_as(logp)
     adv_BT = torch.where(valid_BT, adv_BT, torch.zeros_like(adv_BT))

@@ -40,13 +40,35 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Upcast ``h @ W^T / temperature`` for one chunk; always a fresh tensor, safe to modify in place."""
-    logits_CV = h_CH @ weight_VH.T
-    logits_CV = logits_CV.to(_acc_dtype(logits_CV.dtype))  # no copy for float32: matmul output is fresh
-    if temperature != 1.0:
-        logits_CV.div_(temperature)
-    return logits_CV
+class _ChunkBuffers:
+    """Reusable ``[chunk_size, V]`` buffers, so no chunk allocates (and page-faults in) fresh memory.
+
+    ``z`` holds the upcast logits of a chunk; ``raw`` (only when the weight is not already in the
+    accumulation dtype, e.g. bfloat16) the matmul output in the weight's dtype; ``aux`` a second upcast
+    buffer for the entropy. The last, shorter chunk uses the leading rows of each buffer.
+    """
+
+    def __init__(self, rows: int, weight_VH: torch.Tensor, entropy: bool = False):
+        V = weight_VH.shape[0]
+        acc = _acc_dtype(weight_VH.dtype)
+        kw = dict(device=weight_VH.device)
+        self.z = torch.empty(rows, V, dtype=acc, **kw)
+        self.raw = torch.empty(rows, V, dtype=weight_VH.dtype, **kw) if weight_VH.dtype != acc else None
+        self.aux = torch.empty(rows, V, dtype=acc, **kw) if entropy else None
+
+    def logits(self, h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Upcast ``h @ W^T / temperature`` of one chunk, written into (a prefix of) ``z``."""
+        C = h_CH.shape[0]
+        z_CV = self.z[:C]
+        if self.raw is None:
+            torch.mm(h_CH, weight_VH.T, out=z_CV)
+        else:
+            raw_CV = self.raw[:C]
+            torch.mm(h_CH, weight_VH.T, out=raw_CV)
+            z_CV.copy_(raw_CV)
+        if temperature != 1.0:
+            z_CV.div_(temperature)
+        return z_CV
 
 
 def _forward_chunks(
@@ -63,17 +85,23 @@ def _forward_chunks(
     logp_N = torch.empty(N, **kw)
     lse_N = torch.empty(N, **kw)
     ent_N = torch.empty(N, **kw) if return_entropy else None
+    bufs = _ChunkBuffers(min(chunk_size, N), weight_VH, entropy=return_entropy) if N else None
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
-        logits_CV = _chunk_logits(hidden_NH[s:e], weight_VH, temperature)
-        lse_C = torch.logsumexp(logits_CV, dim=-1)
+        z_CV = bufs.logits(hidden_NH[s:e], weight_VH, temperature)
+        tgt_C = z_CV.gather(-1, targets_N[s:e, None]).squeeze(-1)
+        m_C = z_CV.amax(-1)
+        y_CV = z_CV.sub_(m_C[:, None])  # in place: y = z - max <= 0
+        if ent_N is None:
+            sum_C = y_CV.exp_().sum(-1)
+        else:
+            p_CV = torch.exp(y_CV, out=bufs.aux[: e - s])  # unnormalized probabilities e^y
+            sum_C = p_CV.sum(-1)
+            # H = log S - sum_v e^y y / S with S = sum_v e^y; y <= 0 keeps this well conditioned
+            ent_N[s:e] = sum_C.log() - p_CV.mul_(y_CV).sum(-1) / sum_C
+        lse_C = m_C + sum_C.log()
         lse_N[s:e] = lse_C
-        logp_CV = logits_CV.sub_(lse_C[:, None])  # in place: the chunk buffer now holds log-probs
-        logp_N[s:e] = logp_CV.gather(-1, targets_N[s:e, None]).squeeze(-1)
-        if ent_N is not None:
-            # -sum_v p_v log p_v (not lse - sum p z, which cancels badly for peaked rows)
-            ent_N[s:e] = -logp_CV.exp().mul_(logp_CV).sum(-1)
-        del logits_CV, logp_CV
+        logp_N[s:e] = tgt_C - lse_C
     return logp_N, lse_N, ent_N
 
 
@@ -108,19 +136,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if grad_logp_N is None:
             grad_logp_N = torch.zeros(N, dtype=acc, device=hidden_NH.device)
         g_N = grad_logp_N.to(acc) / temperature
+        bufs = _ChunkBuffers(min(chunk_size, N), weight_VH) if N else None
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
             h_CH = hidden_NH[s:e]
             g_C = g_N[s:e]
             # grad_logits = g * (onehot - softmax) / T, built in place on the recomputed logits
-            gl_CV = _chunk_logits(h_CH, weight_VH, temperature)
+            gl_CV = bufs.logits(h_CH, weight_VH, temperature)
             gl_CV.sub_(lse_N[s:e, None]).exp_().mul_(-g_C[:, None])
             gl_CV.scatter_add_(1, targets_N[s:e, None], g_C[:, None])
             if grad_h_NH is not None:
-                torch.matmul(gl_CV.to(weight_VH.dtype), weight_VH, out=grad_h_NH[s:e])
+                if bufs.raw is None:
+                    torch.mm(gl_CV, weight_VH, out=grad_h_NH[s:e])
+                else:
+                    raw_CV = bufs.raw[: e - s]
+                    raw_CV.copy_(gl_CV)
+                    torch.mm(raw_CV, weight_VH, out=grad_h_NH[s:e])
             if grad_w_VH is not None:
                 grad_w_VH.addmm_(gl_CV.T, h_CH.to(acc))
-            del gl_CV
         if grad_w_VH is not None and grad_w_VH.dtype != weight_VH.dtype:
             grad_w_VH = grad_w_VH.to(weight_VH.dtype)
         return grad_h_NH, grad_w_VH, None, None, None, None

@@ -1,19 +1,24 @@
 """MoE routing capture, routing replay and expert volatility (GSPO, arXiv 2507.18071, section 4.3).
 
-Supported routers (transformers 5): the ``*TopKRouter`` modules of Qwen3-MoE, Qwen2-MoE, OLMoE and
-Mixtral. Each is the ``.gate`` of its sparse MoE block and has the contract::
+In transformers 5 every supported MoE block delegates routing to a router module (its ``.gate``, or
+``.router`` for Granite) with the contract::
 
-    forward(hidden [N, H]) -> (router_logits [N, E], router_scores [N, k], router_indices [N, k])
+    forward(hidden [N, H] or [B, T, H]) -> (router_logits [N, E], router_scores [N, k], router_indices [N, k])
 
-with ``N = B * L`` (the block flattens the batch). Replay forces ``router_indices`` and recomputes
-``router_scores`` with the router's *own* formula (softmax in float32, gather at the forced indices,
-``norm_topk_prob`` renormalisation where that router renormalises, its output dtype), so gradients
-still reach ``router.weight``; ``router_logits`` are returned unchanged.
+and the block feeds ``router_scores``/``router_indices`` straight to its experts. So capture is a
+forward hook that reads ``router_indices``, and replay is a forward hook that replaces the output with
+the forced indices plus scores recomputed by the router's *own* formula at those indices (see
+:data:`_SCORE_FNS`), so gradients still reach ``router.weight``; ``router_logits`` pass through.
 
-A :data:`Routing` is ``dict[str, LongTensor[B, L, k]]`` keyed by short layer names (``"layer0"``...).
+The ``[B, T]`` shape of each call comes from a forward pre-hook on the router's parent MoE block (which
+always sees ``[B, T, H]``), so capture and replay work for any caller: the CausalLM, its base model,
+packed rows, ``generate``.
+
+A :data:`Routing` is ``dict[str, LongTensor[B, T, k]]`` keyed by short layer names (``"layer0"``...).
 
 Caveat: hooks live only inside the context managers. A backward pass that *recomputes* the forward
-(gradient checkpointing) after the context has exited recomputes with the router's own routing.
+(activation checkpointing) after the context has exited recomputes with the router's own routing;
+:func:`replay_routing` warns when the model has checkpointing enabled.
 """
 
 from __future__ import annotations
@@ -21,8 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -31,69 +35,92 @@ from torch import nn
 from gspo.errors import GspoError
 
 Routing = dict[str, torch.Tensor]
+# (router, router_logits [N, E], forced indices [N, k]) -> scores [N, k]; the hook casts the result to
+# the dtype of the router's own scores, which is where every supported router ends up.
+ScoreFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------
-# registry of supported router classes
+# registry: each function is the router's forward with torch.topk replaced by the forced indices,
+# op for op, so replaying a router's own indices gives bit-identical scores (pinned by the tests)
 
 
-def _scores_softmax_then_optional_norm(
-    router: nn.Module, logits: torch.Tensor, idx: torch.Tensor
-) -> torch.Tensor:
-    """Qwen3-MoE / Qwen2-MoE / OLMoE: float softmax, optional renorm, cast back to the logits dtype."""
-    probs = F.softmax(logits, dtype=torch.float, dim=-1)
-    top = probs.gather(-1, idx)
+def _renorm(top_Nk: torch.Tensor) -> torch.Tensor:
+    return top_Nk / top_Nk.sum(dim=-1, keepdim=True)
+
+
+def _softmax_norm_if_flag(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo, Qwen3-Next: float softmax, renorm iff ``norm_topk_prob``."""
+    top = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, idx)
+    return _renorm(top) if router.norm_topk_prob else top
+
+
+def _softmax_always_norm(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5-MoE, Qwen3-VL-MoE: float softmax, always renormalised."""
+    return _renorm(F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, idx))
+
+
+def _mixtral(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Mixtral, MiniMax: softmax of ``logits.float()``, always renormalised, scores stay float32."""
+    return _renorm(F.softmax(logits.float(), dim=-1).gather(-1, idx))
+
+
+def _granite(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Granite-MoE: softmax over the selected (float32) logits only (= renormalised softmax)."""
+    return torch.softmax(logits.gather(-1, idx), dim=-1)
+
+
+def _deepseek_v3(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3, GLM-4.5 (Glm4Moe), dots.llm1: sigmoid scores; the correction bias and group limit
+    only affect the *choice*, so they drop out; optional renorm (+1e-20), times the scaling factor."""
+    top = logits.sigmoid().gather(1, idx)
     if router.norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype)
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.routed_scaling_factor
 
 
-def _scores_mixtral(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Mixtral: softmax of float logits, always renormalised, returned in float32 (no cast back)."""
-    probs = F.softmax(logits.float(), dim=-1)
-    top = probs.gather(-1, idx)
-    return top / top.sum(dim=-1, keepdim=True)
+def _tf(model_type: str, cls_name: str) -> tuple[str, str]:
+    return f"transformers.models.{model_type}.modeling_{model_type}", cls_name
 
 
-_ROUTER_SPECS: tuple[tuple[str, str, Callable], ...] = (
-    (
-        "transformers.models.qwen3_moe.modeling_qwen3_moe",
-        "Qwen3MoeTopKRouter",
-        _scores_softmax_then_optional_norm,
-    ),
-    (
-        "transformers.models.qwen2_moe.modeling_qwen2_moe",
-        "Qwen2MoeTopKRouter",
-        _scores_softmax_then_optional_norm,
-    ),
-    ("transformers.models.olmoe.modeling_olmoe", "OlmoeTopKRouter", _scores_softmax_then_optional_norm),
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", _scores_mixtral),
-)
-_registry_cache: dict[type, Callable] | None = None
+# Keyed by (module, class name) so nothing is imported to build it and remote-code look-alikes (whose
+# formula may differ) are not matched.
+_SCORE_FNS: dict[tuple[str, str], ScoreFn] = {
+    _tf("qwen3_moe", "Qwen3MoeTopKRouter"): _softmax_norm_if_flag,
+    _tf("qwen2_moe", "Qwen2MoeTopKRouter"): _softmax_norm_if_flag,
+    _tf("olmoe", "OlmoeTopKRouter"): _softmax_norm_if_flag,
+    _tf("flex_olmo", "FlexOlmoTopKRouter"): _softmax_norm_if_flag,
+    _tf("qwen3_next", "Qwen3NextTopKRouter"): _softmax_norm_if_flag,
+    _tf("qwen3_5_moe", "Qwen3_5MoeTopKRouter"): _softmax_always_norm,
+    _tf("qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter"): _softmax_always_norm,
+    _tf("mixtral", "MixtralTopKRouter"): _mixtral,
+    _tf("minimax", "MiniMaxTopKRouter"): _mixtral,
+    _tf("granitemoe", "GraniteMoeTopKRouter"): _granite,
+    _tf("granitemoeshared", "GraniteMoeSharedTopKRouter"): _granite,
+    _tf("granitemoehybrid", "GraniteMoeHybridTopKRouter"): _granite,
+    _tf("deepseek_v3", "DeepseekV3TopkRouter"): _deepseek_v3,
+    _tf("glm4_moe", "Glm4MoeTopkRouter"): _deepseek_v3,
+    _tf("dots1", "Dots1TopkRouter"): _deepseek_v3,
+}
+SUPPORTED_ROUTERS: tuple[str, ...] = tuple(cls for _, cls in _SCORE_FNS)
 
 
-def _registry() -> dict[type, Callable]:
-    """``{router class: forced-index score function}`` for the router classes importable here."""
-    global _registry_cache
-    if _registry_cache is None:
-        import importlib
-
-        reg: dict[type, Callable] = {}
-        for mod_name, cls_name, fn in _ROUTER_SPECS:
-            try:
-                reg[getattr(importlib.import_module(mod_name), cls_name)] = fn
-            except (ImportError, AttributeError):  # older/newer transformers without this class
-                continue
-        _registry_cache = reg
-    return _registry_cache
+def _score_fn(module: nn.Module) -> ScoreFn | None:
+    """The registered score function of ``module``'s class or of a base class (wrappers that subclass
+    the router, e.g. FSDP2's ``FSDP<cls>``, keep working)."""
+    for cls in type(module).__mro__:
+        fn = _SCORE_FNS.get((cls.__module__, cls.__name__))
+        if fn is not None:
+            return fn
+    return None
 
 
-SUPPORTED_ROUTERS = tuple(cls_name for _, cls_name, _ in _ROUTER_SPECS)
-
-
-def _looks_like_router(module: nn.Module) -> bool:
+def _looks_like_moe(module: nn.Module) -> bool:
+    """Router-like by name, or an MoE block (has ``experts``), e.g. transformers 4.x blocks that route
+    inline through an ``nn.Linear`` gate, which capture/replay would otherwise silently skip."""
     name = type(module).__name__
-    return "Router" in name or name.endswith("TopKGate") or name.endswith("MoEGate")
+    named_like_router = "Router" in name or name.endswith(("TopKGate", "MoEGate", "MoeGate"))
+    return named_like_router or isinstance(getattr(module, "experts", None), nn.Module)
 
 
 def _short_name(qualified: str) -> str:
@@ -101,34 +128,39 @@ def _short_name(qualified: str) -> str:
     return f"layer{m.group(1)}" if m else qualified.replace(".", "_")
 
 
-def _scan(model: nn.Module) -> tuple[dict[str, nn.Module], list[str]]:
-    reg = _registry()
-    found: dict[str, nn.Module] = {}
+def _scan(model: nn.Module) -> tuple[dict[str, tuple[str, nn.Module]], list[str]]:
+    """``({short name: (qualified name, router)}, [unsupported MoE-like modules])``."""
+    found: dict[str, tuple[str, nn.Module]] = {}
     unsupported: list[str] = []
     for qname, mod in model.named_modules():
-        if type(mod) in reg:
+        if _score_fn(mod) is not None:
             short = _short_name(qname)
-            if short in found:  # two routers in one layer: fall back to the full path
+            if short in found:  # two routers in one layer (e.g. thinker and talker): use the full path
                 short = qname.replace(".", "_")
-            found[short] = mod
-        elif _looks_like_router(mod):
+            found[short] = (qname, mod)
+        elif _looks_like_moe(mod) and not any(_score_fn(c) is not None for c in mod.children()):
             unsupported.append(f"{qname} ({type(mod).__name__})")
     return found, unsupported
+
+
+def _checked_scan(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    found, unsupported = _scan(model)
+    if unsupported:
+        raise GspoError(
+            f"unsupported MoE router/block class(es): {', '.join(unsupported[:3])}"
+            f"{' ...' if len(unsupported) > 3 else ''}; routing capture/replay supports the transformers>=5 "
+            f"routers {', '.join(SUPPORTED_ROUTERS)}"
+        )
+    return found
 
 
 def find_routers(model: nn.Module) -> dict[str, nn.Module]:
     """Supported routers as ``{"layer0": router, ...}`` (model order); ``{}`` for a dense model.
 
-    Raises :class:`GspoError` if the model has router-like modules of an unsupported class, since
-    replaying only some layers' routing would be silently wrong.
+    Raises :class:`GspoError` if the model has MoE modules of an unsupported class, since replaying
+    only some layers' routing (or none) would be silently wrong.
     """
-    found, unsupported = _scan(model)
-    if unsupported:
-        raise GspoError(
-            f"unsupported MoE router class(es): {', '.join(unsupported[:3])}"
-            f"{' ...' if len(unsupported) > 3 else ''}; routing capture/replay supports {', '.join(SUPPORTED_ROUTERS)}"
-        )
-    return found
+    return {short: router for short, (_, router) in _checked_scan(model).items()}
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -136,150 +168,191 @@ def is_moe(model: nn.Module) -> bool:
     found, unsupported = _scan(model)
     if unsupported:
         warnings.warn(
-            f"MoE routers of unsupported class ({unsupported[0]}); routing replay/volatility disabled. "
-            f"Supported: {', '.join(SUPPORTED_ROUTERS)}",
+            f"MoE modules of unsupported class ({unsupported[0]}); routing replay/volatility disabled. "
+            f"Supported routers: {', '.join(SUPPORTED_ROUTERS)}",
             stacklevel=2,
         )
         return False
     return bool(found)
 
 
-def _routers_or_raise(model: nn.Module, what: str) -> dict[str, nn.Module]:
-    routers = find_routers(model)
-    if not routers:
+def _routers_with_parents(model: nn.Module, what: str) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """``{short name: (router, parent MoE block)}``; raises if there are no (supported) routers."""
+    found = _checked_scan(model)
+    if not found:
         raise GspoError(
             f"{what}: model {type(model).__name__} has no MoE routers ({', '.join(SUPPORTED_ROUTERS)})"
         )
-    return routers
+    out = {}
+    for short, (qname, router) in found.items():
+        parent = model.get_submodule(qname.rpartition(".")[0]) if "." in qname else model
+        out[short] = (router, parent)
+    return out
 
 
-def _entry_module(model: nn.Module) -> nn.Module:
-    """The module whose forward sees ``[B, L]`` inputs: the base model (the CausalLM calls it too)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    return base if isinstance(base, nn.Module) else model
+def _block_input_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """``(B, T)`` of an MoE block's ``hidden_states [B, T, H]`` input (None if it is not 3-D)."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return int(x.shape[0]), int(x.shape[1])
+    return None
+
+
+def _shape_tracking_hooks(
+    parent: nn.Module, router: nn.Module, on_router_output: Callable, prepend: bool
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """A pre-hook on ``parent`` remembering the ``(B, T)`` of its input, and a forward hook on
+    ``router`` calling ``on_router_output(output, (B, T))`` (its return value, if not None, replaces
+    the router's output). Replay prepends, capture appends: whatever the nesting order, capture hooks
+    and transformers' own output recorders run after replay and so see the forced routing."""
+    current: list[tuple[int, int] | None] = [None]
+
+    def pre_hook(_mod, args, kwargs):
+        current[0] = _block_input_shape(args, kwargs)
+
+    def hook(_mod, args, output):
+        bt = current[0]
+        if bt is None:  # router called outside its block: use its own input if it is [B, T, H]
+            x = args[0] if args else None
+            bt = (int(x.shape[0]), int(x.shape[1])) if isinstance(x, torch.Tensor) and x.dim() == 3 else None
+        if bt is None:
+            bt = (1, int(output[2].shape[0]))
+        return on_router_output(output, bt)
+
+    return [
+        parent.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        router.register_forward_hook(hook, prepend=prepend),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
 # capture
 
 
-@dataclass
-class RoutingRecorder:
-    """What :func:`capture_routing` saw: the input shapes of each base-model forward, and per router
-    the ``[N, k]`` indices of each of its calls (in call order)."""
+class RoutingRecorder(Mapping[str, torch.Tensor]):
+    """What :func:`capture_routing` saw.
 
-    shapes: list[tuple[int, int]] = field(default_factory=list)
-    indices: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    ``calls[name]`` lists the ``LongTensor[B, T, k]`` indices of each call of router ``name``, in call
+    order. As a mapping, ``rec[name]`` is those calls concatenated along ``B`` (the rule of
+    :func:`routing_snapshot` with ``dim=0``), so after a single forward ``rec[name]`` is its routing.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self.calls: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _join(name, self.calls[name], dim=0)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.calls)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.calls
+
+    def __repr__(self) -> str:
+        return f"RoutingRecorder({ {n: [list(c.shape) for c in cs] for n, cs in self.calls.items()} })"
 
 
 @contextlib.contextmanager
 def capture_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
-    """Record the top-k expert indices every router uses during the forwards run inside the context.
+    """Record the top-k expert indices ``[B, T, k]`` every router uses in the forwards run inside.
 
-    Inside :func:`replay_routing` the recorded indices are the forced ones (replay hooks run first).
-    Turn the recorder into a :data:`Routing` with :func:`routing_snapshot`.
+    Inside :func:`replay_routing` (either nesting order) the recorded indices are the forced ones.
     """
-    routers = _routers_or_raise(model, "capture_routing")
-    rec = RoutingRecorder(indices={name: [] for name in routers})
+    routers = _routers_with_parents(model, "capture_routing")
+    rec = RoutingRecorder(list(routers))
 
-    def pre_hook(_mod, args, kwargs):
-        x = kwargs.get("input_ids")
-        if x is None:
-            x = kwargs.get("inputs_embeds")
-        if x is None and args:
-            x = args[0]
-        if isinstance(x, torch.Tensor) and x.dim() >= 2:
-            rec.shapes.append((int(x.shape[0]), int(x.shape[1])))
+    def make_recorder(name: str):
+        def record(output, bt):
+            rec.calls[name].append(output[2].detach().reshape(*bt, output[2].shape[-1]))
 
-    def make_hook(name: str):
-        def hook(_mod, _args, output):
-            rec.indices[name].append(output[2].detach())
+        return record
 
-        return hook
-
-    handles = [_entry_module(model).register_forward_pre_hook(pre_hook, with_kwargs=True)]
+    handles: list[torch.utils.hooks.RemovableHandle] = []
     try:
-        for name, router in routers.items():
-            handles.append(router.register_forward_hook(make_hook(name)))
+        for name, (router, parent) in routers.items():
+            handles += _shape_tracking_hooks(parent, router, make_recorder(name), prepend=False)
         yield rec
     finally:
         for h in handles:
             h.remove()
 
 
-def routing_snapshot(rec: RoutingRecorder) -> Routing:
-    """``{name: LongTensor[B, L, k]}`` from a recorder.
+def _join(name: str, calls: list[torch.Tensor], dim: int) -> torch.Tensor:
+    if not calls:
+        raise GspoError(f"routing: router {name} recorded no forward inside capture_routing")
+    other = 1 - dim
+    if len({c.shape[other] for c in calls}) > 1:
+        raise GspoError(
+            f"routing: router {name}: calls of shapes {[list(c.shape[:2]) for c in calls]} cannot be "
+            f"concatenated along dim {dim} (use dim={other}, e.g. for cached generate steps, or rec.calls)"
+        )
+    return torch.cat(calls, dim) if len(calls) > 1 else calls[0]
 
-    Several forwards inside one context are concatenated along ``B`` (in call order); they must then
-    share ``L`` (so e.g. a cached ``generate`` loop cannot be snapshotted).
+
+def routing_snapshot(rec: RoutingRecorder, dim: int = 0) -> Routing:
+    """``{name: LongTensor[B, T, k]}`` from a recorder.
+
+    Several forwards in one context are concatenated along ``dim``: ``0`` (default) stacks
+    micro-batches along ``B`` (they must share ``T``); ``1`` joins the steps of a KV-cached
+    ``generate`` along ``T`` into the routing of every position that was fed to the model.
     """
-    out: Routing = {}
-    for name, calls in rec.indices.items():
-        if len(calls) != len(rec.shapes):
-            raise GspoError(
-                f"routing_snapshot: router {name} ran {len(calls)} time(s) but the base model {len(rec.shapes)} "
-                "time(s); call the model (or its base model) with input_ids/inputs_embeds inside capture_routing"
-            )
-        if not calls:
-            raise GspoError("routing_snapshot: no forward ran inside capture_routing")
-        parts = []
-        for idx, (b, seq) in zip(calls, rec.shapes, strict=True):
-            if idx.shape[0] != b * seq:
-                raise GspoError(
-                    f"routing_snapshot: router {name} saw {idx.shape[0]} tokens, input was [{b}, {seq}]"
-                )
-            parts.append(idx.reshape(b, seq, idx.shape[-1]))
-        if len({p.shape[1] for p in parts}) > 1:
-            raise GspoError(
-                f"routing_snapshot: forwards of different lengths {[p.shape[1] for p in parts]} cannot be "
-                "concatenated along B"
-            )
-        out[name] = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
-    return out
+    if dim not in (0, 1):
+        raise GspoError(f"routing_snapshot: dim must be 0 (batch) or 1 (time), got {dim}")
+    return {name: _join(name, calls, dim) for name, calls in rec.calls.items()}
 
 
 # ------------------------------------------------------------------------------------------------
 # replay
 
 
+def _checkpointing(model: nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 @contextlib.contextmanager
 def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
-    """Force every router to use ``routing[name]`` (``[B, L, k]``, flattened to ``[B*L, k]``).
+    """Force every router to use ``routing[name]`` (``[B, T, k]``) in the forwards run inside.
 
     Each router returns its own probabilities gathered at the forced indices (renormalised iff the
-    router renormalises), so ``router.weight`` still gets gradients; ``router_logits`` are unchanged.
-    Every forward inside the context must have the same ``B * L`` tokens as ``routing``.
+    router renormalises, same dtype), so ``router.weight`` still gets gradients; ``router_logits``
+    are unchanged. Every forward inside must have the ``[B, T]`` of ``routing``.
     """
-    routers = _routers_or_raise(model, "replay_routing")
+    routers = _routers_with_parents(model, "replay_routing")
     missing = sorted(set(routers) - set(routing))
     if missing:
-        raise GspoError(
-            f"replay_routing: routing has no entry for router(s) {missing} (has {sorted(routing)})"
+        raise GspoError(f"replay_routing: routing has no entry for router(s) {missing} (has {sorted(routing)})")
+    if _checkpointing(model) and torch.is_grad_enabled():
+        warnings.warn(
+            "replay_routing with activation checkpointing: a backward after the context exits recomputes "
+            "with the router's own (not the replayed) routing; call backward inside the context",
+            stacklevel=3,  # past contextlib's __enter__
         )
-    reg = _registry()
 
-    def make_hook(name: str, router: nn.Module):
-        forced_BLk = routing[name]
-        score_fn = reg[type(router)]
+    def make_replacer(name: str, router: nn.Module):
+        forced_BTk = routing[name]
+        score_fn = _score_fn(router)
+        assert score_fn is not None
 
-        def hook(_mod, _args, output):
-            logits, _scores, idx = output
-            if forced_BLk.shape[-1] != idx.shape[-1] or forced_BLk[..., 0].numel() != idx.shape[0]:
+        def replace(output, bt):
+            logits, scores, idx = output
+            if tuple(forced_BTk.shape) != (*bt, idx.shape[-1]):
                 raise GspoError(
-                    f"replay_routing: router {name} got {idx.shape[0]} tokens with top-{idx.shape[-1]}, forced "
-                    f"routing has shape {list(forced_BLk.shape)}"
+                    f"replay_routing: router {name} got input [B, T] = {list(bt)} with top-{idx.shape[-1]}, "
+                    f"forced routing has shape {list(forced_BTk.shape)}"
                 )
-            forced = forced_BLk.reshape(idx.shape).to(device=idx.device, dtype=idx.dtype)
-            return logits, score_fn(router, logits, forced), forced
+            forced_Nk = forced_BTk.reshape(idx.shape).to(device=idx.device, dtype=idx.dtype)
+            return logits, score_fn(router, logits, forced_Nk).to(scores.dtype), forced_Nk
 
-        return hook
+        return replace
 
-    handles = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
     try:
-        for name, router in routers.items():
-            # prepend: run before any capture hook (and transformers' own output recorders)
-            handles.append(router.register_forward_hook(make_hook(name, router), prepend=True))
+        for name, (router, parent) in routers.items():
+            handles += _shape_tracking_hooks(parent, router, make_replacer(name, router), prepend=True)
         yield
     finally:
         for h in handles:
@@ -292,7 +365,7 @@ def slice_routing(routing: Routing, sl: slice) -> Routing:
 
 
 def cat_routing(routings: list[Routing]) -> Routing:
-    """Concatenate routings along ``B`` (all must have the same layers and ``L``)."""
+    """Concatenate routings along ``B`` (all must have the same layers and ``T``)."""
     if not routings:
         return {}
     names = list(routings[0])
@@ -307,30 +380,31 @@ def cat_routing(routings: list[Routing]) -> Routing:
 
 
 def expert_volatility(
-    old_idx_BLk: torch.Tensor, new_idx_BLk: torch.Tensor, mask_BL: torch.Tensor
+    old_idx_BTk: torch.Tensor, new_idx_BTk: torch.Tensor, mask_BT: torch.Tensor
 ) -> torch.Tensor:
-    """0-dim float: fraction of masked positions whose top-k expert *set* changed (order-insensitive).
+    """0-dim float32: fraction of masked positions whose top-k expert *set* changed (order-insensitive).
 
-    0 if the mask is empty.
+    0 if the mask is empty. No host sync.
     """
-    if old_idx_BLk.shape != new_idx_BLk.shape or old_idx_BLk.shape[:2] != mask_BL.shape:
+    if old_idx_BTk.shape != new_idx_BTk.shape or old_idx_BTk.shape[:2] != mask_BT.shape:
         raise GspoError(
-            f"expert_volatility: shapes {list(old_idx_BLk.shape)}, {list(new_idx_BLk.shape)}, mask "
-            f"{list(mask_BL.shape)} do not match"
+            f"expert_volatility: shapes {list(old_idx_BTk.shape)}, {list(new_idx_BTk.shape)}, mask "
+            f"{list(mask_BT.shape)} do not match"
         )
-    new = new_idx_BLk.to(old_idx_BLk.device)
-    changed_BL = (old_idx_BLk.sort(-1).values != new.sort(-1).values).any(-1)
-    m = mask_BL.to(old_idx_BLk.device).bool()
-    return (changed_BL & m).sum().float() / m.sum().clamp(min=1).float()
+    new = new_idx_BTk.to(old_idx_BTk.device)
+    # sorting makes the comparison order-insensitive (top-k sets have distinct entries)
+    changed_BT = (old_idx_BTk.sort(-1).values != new.sort(-1).values).any(-1)
+    m_BT = mask_BT.to(old_idx_BTk.device).bool()
+    return (changed_BT & m_BT).sum().float() / m_BT.sum().clamp(min=1).float()
 
 
 def routing_volatility(
-    old: Routing, new: Routing, mask_BL: torch.Tensor
+    old: Routing, new: Routing, mask_BT: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(mean over layers, {layer: volatility})`` of :func:`expert_volatility` between two routings."""
     if set(old) != set(new):
         raise GspoError(f"routing_volatility: layer names differ: {sorted(old)} vs {sorted(new)}")
-    per_layer = {name: expert_volatility(old[name], new[name], mask_BL) for name in old}
+    per_layer = {name: expert_volatility(old[name], new[name], mask_BT) for name in old}
     if not per_layer:
-        return torch.zeros(()), per_layer
-    return torch.stack([v.to(mask_BL.device) for v in per_layer.values()]).mean(), per_layer
+        return torch.zeros((), device=mask_BT.device), per_layer
+    return torch.stack([v.to(mask_BT.device) for v in per_layer.values()]).mean(), per_layer

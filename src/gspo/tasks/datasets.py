@@ -84,8 +84,9 @@ def _iter_json(path: str, text: str) -> Iterator[tuple[str, Any]]:
                 yield from _iter_jsonl(path, text)
                 return
             raise _json_error(path, e) from None
-        raise GspoError(f"{path}: expected a JSON list of objects, got one object "
-                        "(for one object per line, use .jsonl)")
+        raise GspoError(
+            f"{path}: expected a JSON list of objects, got one object (for one object per line, use .jsonl)"
+        )
     if text[i] != "[":
         try:
             value = json.loads(text)
@@ -124,7 +125,9 @@ def _iter_json(path: str, text: str) -> Iterator[tuple[str, Any]]:
             if i < n and text[i] == "]":
                 i = skip(i + 1)
                 break
-            raise GspoError(f"{path}:{line_at(min(i, n))}: invalid JSON: expected ',' or ']' after a list item")
+            raise GspoError(
+                f"{path}:{line_at(min(i, n))}: invalid JSON: expected ',' or ']' after a list item"
+            )
     if i < n:
         raise GspoError(f"{path}:{line_at(i)}: invalid JSON: extra data after the list")
 
@@ -149,10 +152,11 @@ def _iter_csv(path: str, text: str, delimiter: str) -> Iterator[tuple[str, Any]]
                     seen.add(name)
                 continue
             if len(values) > len(header):
-                raise GspoError(f"{path}:{start}: row has {len(values)} values but the header has "
-                                f"{len(header)} columns")
+                raise GspoError(
+                    f"{path}:{start}: row has {len(values)} values but the header has {len(header)} columns"
+                )
             # A short row lacks the trailing columns: they are missing fields, not empty strings.
-            yield f"{path}:{start}", dict(zip(header, values))
+            yield f"{path}:{start}", dict(zip(header, values, strict=False))
     except csv.Error as e:
         raise GspoError(f"{path}:{reader.line_num}: invalid CSV: {e}") from None
 
@@ -181,8 +185,9 @@ def _iter_hf_dir(path: str, prompt_field: str, answer_field: str, split: str) ->
     try:
         import datasets as hf
     except ImportError:
-        raise GspoError(f"{path}: loading a dataset directory needs the datasets package: "
-                        "pip install gspo[data]") from None
+        raise GspoError(
+            f"{path}: loading a dataset directory needs the datasets package: pip install gspo[data]"
+        ) from None
     saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
     try:
         obj = hf.load_from_disk(path) if saved else hf.load_dataset(path)
@@ -244,8 +249,9 @@ def _rows(path: str, prompt_field: str, answer_field: str, split: str) -> Iterab
     raise GspoError(f"{path}: unsupported dataset format {ext or '(no extension)'!r} (expected {_FORMATS})")
 
 
-def load_prompt_dataset(path: str, prompt_field: str = "prompt", answer_field: str = "answer",
-                        split: str = "train") -> list[Example]:
+def load_prompt_dataset(
+    path: str, prompt_field: str = "prompt", answer_field: str = "answer", split: str = "train"
+) -> list[Example]:
     """Examples from a local dataset; formats by extension (``.jsonl``/``.ndjson``, ``.json`` list,
     ``.csv``/``.tsv`` with a header row, ``.parquet``) or a directory (``datasets.save_to_disk``
     output, or data files loadable by ``datasets.load_dataset``; ``split`` applies only there).
@@ -260,8 +266,10 @@ def load_prompt_dataset(path: str, prompt_field: str = "prompt", answer_field: s
             hint = " (for a Hugging Face Hub dataset, save it locally first: load_dataset(...).save_to_disk(DIR))"
         raise GspoError(f"dataset file not found: {path}{hint}")
     try:
-        examples = [_example(loc, row, prompt_field, answer_field)
-                    for loc, row in _rows(path, prompt_field, answer_field, split)]
+        examples = [
+            _example(loc, row, prompt_field, answer_field)
+            for loc, row in _rows(path, prompt_field, answer_field, split)
+        ]
     except OSError as e:
         raise GspoError(f"{path}: cannot read: {_one_line(e)}") from None
     if not examples:
@@ -284,4 +292,3 @@ def apply_chat_template(tokenizer: Any, prompt: str, system: str | None = None) 
     if not isinstance(text, str):
         raise GspoError(f"the tokenizer's chat template returned {_type_name(text)}, expected a string")
     return text
-

@@ -36,7 +36,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -50,7 +50,7 @@ def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 def exact_match(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the completion equals the answer up to surrounding whitespace."""
-    return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answers)]
+    return [1.0 if c.strip() == a.strip() else 0.0 for c, a in zip(completions, answers, strict=True)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def boxed_match(prompts: list[str], completions: list[str], answers: list[str]) 
     after normalization (whitespace, ``$``, TeX spacing, ``1,000``, ``0.5 == 1/2 == \\frac{1}{2}``).
     No dependency; :func:`math_verify_reward` is the symbolic, more forgiving version."""
     out = []
-    for c, a in zip(completions, answers):
+    for c, a in zip(completions, answers, strict=True):
         pred = _final_answer(c)
         ref = _reference(a)
         ref = extract_boxed(ref) or ref
@@ -147,7 +147,7 @@ def math_verify_reward(prompts: list[str], completions: list[str], answers: list
     t = 5 if threading.current_thread() is threading.main_thread() else None
     golds: dict[str, Any] = {}  # the G completions of a group share one reference
     out = []
-    for c, a in zip(completions, answers):
+    for c, a in zip(completions, answers, strict=True):
         if a not in golds:
             ref = _reference(a)
             wrapped = ref if ("$" in ref or "\\boxed" in ref or "\\(" in ref) else f"${ref}$"
@@ -203,7 +203,7 @@ def make_code_reward(timeout_s: float = 5.0, memory_mb: int = 512, workers: int 
         return 1.0 if run_untrusted(program, timeout_s=timeout_s, memory_mb=memory_mb).ok else 0.0
 
     def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-        programs = [f"{extract_code(c)}\n\n{a}\n" for c, a in zip(completions, answers)]
+        programs = [f"{extract_code(c)}\n\n{a}\n" for c, a in zip(completions, answers, strict=True)]
         n = min(len(programs), workers or os.cpu_count() or 1)
         if n <= 1:
             return [run(p) for p in programs]
@@ -269,6 +269,13 @@ def _load_user(spec: str) -> RewardFn:
     else:
         try:
             module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            # `gspo` runs from a console script, so the cwd is not on sys.path: load my_rewards.py
+            # (or pkg/mod.py) from the cwd when that is what "my_rewards:fn" names.
+            file = target.replace(".", os.sep) + ".py"
+            if e.name != target.split(".")[0] or not os.path.isfile(file):
+                raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
+            module = _import_file(spec, file)
         except Exception as e:
             raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
     fn = getattr(module, attr, None)
@@ -283,8 +290,10 @@ def _load_user(spec: str) -> RewardFn:
     try:
         sig.bind([], [], [])
     except TypeError:
-        raise GspoError(f"reward {spec!r}: {attr}{sig} cannot be called as fn(prompts, completions, "
-                        "answers) -> list[float]") from None
+        raise GspoError(
+            f"reward {spec!r}: {attr}{sig} cannot be called as fn(prompts, completions, "
+            "answers) -> list[float]"
+        ) from None
     return fn
 
 
@@ -297,8 +306,9 @@ def load_reward(spec: str) -> RewardFn:
     if fn is not None:
         return fn
     if ":" not in spec:
-        raise GspoError(f"unknown reward {spec!r} (built-in: {_BUILTINS}; or module:function, "
-                        "path/to/file.py:function)")
+        raise GspoError(
+            f"unknown reward {spec!r} (built-in: {_BUILTINS}; or module:function, path/to/file.py:function)"
+        )
     return _load_user(spec)
 
 
@@ -357,8 +367,14 @@ def _scores(out: Any, n: int) -> list[float | str]:
     return [_score(v) for v in values]
 
 
-def safe_rewards(fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str],
-                 on_error: str = "error", name: str | None = None) -> tuple[list[float], int]:
+def safe_rewards(
+    fn: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    answers: list[str],
+    on_error: str = "error",
+    name: str | None = None,
+) -> tuple[list[float], int]:
     """Call ``fn`` and check it returned ``len(completions)`` finite numbers.
 
     ``on_error="error"``: any problem raises a one-line :class:`GspoError` naming the function and
@@ -404,10 +420,11 @@ def safe_rewards(fn: RewardFn, prompts: list[str], completions: list[str], answe
     return out, bad
 
 
-def _per_sample(fn: RewardFn, prompts: list[str], completions: list[str],
-                answers: list[str]) -> tuple[list[float], int]:
+def _per_sample(
+    fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str]
+) -> tuple[list[float], int]:
     out, bad = [], 0
-    for p, c, a in zip(prompts, completions, answers):
+    for p, c, a in zip(prompts, completions, answers, strict=True):
         try:
             s = _scores(fn([p], [c], [a]), 1)[0]
         except GspoError:

@@ -8,16 +8,18 @@ Layers, from strongest to weakest:
 * a new network namespace (only a down loopback, so every connect fails) and a new PID namespace
   (when the sandboxed interpreter, PID 1 there, dies, the kernel kills every process it left,
   including ones that ``setsid()`` out of the process group). Needs CAP_SYS_ADMIN (root) or
-  unprivileged user namespaces; otherwise a best-effort shim replaces ``socket.socket`` and
-  ``socket.create_connection`` with functions raising ``OSError`` (bypassable via ctypes or a
-  subprocess: it stops accidents, not attackers). :attr:`SandboxResult.network_isolation` says which;
+  unprivileged user namespaces; otherwise a best-effort shim makes ``socket.socket`` (AF_INET/6)
+  and ``socket.create_connection`` raise ``OSError("network disabled in sandbox")`` (bypassable via
+  ctypes or a subprocess: it stops accidents, not attackers). ``SandboxResult.network_isolation``
+  says which one was used;
 * a wall-clock timeout that SIGKILLs the whole process group.
 
 The limits are applied by a tiny bootstrap interpreter, not by ``preexec_fn``: ``preexec_fn`` runs
 Python code between fork and exec and can deadlock in a multi-threaded parent (the trainer, the
 thread pool of :func:`gspo.tasks.rewards.code_execution_reward`).
 
-Not a security boundary against a determined attacker, notably when the trainer runs as root:
+Linux only (macOS: no namespaces, RLIMIT_AS not enforced, untested). Not a security boundary
+against a determined attacker, notably when the trainer runs as root:
 root ignores ``RLIMIT_NPROC`` (so a fork bomb is bounded only by the timeout and memory) and may
 raise its own rlimits; files outside the temp dir are reachable with the trainer's permissions.
 Run training in a disposable container/VM if the policy may be adversarial.
@@ -119,13 +121,22 @@ if os.WIFSIGNALED(status):
 os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 """
 
-# Shim mode only: block sockets, then run main.py as __main__ (same file name in tracebacks).
+# Shim mode only: refuse new AF_INET/AF_INET6 sockets (AF_UNIX and socketpair, which multiprocessing
+# needs, keep working), then run main.py as __main__ (same file name in tracebacks).
 _SHIM_RUNNER = r"""
 def _gspo_run():
     import __main__, socket, _socket, sys
+    inet = (-1, socket.AF_INET, socket.AF_INET6)  # -1: the AF_INET default
+    raw = _socket.socket
     def blocked(*args, **kwargs):
         raise OSError("network disabled in sandbox")
-    socket.socket = _socket.socket = socket.create_connection = blocked
+    class GuardedSocket(raw):  # socket.socket.__init__ calls _socket.socket.__init__: this one
+        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
+            if fileno is None and family in inet:
+                blocked()
+            raw.__init__(self, family, type, proto, fileno)
+    _socket.socket = GuardedSocket
+    socket.create_connection = blocked
     with open("main.py", encoding="utf-8") as f:
         code = compile(f.read(), "main.py", "exec")
     g = __main__.__dict__
@@ -138,10 +149,14 @@ _gspo_run()
 """
 
 
-def _user_task_count(uid: int) -> int:
-    """Tasks (threads) owned by ``uid``: what RLIMIT_NPROC is compared against."""
+def _user_task_count(uid: int) -> int | None:
+    """Tasks (threads) owned by ``uid``, what RLIMIT_NPROC is compared against; None without /proc."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
     n = 0
-    for entry in os.listdir("/proc"):
+    for entry in entries:
         if not entry.isdigit():
             continue
         try:
@@ -162,8 +177,9 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def _pump(sel: selectors.BaseSelector, bufs: dict[int, bytearray], cap: int, deadline: float,
-          pid: int | None = None) -> tuple[bool, bool]:
+def _pump(
+    sel: selectors.BaseSelector, bufs: dict[int, bytearray], cap: int, deadline: float, pid: int | None = None
+) -> tuple[bool, bool]:
     """Read the pipes until all hit EOF or process ``pid`` exits (True), or ``deadline`` (False).
 
     Keeps the first ``cap`` bytes per pipe and drains the rest, so the child never blocks on a full
@@ -191,9 +207,17 @@ def _pump(sel: selectors.BaseSelector, bufs: dict[int, bytearray], cap: int, dea
     return True, truncated
 
 
-def run_untrusted(code: str, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s: int | None = None, *,
-                  max_output_bytes: int = 1 << 20, max_file_mb: int = 16, max_open_files: int = 256,
-                  max_procs: int = 64) -> SandboxResult:
+def run_untrusted(
+    code: str,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    cpu_s: int | None = None,
+    *,
+    max_output_bytes: int = 1 << 20,
+    max_file_mb: int = 16,
+    max_open_files: int = 256,
+    max_procs: int = 64,
+) -> SandboxResult:
     """Run Python source ``code`` as ``main.py`` in a fresh temp dir under the limits above.
 
     ``cpu_s`` defaults to ``ceil(timeout_s) + 1`` (a backstop; the wall clock normally fires first).
@@ -203,22 +227,48 @@ def run_untrusted(code: str, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s
         raise ValueError(f"timeout_s and memory_mb must be positive, got {timeout_s}, {memory_mb}")
     cpu = max(1, int(cpu_s) if cpu_s is not None else math.ceil(timeout_s) + 1)
     euid = os.geteuid()
-    nproc = 0 if euid == 0 else _user_task_count(os.getuid()) + max_procs  # root ignores NPROC
+    # RLIMIT_NPROC counts all of the user's tasks, so allow max_procs on top of the current count.
+    # Root ignores it (and so does anyone with CAP_SYS_RESOURCE): 0 = not set.
+    tasks = None if euid == 0 else _user_task_count(os.getuid())
+    nproc = 0 if tasks is None else tasks + max_procs
     workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
     status_r, status_w = os.pipe()
     try:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+        # errors="replace": a lone surrogate in model output must not crash the caller.
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
             f.write(code)
         py = [sys.executable, "-I", "-B", "-X", "utf8"]
-        cfg = {"status_fd": status_w, "namespaces": _TRY_NAMESPACES, "memory_bytes": memory_mb << 20, "cpu_s": cpu,
-               "fsize_bytes": max_file_mb << 20, "nofile": max_open_files, "nproc": nproc,
-               "argv": [*py, "main.py"], "shim_argv": [*py, "-c", _SHIM_RUNNER]}
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)], cwd=workdir,
-                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True)
+        cfg = {
+            "status_fd": status_w,
+            "namespaces": _TRY_NAMESPACES,
+            "memory_bytes": memory_mb << 20,
+            "cpu_s": cpu,
+            "fsize_bytes": max_file_mb << 20,
+            "nofile": max_open_files,
+            "nproc": nproc,
+            "argv": [*py, "main.py"],
+            "shim_argv": [*py, "-c", _SHIM_RUNNER],
+        }
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": workdir,
+            "TMPDIR": workdir,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_w,),
+            start_new_session=True,
+        )
         os.close(status_w)
         status_w = -1
         deadline = time.monotonic() + timeout_s
@@ -228,34 +278,44 @@ def run_untrusted(code: str, timeout_s: float = 5.0, memory_mb: int = 512, cpu_s
         with selectors.DefaultSelector() as sel:
             for fd in bufs:
                 sel.register(fd, selectors.EVENT_READ)
-            finished, truncated = _pump(sel, bufs, max_output_bytes, deadline, proc.pid)
-            while finished and not _exited(proc.pid):  # pipes closed but the process lives on
-                if time.monotonic() >= deadline:
-                    finished = False
-                    break
-                time.sleep(0.01)
-            # Always kill the group: on timeout that is the point; otherwise it reaps leftovers
-            # (background children). The leader is not reaped yet, so the pgid cannot be reused.
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            # wait4: the CPU time of the program (the bootstrap waited for it) tells a CPU-limit SIGKILL.
-            _, wstatus, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(wstatus)
+                finished, truncated = _pump(sel, bufs, max_output_bytes, deadline, proc.pid)
+                while finished and not _exited(proc.pid):  # pipes closed but the process lives on
+                    if time.monotonic() >= deadline:
+                        finished = False
+                        break
+                    time.sleep(0.01)
+            finally:
+                # Always kill the group: on timeout (or KeyboardInterrupt) that is the point; otherwise
+                # it removes leftovers (background children). The leader is not reaped yet, so the
+                # pgid cannot have been reused.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                # wait4: the program's CPU time (the bootstrap waited for it) identifies a CPU-limit kill.
+                _, wstatus, usage = os.wait4(proc.pid, 0)
+                proc.returncode = os.waitstatus_to_exitcode(wstatus)
             _, more = _pump(sel, bufs, max_output_bytes, time.monotonic() + 0.5)
         proc.stdout.close()
         proc.stderr.close()
         rc = proc.returncode
-        cpu_hit = rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cpu - 0.05)
+        cpu_hit = rc == -signal.SIGXCPU or (
+            rc == -signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cpu - 0.05
+        )
         timed_out = not finished or cpu_hit
         status = bytes(bufs[status_r]).decode("ascii", "replace")
         isolation: NetworkIsolation = "netns" if status.startswith("netns") else "shim"
-        return SandboxResult(ok=rc == 0 and not timed_out, returncode=rc,
-                             stdout=bufs[out_fd].decode("utf-8", "replace"),
-                             stderr=bufs[err_fd].decode("utf-8", "replace"), timed_out=timed_out,
-                             network_isolation=isolation, pid_namespace=status.endswith("+pid"),
-                             output_truncated=truncated or more)
+        return SandboxResult(
+            ok=rc == 0 and not timed_out,
+            returncode=rc,
+            stdout=bufs[out_fd].decode("utf-8", "replace"),
+            stderr=bufs[err_fd].decode("utf-8", "replace"),
+            timed_out=timed_out,
+            network_isolation=isolation,
+            pid_namespace=status.endswith("+pid"),
+            output_truncated=truncated or more,
+        )
     finally:
         os.close(status_r)
         if status_w >= 0:

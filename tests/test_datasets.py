@@ -1,0 +1,249 @@
+"""load_prompt_dataset formats and one-line error messages; apply_chat_template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo.errors import GspoError
+from gspo.tasks.datasets import Example, apply_chat_template, load_prompt_dataset
+
+ROWS = [
+    {"prompt": "What is 2+2?", "answer": "4", "source": "a"},
+    {"prompt": 'Line one\nline two, with "quotes"', "answer": "x, y", "source": "b"},
+]
+
+
+def _expected(rows=ROWS) -> list[Example]:
+    return [Example(r["prompt"], r["answer"], {"source": r["source"]}) for r in rows]
+
+
+def _write(tmp_path, name: str, text: str):
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return str(p)
+
+
+def _error(path: str, **kw) -> str:
+    with pytest.raises(GspoError) as ei:
+        load_prompt_dataset(path, **kw)
+    msg = str(ei.value)
+    assert "\n" not in msg, "GspoError messages are one line"
+    return msg
+
+
+# ------------------------------------------------------------------------------------------------
+# formats
+
+
+def test_jsonl_round_trip_skips_blank_lines(tmp_path):
+    """JSONL: one object per line, blank lines skipped, other fields kept in meta."""
+    path = _write(tmp_path, "d.jsonl", "\n".join(["", json.dumps(ROWS[0]), "   ", json.dumps(ROWS[1]), ""]))
+    assert load_prompt_dataset(path) == _expected()
+
+
+def test_jsonl_keeps_unicode_line_separators_inside_strings(tmp_path):
+    """U+2028 inside a JSON string is data, not a line break (no str.splitlines())."""
+    row = {"prompt": "a\u2028b", "answer": "1"}
+    path = _write(tmp_path, "d.jsonl", json.dumps(row, ensure_ascii=False) + "\n")
+    assert load_prompt_dataset(path) == [Example("a\u2028b", "1")]
+
+
+def test_json_list_round_trip(tmp_path):
+    """JSON: a top-level list of objects; JSON Lines saved as .json is accepted too."""
+    path = _write(tmp_path, "d.json", json.dumps(ROWS, indent=2))
+    assert load_prompt_dataset(path) == _expected()
+    path = _write(tmp_path, "lines.json", "\n".join(json.dumps(r) for r in ROWS))
+    assert load_prompt_dataset(path) == _expected()
+
+
+def test_csv_and_tsv_round_trip(tmp_path):
+    """CSV with a header row (quoted commas, newlines) and TSV; values are strings, others in meta."""
+    import csv
+
+    for name, delim in (("d.csv", ","), ("d.tsv", "\t")):
+        p = tmp_path / name
+        with open(p, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=["prompt", "answer", "source"], delimiter=delim)
+            w.writeheader()
+            w.writerows(ROWS)
+        assert load_prompt_dataset(str(p)) == _expected()
+
+
+def test_custom_fields_and_number_answers(tmp_path):
+    """prompt_field/answer_field select columns; numeric answers become strings ("72", not "72.0")."""
+    rows = [
+        {"question": "q1", "solution": 72},
+        {"question": "q2", "solution": 72.0},
+        {"question": "q3", "solution": 2.5},
+    ]
+    path = _write(tmp_path, "d.jsonl", "\n".join(json.dumps(r) for r in rows))
+    got = load_prompt_dataset(path, prompt_field="question", answer_field="solution")
+    assert [e.answer for e in got] == ["72", "72", "2.5"]
+    assert got[0] == Example("q1", "72", {})
+
+
+def test_parquet_round_trip(tmp_path):
+    """Parquet via pyarrow; a missing column is reported with the available columns."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    assert load_prompt_dataset(path) == _expected()
+    assert f"{path}: missing field 'question' (columns: prompt, answer, source)" in _error(
+        path, prompt_field="question"
+    )
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "p", "answer": "a"}, {"prompt": None, "answer": "b"}]), path
+    )
+    assert f"{path}: row 2: field 'prompt' is null" in _error(path)
+
+
+def test_parquet_without_pyarrow(tmp_path, monkeypatch):
+    """Without pyarrow, reading .parquet says how to install it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    path = _write(tmp_path, "d.parquet", "")
+    assert "reading .parquet needs pyarrow: pip install gspo[data]" in _error(path)
+
+
+def test_hf_dataset_directories(tmp_path, monkeypatch):
+    """A save_to_disk Dataset, a DatasetDict (split chosen, unknown split listed) and a directory of
+    data files all load through the datasets library."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    hf = pytest.importorskip("datasets")
+    ds = hf.Dataset.from_list(ROWS)
+    ds.save_to_disk(str(tmp_path / "single"))
+    assert load_prompt_dataset(str(tmp_path / "single")) == _expected()
+    test_rows = [{"prompt": "t", "answer": "1", "source": "c"}]
+    hf.DatasetDict({"train": ds, "test": hf.Dataset.from_list(test_rows)}).save_to_disk(str(tmp_path / "dd"))
+    assert load_prompt_dataset(str(tmp_path / "dd"), split="test") == _expected(test_rows)
+    assert f"{tmp_path / 'dd'}: no split 'validation' (splits: train, test)" in _error(
+        str(tmp_path / "dd"), split="validation"
+    )
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "train.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
+    assert load_prompt_dataset(str(files)) == _expected()
+    assert "missing field 'question' (columns: prompt, answer, source)" in _error(
+        str(files), prompt_field="question"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    """A missing path and an unsupported extension are named in the message."""
+    missing = str(tmp_path / "nope.jsonl")
+    assert f"dataset file not found: {missing}" in _error(missing)
+    assert "save it locally first" in _error("openai/gsm8k")  # looks like a Hub id
+    path = _write(tmp_path, "d.txt", "hello")
+    assert f"{path}: unsupported dataset format '.txt'" in _error(path)
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    """Malformed JSON, a non-object line, missing/null/non-string fields: PATH:LINE and the field."""
+    good = json.dumps(ROWS[0])
+    cases = [
+        ([good, "", '{"prompt": "x", "answer": '], ":3: invalid JSON: Expecting value"),
+        ([good, "[1, 2]"], ":2: expected an object with fields, got list"),
+        ([good, '{"question": "q", "answer": "a"}'], ":2: missing field 'prompt' (fields: question, answer)"),
+        ([good, '{"prompt": "q"}'], ":2: missing field 'answer' (fields: prompt)"),
+        (['{"prompt": null, "answer": "a"}'], ":1: field 'prompt' is null"),
+        (['{"prompt": "q", "answer": null}'], ":1: field 'answer' is null"),
+        (['{"prompt": 5, "answer": "a"}'], ":1: field 'prompt' must be a string, got int"),
+        (['{"prompt": [{"role": "user"}], "answer": "a"}'], ":1: field 'prompt' must be a string, got list"),
+        (['{"prompt": "  ", "answer": "a"}'], ":1: field 'prompt' is empty"),
+        (['{"prompt": "q", "answer": true}'], ":1: field 'answer' must be a string or a number, got bool"),
+        (['{"prompt": "q", "answer": ["a"]}'], ":1: field 'answer' must be a string or a number, got list"),
+        (['{"prompt": "q", "answer": NaN}'], ":1: field 'answer' is nan"),
+    ]
+    for i, (lines, expected) in enumerate(cases):
+        path = _write(tmp_path, f"e{i}.jsonl", "\n".join(lines))
+        assert f"{path}{expected}" in _error(path)
+
+
+def test_json_errors_name_the_line_of_the_item(tmp_path):
+    """In a pretty-printed .json list, errors name the line where the offending item starts."""
+    rows = [ROWS[0], {"question": "q", "answer": "a"}]
+    path = _write(tmp_path, "d.json", json.dumps(rows, indent=2))
+    lines = json.dumps(rows, indent=2).splitlines()
+    start = [i for i, line in enumerate(lines, 1) if line == "  {"][1]  # the second item's "{"
+    assert start == 7
+    assert f"{path}:{start}: missing field 'prompt'" in _error(path)
+    path = _write(tmp_path, "bad.json", '[\n  {"prompt": "a", "answer": "b"},\n  {"prompt": }\n]')
+    assert f"{path}:3: invalid JSON: Expecting value" in _error(path)
+    path = _write(tmp_path, "obj.json", '{"prompt": "a", "answer": "b"}')
+    assert f"{path}: expected a JSON list of objects, got one object" in _error(path)
+    path = _write(tmp_path, "num.json", "3")
+    assert f"{path}: expected a JSON list of objects, got int" in _error(path)
+
+
+def test_csv_errors_name_the_row_line(tmp_path):
+    """CSV errors name the data row's line (a multi-line quoted row counts its lines)."""
+    path = _write(tmp_path, "d.csv", 'prompt,answer\n"two\nlines",1\nonly-prompt\n')
+    assert f"{path}:4: missing field 'answer' (fields: prompt)" in _error(path)
+    path = _write(tmp_path, "h.csv", "question,answer\n\nq,a\n")
+    assert f"{path}:3: missing field 'prompt' (fields: question, answer)" in _error(path)
+    path = _write(tmp_path, "x.csv", "prompt,answer\np,a,extra\n")
+    assert f"{path}:2: row has 3 values but the header has 2 columns" in _error(path)
+    path = _write(tmp_path, "e.csv", "prompt,answer\n,a\n")
+    assert f"{path}:2: field 'prompt' is empty" in _error(path)
+    path = _write(tmp_path, "dup.csv", "prompt,prompt,answer\n")
+    assert f"{path}:1: duplicate column 'prompt'" in _error(path)
+
+
+def test_empty_dataset_and_bad_encoding(tmp_path):
+    """Files with no examples are an error; so is non-UTF-8 text (with its line)."""
+    for name, text in (("e.jsonl", "\n\n"), ("e.json", "[]"), ("e.csv", "prompt,answer\n"), ("z.json", "")):
+        path = _write(tmp_path, name, text)
+        assert f"{path}: dataset is empty (no examples)" in _error(path)
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "caf\xe9", "answer": "b"}\n')
+    assert f"{p}:2: not valid UTF-8 text" in _error(str(p))
+
+
+def test_example_is_frozen_and_hashable():
+    """Example is immutable and hashable (meta excluded from the hash), positional (prompt, answer)."""
+    e = Example("p", "a", {"k": 1})
+    with pytest.raises(AttributeError):
+        e.prompt = "q"  # type: ignore[misc]
+    assert hash(e) == hash(Example("p", "a", {"k": 2})) and Example("p", "a").meta == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# chat template
+
+
+class _Tok:
+    def __init__(self, template: str | None, fail: bool = False):
+        self.chat_template = template
+        self.fail = fail
+        self.calls: list = []
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.calls.append((messages, kwargs))
+        if self.fail:
+            raise ValueError("System role not supported\nmore details")
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+
+
+def test_apply_chat_template():
+    """With a template: system + user messages, add_generation_prompt=True, tokenize=False; without
+    one the prompt is returned unchanged; template errors become one-line GspoErrors."""
+    tok = _Tok("{{ messages }}")
+    assert apply_chat_template(tok, "hi", "be brief") == "system:be brief|user:hi|assistant:"
+    assert tok.calls[0][1] == {"add_generation_prompt": True, "tokenize": False}
+    assert apply_chat_template(tok, "hi", None) == "user:hi|assistant:"
+    assert apply_chat_template(_Tok(None), "hi", "be brief") == "hi"
+    with pytest.raises(
+        GspoError,
+        match=r"^the tokenizer's chat template failed with a system prompt: "
+        r"ValueError: System role not supported$",
+    ):
+        apply_chat_template(_Tok("t", fail=True), "hi", "sys")
