@@ -73,9 +73,8 @@ def worker(args: argparse.Namespace) -> None:
         logp = fn()
         (logp * coef).sum().backward()
         times.append(time.perf_counter() - t0)
-        checksum = float(logp.detach().double().sum()), float(weight.grad.double().abs().sum())
-        del logp
-    peak = _maxrss_bytes() - base
+    peak = _maxrss_bytes() - base  # before the checksum below, which allocates its own temporaries
+    checksum = float(logp.detach().double().sum()), float(weight.grad.double().abs().sum())
     out = {"time_s": min(times), "times_s": times, "peak_bytes": peak, "baseline_bytes": base,
            "baseline_minus_current_rss": base - base_cur, "checksum": checksum}
     print(json.dumps(out))

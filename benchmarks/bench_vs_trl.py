@@ -58,9 +58,17 @@ def _since(t0: tuple[float, float]) -> tuple[float, float]:
 
 
 def _cfg(log_volatility: bool = False) -> Config:
-    return Config(prompts_per_step=PROMPTS, group_size=G, max_new_tokens=NEW_TOKENS, num_minibatches=MINIBATCHES,
-                  log_volatility=log_volatility, sft_steps=0, lr=LR, adam_beta1=BETAS[0],
-                  adam_beta2=BETAS[1]).validate()
+    return Config(
+        prompts_per_step=PROMPTS,
+        group_size=G,
+        max_new_tokens=NEW_TOKENS,
+        num_minibatches=MINIBATCHES,
+        log_volatility=log_volatility,
+        sft_steps=0,
+        lr=LR,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+    ).validate()
 
 
 def _model(kind: str, tok: Any) -> Any:
@@ -102,21 +110,54 @@ def bench_trl(kind: str, su: Setup, n: int) -> list[tuple[float, float]]:
     def exact_match(prompts, completions, answer, **kwargs):  # noqa: ANN001
         return su.task.reward(prompts, completions, answer)
 
-    ds = datasets.Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in su.examples[: PROMPTS * n]])
+    ds = datasets.Dataset.from_list(
+        [{"prompt": e.prompt, "answer": e.answer} for e in su.examples[: PROMPTS * n]]
+    )
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4,
-            epsilon_high=4e-4, beta=0.0, num_generations=G, per_device_train_batch_size=PROMPTS * G // MINIBATCHES,
-            steps_per_generation=MINIBATCHES, gradient_accumulation_steps=1, num_iterations=1,
-            max_completion_length=NEW_TOKENS, temperature=1.0, gradient_checkpointing=False, bf16=False,
-            fp16=False, use_cpu=True, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-            weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-            max_steps=n * MINIBATCHES, shuffle_dataset=False, logging_strategy="no", save_strategy="no",
-            report_to="none", disable_tqdm=True, log_completions=False, dataloader_num_workers=0, seed=0,
+            output_dir=out,
+            importance_sampling_level="sequence",
+            loss_type="grpo",
+            epsilon=3e-4,
+            epsilon_high=4e-4,
+            beta=0.0,
+            num_generations=G,
+            per_device_train_batch_size=PROMPTS * G // MINIBATCHES,
+            steps_per_generation=MINIBATCHES,
+            gradient_accumulation_steps=1,
+            num_iterations=1,
+            max_completion_length=NEW_TOKENS,
+            temperature=1.0,
+            gradient_checkpointing=False,
+            bf16=False,
+            fp16=False,
+            use_cpu=True,
+            learning_rate=LR,
+            adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1],
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_steps=n * MINIBATCHES,
+            shuffle_dataset=False,
+            logging_strategy="no",
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            log_completions=False,
+            dataloader_num_workers=0,
+            seed=0,
         )
         marks = Marks()
-        trainer = GRPOTrainer(model=_model(kind, su.tok), reward_funcs=[exact_match], args=args, train_dataset=ds,
-                              processing_class=su.tok, callbacks=[marks])
+        trainer = GRPOTrainer(
+            model=_model(kind, su.tok),
+            reward_funcs=[exact_match],
+            args=args,
+            train_dataset=ds,
+            processing_class=su.tok,
+            callbacks=[marks],
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # Trainer prints its final metrics dict
             trainer.train()
     return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks.t, marks.t[1:], strict=False)]
@@ -124,10 +165,13 @@ def bench_trl(kind: str, su: Setup, n: int) -> list[tuple[float, float]]:
 
 def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     model = _model(kind, su.tok)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    engine = HFRolloutEngine(model, su.tok.eos_token_id, su.tok.pad_token_id, torch.Generator().manual_seed(0))
+    engine = HFRolloutEngine(
+        model, su.tok.eos_token_id, su.tok.pad_token_id, torch.Generator().manual_seed(0)
+    )
     return model, opt, sched, engine
 
 
@@ -158,16 +202,25 @@ def bench_floor(kind: str, su: Setup, n: int) -> list[tuple[tuple[float, float],
         rb = engine.generate(rep, NEW_TOKENS, 1.0)
         t_gen = _since(t0)
         p_ids, p_mask = left_pad(rep, su.tok.pad_token_id)
-        data = L.RolloutData(p_ids, p_mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT,
-                             torch.zeros(len(rep)))
+        data = L.RolloutData(
+            p_ids, p_mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, torch.zeros(len(rep))
+        )
         mb = len(rep) // MINIBATCHES
         mbs = [data.slice(slice(i * mb, (i + 1) * mb)) for i in range(MINIBATCHES)]
         model.train()
         t0 = _now()
         for m in mbs:
             opt.zero_grad(set_to_none=True)
-            logp = response_logprobs(model, m.prompt_ids_BP, m.prompt_mask_BP, m.response_ids_BT,
-                                     m.response_mask_BT, 1.0, cfg.logp_chunk_size, pack=pack)
+            logp = response_logprobs(
+                model,
+                m.prompt_ids_BP,
+                m.prompt_mask_BP,
+                m.response_ids_BT,
+                m.response_mask_BT,
+                1.0,
+                cfg.logp_chunk_size,
+                pack=pack,
+            )
             (logp * m.response_mask_BT).sum().div(mb).backward()
             opt.step()
         out.append((t_gen, _since(t0)))
@@ -289,7 +342,9 @@ def _report(kind: str, res: dict[str, list], clock: int) -> str:
     """Print per-contender stats for one clock (0 wall, 1 cpu); return the headline line."""
     med = statistics.median
     name = ("wall", "cpu")[clock]
-    series = {k: [t[clock] if k != "floor" else t[0][clock] + t[1][clock] for t in v] for k, v in res.items() if v}
+    series = {
+        k: [t[clock] if k != "floor" else t[0][clock] + t[1][clock] for t in v] for k, v in res.items() if v
+    }
     floor, y = med(series["floor"]), med(series["gspo"])
     gen, upd = med(t[0][clock] for t in res["floor"]), med(t[1][clock] for t in res["floor"])
     print(f"  [{name} time] floor {floor:.4f} s (generate {gen:.4f} + 4x fwd/bwd/step {upd:.4f})")
@@ -344,7 +399,9 @@ def main() -> None:
         for lv in [False, True] if kind == "moe" else [False]:
             bd = gspo_breakdown(kind, su, 6, lv)
             tot = bd.pop("TOTAL")
-            print(f"  gspo step breakdown ({kind}, log_volatility={lv}), mean CPU s/rollout over 5, total {tot:.4f}:")
+            print(
+                f"  gspo step breakdown ({kind}, log_volatility={lv}), mean CPU s/rollout over 5, total {tot:.4f}:"
+            )
             for name, v in sorted(bd.items(), key=lambda kv: -kv[1]):
                 print(f"    {name:30s} {v:.4f}  {100 * v / tot:5.1f}%")
         if args.op_rows:

@@ -142,10 +142,11 @@ def reward_batches(draw):
     N = draw(st.integers(1, 5))
     G = draw(st.integers(1, 8))
     dtype = draw(st.sampled_from([torch.float32, F64]))
-    width = 64 if dtype == F64 else 32
-    # "max": the whole finite range, subnormals included
+    # "max": the whole finite range of dtype, subnormals included; otherwise float64 values in
+    # +-bound that round (finitely) on the cast to float32
     bound = draw(st.sampled_from([1.0, 1e6, 1e30, "max"]))
-    top = torch.finfo(dtype).max if bound == "max" else min(bound, torch.finfo(dtype).max)
+    width = 32 if (bound == "max" and dtype == torch.float32) else 64
+    top = torch.finfo(dtype).max if bound == "max" else bound
     vals = st.one_of(
         st.floats(-top, top, allow_nan=False, allow_infinity=False, width=width),
         st.sampled_from([0.0, 1.0, 0.1]),

@@ -256,7 +256,8 @@ def _import_file(spec: str, file: str) -> Any:
         del sys.modules[mod_name]
         raise GspoError(f"reward {spec!r}: importing {file} failed: {_one_line(e)}") from None
     finally:
-        sys.path.remove(os.path.dirname(path))
+        if os.path.dirname(path) in sys.path:
+            sys.path.remove(os.path.dirname(path))
     return module
 
 
