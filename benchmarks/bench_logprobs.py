@@ -4,7 +4,8 @@ Each variant runs in a fresh subprocess. Peak memory there is ``ru_maxrss`` at t
 ``ru_maxrss`` right after allocating (and touching) the inputs, so it counts only what the
 log-prob computation adds: logits buffers, autograd saved tensors and the gradients (both variants
 produce the same ``[N, H]`` and ``[V, H]`` gradients). Time is the best of ``--repeats`` runs of
-forward + ``backward`` w.r.t. both hidden and LM-head weight.
+forward + ``backward`` w.r.t. both hidden and LM-head weight (wall clock; process CPU time is printed
+too, as it is less sensitive to other load on a shared machine).
 
     python benchmarks/bench_logprobs.py                      # Qwen3 vocab 151,936, H=256, N=2048
     python benchmarks/bench_logprobs.py --chunk-sizes 256 512 1024
@@ -44,11 +45,17 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     # in-place init: no transient copies that would inflate the baseline
     hidden = torch.empty(args.n, args.hidden, dtype=dtype).normal_(0, 0.5, generator=g).requires_grad_(True)
-    weight = torch.empty(args.vocab, args.hidden, dtype=dtype).normal_(0, 0.05, generator=g).requires_grad_(True)
+    weight = (
+        torch.empty(args.vocab, args.hidden, dtype=dtype).normal_(0, 0.05, generator=g).requires_grad_(True)
+    )
     targets = torch.randint(0, args.vocab, (args.n,), generator=g)
     coef = torch.randn(args.n, generator=g)
     # warm up both code paths on separate tiny tensors so lazily loaded kernels count in the baseline
-    hs, ws, ts = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True), targets[:4] % 16
+    hs, ws, ts = (
+        torch.randn(4, 8, requires_grad=True),
+        torch.randn(16, 8, requires_grad=True),
+        targets[:4] % 16,
+    )
     logprobs_from_hidden(hs, ws, ts, chunk_size=2).sum().backward()
     naive_logprobs_from_hidden(hs, ws, ts).sum().backward()
     del hs, ws, ts
@@ -66,24 +73,49 @@ def worker(args: argparse.Namespace) -> None:
                 hidden, weight, targets, chunk_size=args.chunk_size, temperature=args.temperature
             )
 
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.repeats):
         hidden.grad = weight.grad = None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logp = fn()
         (logp * coef).sum().backward()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     peak = _maxrss_bytes() - base  # before the checksum below, which allocates its own temporaries
     checksum = float(logp.detach().double().sum()), float(weight.grad.double().abs().sum())
-    out = {"time_s": min(times), "times_s": times, "peak_bytes": peak, "baseline_bytes": base,
-           "baseline_minus_current_rss": base - base_cur, "checksum": checksum}
+    out = {
+        "time_s": min(times),
+        "times_s": times,
+        "cpu_s": min(cpu_times),
+        "peak_bytes": peak,
+        "baseline_bytes": base,
+        "baseline_minus_current_rss": base - base_cur,
+        "checksum": checksum,
+    }
     print(json.dumps(out))
 
 
 def run_variant(args: argparse.Namespace, variant: str, chunk_size: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, "--n", str(args.n), "--hidden", str(args.hidden),
-           "--vocab", str(args.vocab), "--dtype", args.dtype, "--threads", str(args.threads),
-           "--repeats", str(args.repeats), "--temperature", str(args.temperature)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--n",
+        str(args.n),
+        "--hidden",
+        str(args.hidden),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--repeats",
+        str(args.repeats),
+        "--temperature",
+        str(args.temperature),
+    ]
     if chunk_size is not None:
         cmd += ["--chunk-size", str(chunk_size)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -99,8 +131,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per variant (best is reported)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=None,
-                    help="chunked variants to run (default: the library default chunk size)")
+    ap.add_argument(
+        "--chunk-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="chunked variants to run (default: the library default chunk size)",
+    )
     ap.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     ap.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -113,20 +150,29 @@ def main() -> None:
 
     chunk_sizes = args.chunk_sizes or [DEFAULT_CHUNK_SIZE]
     gib = 2**30
-    print(f"N={args.n} H={args.hidden} V={args.vocab} dtype={args.dtype} threads={args.threads} "
-          f"repeats={args.repeats} (full [N,V] float32 logits = {args.n * args.vocab * 4 / gib:.2f} GiB)")
+    print(
+        f"N={args.n} H={args.hidden} V={args.vocab} dtype={args.dtype} threads={args.threads} "
+        f"repeats={args.repeats} (full [N,V] float32 logits = {args.n * args.vocab * 4 / gib:.2f} GiB)"
+    )
     naive = run_variant(args, "naive", None)
-    print(f"naive           : fwd+bwd {naive['time_s']:.2f} s (runs {[round(t, 2) for t in naive['times_s']]}), "
-          f"peak +{naive['peak_bytes'] / gib:.3f} GiB")
+    print(
+        f"naive           : fwd+bwd {naive['time_s']:.2f} s (runs {[round(t, 2) for t in naive['times_s']]}), "
+        f"cpu {naive['cpu_s']:.2f} s, peak +{naive['peak_bytes'] / gib:.3f} GiB"
+    )
     for cs in chunk_sizes:
         res = run_variant(args, "chunked", cs)
-        print(f"chunked cs={cs:<5}: fwd+bwd {res['time_s']:.2f} s (runs {[round(t, 2) for t in res['times_s']]}), "
-              f"peak +{res['peak_bytes'] / gib:.3f} GiB")
+        print(
+            f"chunked cs={cs:<5}: fwd+bwd {res['time_s']:.2f} s (runs {[round(t, 2) for t in res['times_s']]}), "
+            f"cpu {res['cpu_s']:.2f} s, peak +{res['peak_bytes'] / gib:.3f} GiB"
+        )
         dl = abs(res["checksum"][0] - naive["checksum"][0]) / max(1.0, abs(naive["checksum"][0]))
         mem_ratio = res["peak_bytes"] / naive["peak_bytes"]
         time_ratio = res["time_s"] / naive["time_s"]
-        print(f"  chunk_size={cs}: peak memory ratio chunked/naive = {mem_ratio:.3f} (target <= 0.25), "
-              f"time ratio = {time_ratio:.3f} (target <= 1.1); checksum rel diff {dl:.1e}")
+        print(
+            f"  chunk_size={cs}: peak memory ratio chunked/naive = {mem_ratio:.3f} (target <= 0.25), "
+            f"time ratio = {time_ratio:.3f} (target <= 1.1); cpu-time ratio = {res['cpu_s'] / naive['cpu_s']:.3f}; "
+            f"checksum rel diff {dl:.1e}"
+        )
 
 
 if __name__ == "__main__":

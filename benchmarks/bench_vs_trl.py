@@ -7,14 +7,18 @@ steps, fp32, no gradient checkpointing, one CPU thread.
 - TRL: ``GRPOTrainer`` with ``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
   ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``; time per rollout = wall time of
   ``trainer.train()`` between every 4th optimizer step (a ``TrainerCallback``), first rollout dropped.
-- gspo: ``collect_rollout`` + ``policy_update`` (``log_volatility`` off to match TRL; MoE also with it on).
+- gspo: ``collect_rollout`` + ``policy_update`` (``log_volatility`` off to match TRL; MoE also with it
+  on; both also with ``old_logp="rollout"``, which skips the pi_old recompute).
 - floor: the same ``engine.generate`` call + 4 x (``response_logprobs`` on the same minibatches,
   trivial loss, backward, optimizer step), each measured alone.
 
-Then a breakdown of gspo's step (timers wrapped around its parts) and the top torch ops.
+Each contender runs ``--rounds`` times, alternating, ``--rollouts`` timed rollouts each (after one
+warm-up rollout). Times are reported twice: process CPU time (with one torch thread this is the work
+done, robust when other jobs share the cores) and wall time. Then a breakdown of gspo's step (CPU-time
+timers wrapped around its parts) and the top torch ops by self CPU time.
 
     pip install -e '.[bench]'          # TRL is an optional bench dependency
-    python benchmarks/bench_vs_trl.py  # ~1-2 min on a CPU
+    python benchmarks/bench_vs_trl.py  # ~1.5 min CPU time (longer in wall time on a busy machine)
     python benchmarks/bench_vs_trl.py --rollouts 20 --rounds 3 --models moe
 """
 
@@ -57,13 +61,14 @@ def _since(t0: tuple[float, float]) -> tuple[float, float]:
     return t1[0] - t0[0], t1[1] - t0[1]
 
 
-def _cfg(log_volatility: bool = False) -> Config:
+def _cfg(log_volatility: bool = False, old_logp: str = "recompute") -> Config:
     return Config(
         prompts_per_step=PROMPTS,
         group_size=G,
         max_new_tokens=NEW_TOKENS,
         num_minibatches=MINIBATCHES,
         log_volatility=log_volatility,
+        old_logp=old_logp,
         sft_steps=0,
         lr=LR,
         adam_beta1=BETAS[0],
@@ -175,9 +180,11 @@ def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     return model, opt, sched, engine
 
 
-def bench_gspo(kind: str, su: Setup, n: int, log_volatility: bool = False) -> list[tuple[float, float]]:
+def bench_gspo(
+    kind: str, su: Setup, n: int, log_volatility: bool = False, old_logp: str = "recompute"
+) -> list[tuple[float, float]]:
     """Seconds per rollout of gspo's ``collect_rollout`` + ``policy_update``."""
-    cfg = _cfg(log_volatility)
+    cfg = _cfg(log_volatility, old_logp)
     model, opt, sched, engine = _gspo_state(kind, su, cfg)
     times = []
     for r in range(n):
@@ -350,7 +357,7 @@ def _report(kind: str, res: dict[str, list], clock: int) -> str:
     print(f"  [{name} time] floor {floor:.4f} s (generate {gen:.4f} + 4x fwd/bwd/step {upd:.4f})")
     for k, ts in series.items():
         q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        print(f"    {k:9s} median {med(ts):.4f}  IQR [{q[0]:.4f}, {q[2]:.4f}]  min {min(ts):.4f}")
+        print(f"    {k:18s} median {med(ts):.4f}  IQR [{q[0]:.4f}, {q[2]:.4f}]  min {min(ts):.4f}")
     line = f"{kind} ({name}): "
     if "trl" in series:
         x = med(series["trl"])
@@ -358,6 +365,10 @@ def _report(kind: str, res: dict[str, list], clock: int) -> str:
     else:
         line += f"gspo {y:.4f} s/rollout; "
     line += f"gspo/floor = {y / floor:.2f} (target <= 1.2)"
+    if "gspo(rollout-logp)" in series:
+        v = med(series["gspo(rollout-logp)"])
+        line += f"; with old_logp=rollout: gspo {v:.4f} s, /floor = {v / floor:.2f}"
+        line += f", speedup = {med(series['trl']) / v:.2f}" if "trl" in series else ""
     if "gspo+vol" in series:
         v = med(series["gspo+vol"])
         line += f"; with log_volatility: gspo {v:.4f} s, /floor = {v / floor:.2f}"
@@ -391,6 +402,7 @@ def main() -> None:
                 res["trl"] += bench_trl(kind, su, n)
             res["gspo"] += bench_gspo(kind, su, n)
             res["floor"] += bench_floor(kind, su, n)
+            res["gspo(rollout-logp)"] += bench_gspo(kind, su, n, old_logp="rollout")
             if kind == "moe":
                 res["gspo+vol"] += bench_gspo(kind, su, n, log_volatility=True)
         print(f"\n== {kind}: {len(res['gspo'])} timed rollouts per contender (s/rollout)")

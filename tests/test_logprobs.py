@@ -4,6 +4,22 @@ import torch
 from gspo.model.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_hidden, naive_logprobs_from_hidden
 
 
+def _close(actual, expected, rtol, atol):
+    """Strict elementwise |a - e| <= atol + rtol * |e| with equal shape and dtype.
+
+    Same criterion as ``torch.testing.assert_close``, whose first call costs seconds of lazy imports.
+    """
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    a, e = actual.detach().double(), expected.detach().double()
+    err = (a - e).abs()
+    tol = atol + rtol * e.abs()
+    assert torch.isfinite(a).all() and torch.isfinite(e).all()
+    assert (err <= tol).all(), (
+        f"max abs err {err.max().item():.3e}, max err/tol {(err / tol).max().item():.3f}"
+    )
+
+
 def _inputs(N=37, H=16, V=101, dtype=torch.float32, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(N, H, generator=g, dtype=torch.float64) * scale).to(dtype)
@@ -38,8 +54,8 @@ def test_forward_matches_log_softmax_gather_float32():
     ref = torch.log_softmax((h @ w.T).float(), -1).gather(-1, t[:, None]).squeeze(-1)
     out = logprobs_from_hidden(h, w, t, chunk_size=16)
     assert out.dtype == torch.float32 and out.shape == (50,)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, naive_logprobs_from_hidden(h, w, t), rtol=1e-5, atol=1e-5)
+    _close(out, ref, rtol=1e-5, atol=1e-5)
+    _close(out, naive_logprobs_from_hidden(h, w, t), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_float64_inputs_tight():
@@ -48,8 +64,8 @@ def test_forward_float64_inputs_tight():
     ref, ref_ent = _ref_float64(h, w, t)
     out, ent = logprobs_from_hidden(h, w, t, chunk_size=7, return_entropy=True)
     assert out.dtype == torch.float64
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
+    _close(out, ref, rtol=1e-12, atol=1e-12)
+    _close(ent, ref_ent, rtol=1e-12, atol=1e-12)
 
 
 def test_grads_match_naive_float32():
@@ -58,9 +74,9 @@ def test_grads_match_naive_float32():
     g_N = torch.randn(45, generator=torch.Generator().manual_seed(1))
     o_ref, gh_ref, gw_ref = _grads(naive_logprobs_from_hidden, h, w, t, g_N)
     o, gh, gw = _grads(logprobs_from_hidden, h, w, t, g_N, chunk_size=8)
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gh, gh_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-5)
+    _close(o, o_ref, rtol=1e-5, atol=1e-5)
+    _close(gh, gh_ref, rtol=1e-5, atol=1e-5)
+    _close(gw, gw_ref, rtol=1e-5, atol=1e-5)
     assert gh.dtype == h.dtype and gw.dtype == w.dtype
 
 
@@ -70,8 +86,8 @@ def test_grads_match_naive_with_temperature_float64():
     g_N = torch.randn(23, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     _, gh_ref, gw_ref = _grads(_naive_exact, h, w, t, g_N, temperature=0.7)
     _, gh, gw = _grads(logprobs_from_hidden, h, w, t, g_N, chunk_size=5, temperature=0.7)
-    torch.testing.assert_close(gh, gh_ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-10, atol=1e-10)
+    _close(gh, gh_ref, rtol=1e-10, atol=1e-10)
+    _close(gw, gw_ref, rtol=1e-10, atol=1e-10)
 
 
 def test_gradcheck_float64():
@@ -92,10 +108,10 @@ def test_entropy_matches_reference_and_is_detached():
     h.requires_grad_(True)
     lp, ent = logprobs_from_hidden(h, w, t, chunk_size=10, temperature=0.8, return_entropy=True)
     ref_lp, ref_ent = _ref_float64(h.detach(), w, t, temperature=0.8)
-    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    _close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    _close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
     _, n_ent = naive_logprobs_from_hidden(h, w, t, temperature=0.8, return_entropy=True)
-    torch.testing.assert_close(ent, n_ent, rtol=1e-5, atol=1e-5)
+    _close(ent, n_ent, rtol=1e-5, atol=1e-5)
     assert not ent.requires_grad and lp.requires_grad
     lp.sum().backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
@@ -107,8 +123,8 @@ def test_entropy_without_grad_path():
     with torch.no_grad():
         lp, ent = logprobs_from_hidden(h, w, t, chunk_size=4, return_entropy=True)
     ref_lp, ref_ent = _ref_float64(h, w, t)
-    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    _close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    _close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
@@ -117,7 +133,7 @@ def test_temperature(temperature):
     h, w, t = _inputs(N=21, V=90)
     ref, _ = _ref_float64(h, w, t, temperature=temperature)
     out = logprobs_from_hidden(h, w, t, chunk_size=6, temperature=temperature)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    _close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, 10, 64, 1000])
@@ -127,9 +143,9 @@ def test_chunk_sizes_not_dividing_n_and_larger_than_n(chunk_size):
     g_N = torch.randn(10, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     o_ref, gh_ref, gw_ref = _grads(_naive_exact, h, w, t, g_N)
     o, gh, gw = _grads(logprobs_from_hidden, h, w, t, g_N, chunk_size=chunk_size)
-    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gh, gh_ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gw, gw_ref, rtol=1e-10, atol=1e-10)
+    _close(o, o_ref, rtol=1e-12, atol=1e-12)
+    _close(gh, gh_ref, rtol=1e-10, atol=1e-10)
+    _close(gw, gw_ref, rtol=1e-10, atol=1e-10)
 
 
 def test_empty_input():
@@ -152,11 +168,11 @@ def test_bfloat16_close_to_float32_and_grad_dtypes():
     o_ref, gh_ref, gw_ref = _grads(naive_logprobs_from_hidden, h, w, t, g_N)
     o, gh, gw = _grads(logprobs_from_hidden, h, w, t, g_N, chunk_size=16)
     assert o.dtype == torch.float32 and gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)  # same bf16 matmul, float32 softmax
-    torch.testing.assert_close(gh.float(), gh_ref.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(gw.float(), gw_ref.float(), rtol=2e-2, atol=2e-2)
+    _close(o, o_ref, rtol=1e-5, atol=1e-5)  # same bf16 matmul, float32 softmax
+    _close(gh.float(), gh_ref.float(), rtol=2e-2, atol=2e-2)
+    _close(gw.float(), gw_ref.float(), rtol=2e-2, atol=2e-2)
     exact, _ = _ref_float64(h, w, t)  # bf16 rounding of the logits dominates (|logit| ~ 6)
-    torch.testing.assert_close(o.double(), exact, rtol=0, atol=0.15)
+    _close(o.double(), exact, rtol=0, atol=0.15)
 
 
 def test_weight_without_grad():
@@ -168,7 +184,7 @@ def test_weight_without_grad():
     hc = h.clone().requires_grad_(True)
     (logprobs_from_hidden(hc, w, t, chunk_size=4) * g_N).sum().backward()
     assert w.grad is None
-    torch.testing.assert_close(hc.grad, hr.grad, rtol=1e-5, atol=1e-5)
+    _close(hc.grad, hr.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_hidden_without_grad():
@@ -180,7 +196,7 @@ def test_hidden_without_grad():
     wc = w.clone().requires_grad_(True)
     (logprobs_from_hidden(h, wc, t, chunk_size=5) * g_N).sum().backward()
     assert h.grad is None
-    torch.testing.assert_close(wc.grad, wr.grad, rtol=1e-5, atol=1e-5)
+    _close(wc.grad, wr.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_tied_weights_accumulate_both_paths():
@@ -194,8 +210,7 @@ def test_tied_weights_accumulate_both_paths():
         (fn(hidden, wt, t) * torch.linspace(-1, 1, 12, dtype=torch.float64)).sum().backward()
         return wt.grad
 
-    torch.testing.assert_close(run(lambda *a: logprobs_from_hidden(*a, chunk_size=5)),
-                               run(_naive_exact), rtol=1e-10, atol=1e-10)
+    _close(run(lambda *a: logprobs_from_hidden(*a, chunk_size=5)), run(_naive_exact), rtol=1e-10, atol=1e-10)
 
 
 def test_no_full_logits_saved_for_backward():

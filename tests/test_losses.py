@@ -355,7 +355,6 @@ def test_gspo_token_equals_gspo_beyond_log_ratio_clamp():
 def test_gspo_token_matches_gspo_exactly_in_float32_with_large_log_probs():
     """float32, |logp| ~ 1e3 (ulp 6e-5): GSPO-token's per-token ratio is exactly s_i, not s_i rounded
     at the scale of |logp|, so value and clip metrics equal GSPO's bit for bit (also at clip edges)."""
-    f32 = torch.float32
     T = 4  # mean of 4 equal float32 values is exact, so the two values are comparable with ==
     lr = torch.tensor([1e-4, 3.8e-4, 4.2e-4, -2.8e-4, -3.2e-4, 0.0, 2e-3, -2e-3])
     # one token per row at ~ -1000, three at O(1) magnitude, so s_i is finer than ulp(1000)
@@ -366,7 +365,7 @@ def test_gspo_token_matches_gspo_exactly_in_float32_with_large_log_probs():
     mask = torch.ones(8, T)
     l1, m1 = gspo_loss(logp, old, adv, mask)
     l2, m2 = gspo_token_loss(logp, old, adv, mask)
-    assert l1.item() == l2.item()
+    assert l1.dtype == l2.dtype == torch.float32 and l1.item() == l2.item()
     for k in m1:
         assert torch.equal(m1[k], m2[k]), k
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=0, rtol=1e-6)

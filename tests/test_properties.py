@@ -11,6 +11,7 @@ from gspo.losses import grpo_loss, gspo_loss, gspo_token_loss
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=40, deadline=None)
+LOSS_SETTINGS = settings(max_examples=30, deadline=None)  # each example runs forward + backward
 
 LOSS_FNS = {
     "gspo": gspo_loss,
@@ -48,7 +49,7 @@ def batches(draw, bound=None):
     return logp, old, mask, adv, name, dtype
 
 
-@SETTINGS
+@LOSS_SETTINGS
 @given(batches())
 def test_losses_finite_for_finite_inputs(b):
     """Any finite inputs over the whole float range of float32/float64/bf16 (logp - old_logp may
@@ -63,7 +64,7 @@ def test_losses_finite_for_finite_inputs(b):
     assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in m.values())
 
 
-@SETTINGS
+@LOSS_SETTINGS
 @given(batches(bound=50.0), st.integers(0, 3), st.data())
 def test_losses_invariant_to_padding_content(b, extra, data):
     """Rewriting masked positions (and appending padded columns) with garbage changes nothing."""
@@ -92,7 +93,7 @@ def test_losses_invariant_to_padding_content(b, extra, data):
         assert torch.allclose(m1[k], m2[k], atol=1e-12, rtol=1e-12), k
 
 
-@SETTINGS
+@LOSS_SETTINGS
 @given(batches(bound=40.0), st.booleans(), st.sampled_from([(3e-4, 4e-4), (0.2, 0.27)]))
 def test_gspo_token_equals_gspo_for_constant_advantages(b, explicit, eps):
     """GSPO-token with A_it = A_i equals GSPO in value and gradient for random batches."""
@@ -109,7 +110,7 @@ def test_gspo_token_equals_gspo_for_constant_advantages(b, explicit, eps):
     assert torch.allclose(g1, g2, atol=1e-12, rtol=1e-10)
 
 
-@SETTINGS
+@LOSS_SETTINGS
 @given(
     st.integers(1, 4),
     st.lists(st.integers(1, 6), min_size=4, max_size=4),

@@ -367,10 +367,11 @@ def test_replay_router_grads_match_closed_form(arch):
         assert torch.allclose(router.weight.grad, ref, rtol=1e-4, atol=1e-7), name
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v3", "granitemoe"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_replay_router_grads_match_finite_differences(arch):
-    """In float64 under replay (routing fixed, so the loss is smooth in the router weights) autograd's
-    router.weight grad matches central finite differences on sampled entries, for every router."""
+    """Under replay (routing fixed, so the loss is smooth in the router weights) every router.weight
+    gets a nonzero grad whose directional derivative along a random direction matches a central finite
+    difference (float64 model; routers and RMSNorm still compute in float32, hence eps=3e-3, 1%)."""
     model = ARCHS[arch]().double().eval()
     model.set_experts_implementation("eager")  # the default grouped_mm kernel has no float64
     ids, mask = _batch()
@@ -385,21 +386,21 @@ def test_replay_router_grads_match_finite_differences(arch):
 
     model.zero_grad()
     loss().backward()
-    g = torch.Generator().manual_seed(2)
-    eps = 1e-6
+    g = torch.Generator().manual_seed(7)
+    eps = 3e-3
     for name, router in R.find_routers(model).items():
         grad = router.weight.grad
         assert grad is not None and grad.abs().sum() > 0, name
-        for _ in range(3):
-            i, j = (int(torch.randint(n, (1,), generator=g)) for n in router.weight.shape)
-            with torch.no_grad():
-                router.weight[i, j] += eps
-                up = loss()
-                router.weight[i, j] -= 2 * eps
-                down = loss()
-                router.weight[i, j] += eps
-            fd = (up - down) / (2 * eps)
-            assert torch.isclose(fd, grad[i, j], rtol=1e-5, atol=1e-7), (name, i, j, float(fd), float(grad[i, j]))
+        d = torch.randn(router.weight.shape, generator=g, dtype=torch.float64)
+        w0 = router.weight.detach().clone()
+        with torch.no_grad():
+            router.weight.copy_(w0 + eps * d)
+            up = loss()
+            router.weight.copy_(w0 - eps * d)
+            down = loss()
+            router.weight.copy_(w0)
+        fd = (up - down) / (2 * eps)
+        assert torch.isclose(fd, (grad * d).sum(), rtol=1e-2), (name, float(fd), float((grad * d).sum()))
 
 
 def test_replay_rejects_wrong_shapes_and_missing_layers():
@@ -417,21 +418,30 @@ def test_replay_rejects_wrong_shapes_and_missing_layers():
                 pass
 
 
-def test_replay_warns_under_activation_checkpointing():
-    """With activation checkpointing on (and grad enabled) replay warns that a later recompute would not
-    be replayed; without it there is no warning."""
+def test_replay_under_activation_checkpointing_warns_and_backward_inside_is_exact():
+    """With activation checkpointing on (and grad enabled) replay warns that a recompute after exit would
+    not be replayed; a backward inside the context gives the same router grads as without checkpointing.
+    Without checkpointing there is no warning."""
     model = _qwen3().train()
     ids, mask = _batch()
     with torch.no_grad():
         _, routing = _capture(model, ids, mask)
+        _perturb_routers(model)
+
+    def router_grads():
+        model.zero_grad()
+        with R.replay_routing(model, routing):
+            _logits(model, ids, mask).pow(2).mean().backward()
+        return [r.weight.grad.clone() for r in R.find_routers(model).values()]
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with R.replay_routing(model, routing):
-            pass
-    model.gradient_checkpointing_enable()
+        ref = router_grads()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
     with pytest.warns(UserWarning, match="activation checkpointing"):
-        with R.replay_routing(model, routing):
-            pass
+        got = router_grads()
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(got, ref, strict=True))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,7 +484,9 @@ def test_replay_with_transformers_router_logits_recorder():
     ids, mask = _batch()
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_router_logits=True)
+        kw = dict(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_router_logits=True
+        )
         with R.capture_routing(model) as rec:
             ref = model(**kw)
         state = _hook_state(model)  # now includes transformers' output-capturing hooks

@@ -5,8 +5,11 @@ the logits of ``chunk_size`` rows at a time (upcast to float32, divided by the t
 only each row's logsumexp; the backward pass recomputes each chunk's logits and turns them into
 ``grad_logits = g * (onehot(target) - softmax) / temperature`` in place, from which it accumulates the
 hidden-state gradient (per chunk) and the LM-head gradient (float32 accumulator, cast to the weight's
-dtype at the end). Peak extra memory is a few ``[chunk_size, V]`` float32 buffers plus, when the weight
-needs a gradient, one ``[V, H]`` float32 accumulator. :func:`naive_logprobs_from_hidden` is the
+dtype at the end). Each pass reuses one preallocated ``[chunk_size, V]`` float32 buffer (two with
+entropy, plus one in the weight's dtype for bfloat16), so peak extra memory is about that buffer plus,
+when the weight needs a gradient, one ``[V, H]`` float32 accumulator. Cost: one extra ``N x V x H``
+matmul versus plain autograd (the logits are recomputed in backward). Under ``no_grad`` (or when no
+input needs a gradient) only the forward chunks run. :func:`naive_logprobs_from_hidden` is the
 reference that materializes the full logits.
 """
 
@@ -177,7 +180,9 @@ def logprobs_from_hidden(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     temperature = float(temperature)
     if torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad):
-        return _ChunkedLogprobs.apply(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy)
+        return _ChunkedLogprobs.apply(
+            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy
+        )
     with torch.no_grad():
         logp_N, _, ent_N = _forward_chunks(
             hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy

@@ -16,9 +16,9 @@ packed rows, ``generate``.
 
 A :data:`Routing` is ``dict[str, LongTensor[B, T, k]]`` keyed by short layer names (``"layer0"``...).
 
-Caveat: hooks live only inside the context managers. A backward pass that *recomputes* the forward
-(activation checkpointing) after the context has exited recomputes with the router's own routing;
-:func:`replay_routing` warns when the model has checkpointing enabled.
+Caveat: hooks live only inside the context managers. With activation checkpointing, call backward
+inside :func:`replay_routing` (the recompute then replays too); a backward after it has exited
+recomputes unreplayed, so :func:`replay_routing` warns when checkpointing is enabled.
 """
 
 from __future__ import annotations
@@ -324,11 +324,14 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
     routers = _routers_with_parents(model, "replay_routing")
     missing = sorted(set(routers) - set(routing))
     if missing:
-        raise GspoError(f"replay_routing: routing has no entry for router(s) {missing} (has {sorted(routing)})")
+        raise GspoError(
+            f"replay_routing: routing has no entry for router(s) {missing} (has {sorted(routing)})"
+        )
     if _checkpointing(model) and torch.is_grad_enabled():
         warnings.warn(
             "replay_routing with activation checkpointing: a backward after the context exits recomputes "
-            "with the router's own (not the replayed) routing; call backward inside the context",
+            "without the replay hooks (non-reentrant checkpointing then raises CheckpointError, reentrant "
+            "silently uses the router's own routing); call backward inside the context",
             stacklevel=3,  # past contextlib's __enter__
         )
 
