@@ -111,8 +111,7 @@ def test_parquet_without_pyarrow(tmp_path, monkeypatch):
 
 
 def test_hf_dataset_directories(tmp_path, monkeypatch):
-    """A save_to_disk Dataset, a DatasetDict (split chosen, unknown split listed) and a directory of
-    data files all load through the datasets library."""
+    """save_to_disk Dataset, DatasetDict (split chosen, unknown split listed), data-file dirs all load."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     hf = pytest.importorskip("datasets")
     ds = hf.Dataset.from_list(ROWS)
@@ -151,7 +150,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
     good = json.dumps(ROWS[0])
     cases = [
         ([good, "", '{"prompt": "x", "answer": '], ":3: invalid JSON: Expecting value"),
-        ([good, "[1, 2]"], ":2: expected an object with fields, got list"),
+        ([good, "[1, 2]"], ":2: expected a JSON object, got list"),
         ([good, '{"question": "q", "answer": "a"}'], ":2: missing field 'prompt' (fields: question, answer)"),
         ([good, '{"prompt": "q"}'], ":2: missing field 'answer' (fields: prompt)"),
         (['{"prompt": null, "answer": "a"}'], ":1: field 'prompt' is null"),
@@ -234,8 +233,7 @@ class _Tok:
 
 
 def test_apply_chat_template():
-    """With a template: system + user messages, add_generation_prompt=True, tokenize=False; without
-    one the prompt is returned unchanged; template errors become one-line GspoErrors."""
+    """Template: system+user, generation prompt, untokenized; none: prompt unchanged; errors one line."""
     tok = _Tok("{{ messages }}")
     assert apply_chat_template(tok, "hi", "be brief") == "system:be brief|user:hi|assistant:"
     assert tok.calls[0][1] == {"add_generation_prompt": True, "tokenize": False}

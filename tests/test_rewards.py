@@ -83,8 +83,7 @@ def test_boxed_match(completion, answer, expected):
 
 
 def test_math_verify_reward():
-    """math_verify_reward judges symbolic equality (0.5 == 1/2, x^2+1 == 1+x^2) and rejects wrong
-    answers; it also works off the main thread, where math-verify's SIGALRM timeout is unusable."""
+    """math_verify: symbolic equality (0.5 == 1/2, 1+x^2), wrong answers 0, works off the main thread."""
     pytest.importorskip("math_verify")
     completions = ["so \\boxed{\\frac{1}{2}}", "answer: $\\boxed{1+x^2}$", "I get \\boxed{4}", "#### 72"]
     answers = ["0.5", "x^2+1", "3", "72"]
@@ -135,8 +134,7 @@ def test_extract_code(completion, expected):
 
 
 def test_code_execution_reward_end_to_end():
-    """Completion code + answer test code run in the sandbox: passing asserts score 1, a failing
-    assert / syntax error / infinite loop (killed by the timeout) / network use score 0."""
+    """Code reward: passing asserts 1; failing assert, syntax error, infinite loop, network use 0."""
     fn = make_code_reward(timeout_s=1.5, workers=4)
     tests = "assert add(2, 3) == 5\n"
     completions = [
@@ -291,7 +289,7 @@ def test_safe_rewards_passes_good_values_through():
     "fn,message",
     [
         (raising, "reward function raising raised ValueError: boom on c2"),
-        (nan_at_3, "reward function nan_at_3 returned NaN for sample 3 (completion 'c3')"),
+        (nan_at_3, "reward function nan_at_3 returned nan for sample 3 (completion 'c3')"),
         (inf_at_1, "reward function inf_at_1 returned inf for sample 1"),
         (lambda p, c, a: [-math.inf] * 4, "returned -inf for sample 0"),
         (wrong_length, "reward function wrong_length returned 3 values for 4 samples"),
@@ -303,15 +301,17 @@ def test_safe_rewards_passes_good_values_through():
 def test_safe_rewards_error_mode(fn, message):
     """on_error='error': each kind of bad reward is a one-line GspoError naming function and sample."""
     with pytest.raises(GspoError) as ei:
-        safe_rewards(fn, P, C, A, on_error="error")
+        safe_rewards(fn, P, C, A, on_error="error", name=fn.__name__)
     assert message in str(ei.value)
     assert "\n" not in str(ei.value)
 
 
-def test_safe_rewards_error_mode_uses_given_name():
-    """The caller's name (the reward spec) replaces the function's own name in the message."""
-    with pytest.raises(GspoError, match="reward function my.mod:fn returned NaN for sample 3"):
+def test_safe_rewards_error_mode_names_the_spec():
+    """The message names the caller's ``name`` (the reward spec), or 'reward' when none is given."""
+    with pytest.raises(GspoError, match="^reward function my.mod:fn returned nan for sample 3"):
         safe_rewards(nan_at_3, P, C, A, name="my.mod:fn")
+    with pytest.raises(GspoError, match="^reward function reward raised ValueError: boom on c2$"):
+        safe_rewards(raising, P, C, A)
 
 
 @pytest.mark.parametrize(

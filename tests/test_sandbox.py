@@ -43,8 +43,7 @@ def token():
 
 
 def test_ok_program_fresh_dir_minimal_env(monkeypatch):
-    """A normal program: exit 0, stdout captured, cwd is a fresh temp dir that is removed afterwards,
-    the parent's environment does not leak, stdin is empty."""
+    """OK program: exit 0, output captured, fresh removed cwd, no env leak, empty stdin."""
     monkeypatch.setenv("GSPO_TEST_SECRET", "leak")
     code = (
         "import os, sys\n"
@@ -115,8 +114,7 @@ def test_output_capped():
 
 
 def test_fork_bomb_contained(token):
-    """A (bounded) fork bomb whose processes each start a setsid()-detached sleeper is cut off at the
-    timeout, and no process it created survives, including the detached ones."""
+    """A fork bomb with setsid()-detached sleepers is cut off at the timeout and leaves no survivors."""
     code = (
         "import os, subprocess, time\n"
         "for _ in range(4):\n"
@@ -193,8 +191,7 @@ def test_network_blocked(listener):
 
 
 def test_network_blocked_by_shim(monkeypatch, listener):
-    """Without namespaces the socket shim raises OSError('network disabled in sandbox'); the program
-    otherwise runs as __main__ from main.py."""
+    """Without namespaces the socket shim blocks inet sockets; main.py still runs as __main__."""
     monkeypatch.setattr(sandbox, "_TRY_NAMESPACES", False)
     code = _connect_code(listener.getsockname()[1]) + "print(__name__, __file__)\n"
     r = run_untrusted(code)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK_SIZE = 256
+DEFAULT_CHUNK_SIZE = 512
 
 
 def naive_logprobs_from_hidden(

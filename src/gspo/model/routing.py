@@ -211,7 +211,7 @@ def _shape_tracking_hooks(
         current[0] = _block_input_shape(args, kwargs)
 
     def hook(_mod, args, output):
-        bt = current[0]
+        bt, current[0] = current[0], None  # consume, so a later lone router call cannot reuse it
         if bt is None:  # router called outside its block: use its own input if it is [B, T, H]
             x = args[0] if args else None
             bt = (int(x.shape[0]), int(x.shape[1])) if isinstance(x, torch.Tensor) and x.dim() == 3 else None

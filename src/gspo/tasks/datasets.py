@@ -217,7 +217,7 @@ def _answer(v: Any, loc: str, name: str) -> str:
 
 def _example(loc: str, row: Any, prompt_field: str, answer_field: str) -> Example:
     if not isinstance(row, dict):
-        raise GspoError(f"{loc}: expected an object with fields, got {_type_name(row)}")
+        raise GspoError(f"{loc}: expected a JSON object, got {_type_name(row)}")
     for name in (prompt_field, answer_field):
         if name not in row:
             fields = ", ".join(str(k) for k in list(row)[:12]) or "none"

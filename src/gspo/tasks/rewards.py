@@ -349,7 +349,7 @@ def _score(v: Any) -> float | str:
     except (TypeError, ValueError):
         return f"{_type_name(v)} {v!r:.40}"
     if math.isnan(f):
-        return "NaN"
+        return "nan"
     if math.isinf(f):
         return "inf" if f > 0 else "-inf"
     return f
@@ -374,13 +374,13 @@ def safe_rewards(
     completions: list[str],
     answers: list[str],
     on_error: str = "error",
-    name: str | None = None,
+    name: str = "reward",
 ) -> tuple[list[float], int]:
-    """Call ``fn`` and check it returned ``len(completions)`` finite numbers.
+    """Call ``fn`` and check it returned ``len(completions)`` finite numbers (bools count).
 
-    ``on_error="error"``: any problem raises a one-line :class:`GspoError` naming the function and
-    the sample. ``on_error="zero"``: bad samples score 0.0; when the whole call fails (raises, wrong
-    length, not a list) each sample is retried alone to isolate the bad ones. Returns
+    ``on_error="error"``: any problem raises a one-line :class:`GspoError` naming ``name`` (e.g. the
+    reward spec) and the sample. ``on_error="zero"``: bad samples score 0.0; when the whole call fails
+    (raises, wrong length, not a list) each sample is retried alone to isolate the bad ones. Returns
     ``(scores, n_bad)`` for the caller to log. A :class:`GspoError` from ``fn`` (a setup problem such
     as a missing package) always propagates.
     """
@@ -391,7 +391,7 @@ def safe_rewards(
         raise ValueError(f"got {len(prompts)} prompts, {n} completions, {len(answers)} answers")
     if n == 0:
         return [], 0
-    label = name or _fn_name(fn)
+    label = name
 
     def fail(what: str, i: int | None = None) -> GspoError:
         where = f" for sample {i} (completion {completions[i][:60]!r})" if i is not None else ""
