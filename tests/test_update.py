@@ -77,8 +77,11 @@ def _count_forwards(model, data, **kw):
 def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
     """pi_old costs no forward for minibatch 1 (its own first pass), none at all with rollout log-probs."""
     model, _ = tiny_moe
-    assert _count_forwards(model, batch, num_minibatches=1, log_volatility=False) == 1
-    assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4 + 3
+    kw = dict(log_volatility=False, old_logp="recompute")
+    assert _count_forwards(model, batch, num_minibatches=1, **kw) == 1
+    assert _count_forwards(model, batch, num_minibatches=4, **kw) == 4 + 3
+    # auto: the HF engine in float32 is the trainer itself, so its log-probs are pi_old
+    assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False, old_logp="rollout") == 4
     # volatility needs pi_old's routing everywhere plus one pass under the updated policy
     assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 3 + 4 + 4
@@ -87,6 +90,6 @@ def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
 def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):
     """With one minibatch the ratio is exactly 1: pi_old is the same forward's detached log-probs."""
     model, _ = tiny_moe
-    _, m = _run(model, batch, num_minibatches=1)
+    _, m = _run(model, batch, num_minibatches=1, old_logp="recompute")
     assert m["loss/ratio_min"] == m["loss/ratio_max"] == 1.0
     assert m["loss/clip_frac_tok"] == 0.0 and m["loss/approx_kl"] == 0.0

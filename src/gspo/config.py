@@ -89,9 +89,11 @@ class Config:
     """GRPO loss aggregation: ``seq_mean_token_mean`` (GRPO paper) or ``token_mean`` (DAPO)."""
     adv_scale: str = "group"
     """Advantage scaling: ``group`` std, ``batch`` std, or ``none`` (center only)."""
-    old_logp: str = "recompute"
-    """pi_old log-probs: ``recompute`` with the trainer before the update, or ``rollout`` (use the
-    sampler's log-probs, the paper's infrastructure simplification)."""
+    old_logp: str = "auto"
+    """pi_old log-probs: ``recompute`` with the trainer before the update, ``rollout`` (use the
+    sampler's log-probs, the paper's infrastructure simplification), or ``auto``: ``rollout`` when
+    the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
+    ``recompute``."""
     routing_replay: bool = False
     """MoE only: force pi_old's experts in pi_theta's forward (Routing Replay; needed by GRPO)."""
     log_volatility: bool = True
@@ -163,7 +165,7 @@ class Config:
             return GspoError(f"config field '{field}': {msg} (got {getattr(self, field)!r})")
 
         choices = {
-            "algo": tuple(LOSSES), "adv_scale": SCALES, "old_logp": ("recompute", "rollout"),
+            "algo": tuple(LOSSES), "adv_scale": SCALES, "old_logp": ("auto", "recompute", "rollout"),
             "reward_on_error": ("error", "zero"), "dtype": ("float32", "bfloat16", "float16"),
             "grpo_aggregation": ("seq_mean_token_mean", "token_mean"), "rollout_engine": ("hf", "vllm"),
             "parallel": ("fsdp", "ddp"), "packing": ("auto", "on", "off"),
@@ -203,6 +205,13 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
+
+    def resolved_old_logp(self) -> str:
+        """``recompute`` or ``rollout`` (``auto`` resolved)."""
+        if self.old_logp != "auto":
+            return self.old_logp
+        same_numerics = self.rollout_engine == "hf" and self.dtype == "float32"
+        return "rollout" if same_numerics else "recompute"
 
     def clip_range(self) -> tuple[float, float]:
         from gspo.losses import LOSSES

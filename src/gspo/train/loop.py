@@ -146,7 +146,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     want_routing = is_moe and (cfg.routing_replay or cfg.log_volatility)
     old_logp: dict[tuple[int, int], torch.Tensor] = {}
     old_routing: dict[tuple[int, int], Any] = {}
-    if cfg.old_logp == "recompute" or want_routing:
+    old_mode = cfg.resolved_old_logp()
+    if old_mode == "recompute" or want_routing:
         with torch.no_grad():
             for i in range(1, len(mbs)):
                 for j, mmb in enumerate(mbs[i]):
@@ -172,7 +173,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
                 d_BT = (trainer_old - mmb.sampler_logp_BT) * m_BT
                 mismatch += torch.stack([(d_BT.abs().sum(-1) / n_tok_B).sum(), (d_BT.sum(-1) / n_tok_B).abs().sum(),
                                          torch.tensor(float(len(n_tok_B)))]).detach().cpu()
-            old = mmb.sampler_logp_BT if cfg.old_logp == "rollout" else trainer_old
+            old = mmb.sampler_logp_BT if old_mode == "rollout" else trainer_old
             loss, metrics = loss_fn(logp, old, mmb.adv_B, m_BT, eps_low, eps_high,
                                     normalizer=mb_size * world_size, **extra)
             (loss * world_size).backward()
@@ -371,8 +372,9 @@ def train(cfg: Config) -> dict[str, Any]:
         warm_start(model, tokenizer, task.train, train_ids, cfg, device, progress)
 
     model = dist_utils.wrap(model, cfg, dctx)
+    # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=world == 1)
     warm = max(cfg.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     if resume_from is not None:
