@@ -86,3 +86,23 @@ def test_resume_after_kill_9_is_exact(tmp_path):
         assert torch.equal(a[k], b[k]), k
     steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) == list(range(7))
+
+
+def test_reward_error_saves_progress_and_names_the_function(tmp_path):
+    """A reward that raises mid-run stops with one line naming it; finished steps are checkpointed."""
+    reward = tmp_path / "flaky.py"
+    reward.write_text(
+        "calls = 0\n"
+        "def reward(prompts, completions, answers):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 3:  # 1: eval at step 0, 2: rollout of step 1, 3: rollout of step 2\n"
+        "        raise ValueError('boom')\n"
+        "    return [float(c == a) for c, a in zip(completions, answers)]\n"
+    )
+    r = _gspo("train", *TINY, "--output-dir", str(tmp_path), "--name", "r", "--reward", f"{reward}:reward")
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()[-1]
+    assert "raised ValueError: boom" in err and "progress is saved at step 1" in err
+    assert "Traceback" not in r.stderr
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step-000001"

@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     except GspoError as e:
         print(f"gspo: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ngspo: interrupted; the last checkpoint is kept (continue with --resume)", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"\ngspo: interrupted; {e or 'the last checkpoint is kept (continue with --resume)'}", file=sys.stderr)
         return 130
 
 

@@ -351,6 +351,10 @@ def train(cfg: Config) -> dict[str, Any]:
     model.to(device)
     task = build_task(cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field,
                       cfg.answer_field)
+    ctx_len = getattr(model.config, "max_position_embeddings", None)
+    if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
+        raise GspoError(f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
+                        f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}")
     train_ids = encode_prompts(tokenizer, task.train, cfg)
     eval_ids = encode_prompts(tokenizer, task.eval, cfg)
     from gspo.model.routing import is_moe as _is_moe
@@ -387,6 +391,8 @@ def train(cfg: Config) -> dict[str, Any]:
     engine = make_engine(cfg, rollout_model, tokenizer, sample_gen)
     logger = MetricsLogger(run_dir, start_step if resume_from else None, cfg.wandb, cfg.to_dict()) if rank == 0 else None
 
+    last_saved = start_step
+
     def save(step: int) -> None:
         gens = dist_utils.gather_objects(sample_gen.get_state(), dctx)
         full_sd = dist_utils.full_state_dict(model, dctx)
@@ -397,6 +403,8 @@ def train(cfg: Config) -> dict[str, Any]:
                  "data_pos": data_pos, "sample_gen": gens, "rng": ckpt.rng_state(), "config": cfg.to_dict()}
         base = dist_utils.unwrap(model)
         ckpt.save_checkpoint(run_dir, step, lambda p: _save_hf(base, tokenizer, p, full_sd), state)
+        nonlocal last_saved
+        last_saved = step
 
     if resume_from is None:
         ev = evaluate(engine, tokenizer, task, eval_ids, cfg) if rank == 0 else {}
@@ -415,9 +423,21 @@ def train(cfg: Config) -> dict[str, Any]:
         t0 = time.time()
         idx = _prompt_batch(len(task.train), data_pos, cfg.prompts_per_step, cfg.seed)
         idx = idx[rank * prompts_local : (rank + 1) * prompts_local]
+        gen_state = sample_gen.get_state()
         data_pos += cfg.prompts_per_step
-        data, metrics = collect_rollout(engine, tokenizer, task, [task.train[i] for i in idx],
-                                        [train_ids[i] for i in idx], cfg)
+        try:
+            data, metrics = collect_rollout(engine, tokenizer, task, [task.train[i] for i in idx],
+                                            [train_ids[i] for i in idx], cfg)
+        except (GspoError, KeyboardInterrupt) as e:
+            # nothing was updated this step: rewind it and checkpoint, so no finished step is lost
+            sample_gen.set_state(gen_state)
+            data_pos -= cfg.prompts_per_step
+            if last_saved < step - 1 and world == 1:
+                save(step - 1)
+            where = f"progress is saved at step {step - 1}; continue with --resume"
+            if isinstance(e, KeyboardInterrupt):
+                raise KeyboardInterrupt(where) from None
+            raise GspoError(f"{e} ({where})") from None
         t1 = time.time()
         metrics.update(policy_update(model, optimizer, scheduler, data.to(device), cfg, world, is_moe))
         dist_utils.sync_rollout_model(model, rollout_model, dctx)
