@@ -134,7 +134,7 @@ class Config:
     """Training forward layout: ``on`` packs all sequences of a micro-batch into one row (no padding
     compute), ``off`` pads, ``auto`` packs only with flash attention (dense-mask attention makes packing
     cost more than the padding it saves)."""
-    logp_chunk_size: int = 1024
+    logp_chunk_size: int = 512
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
 
     # --- evaluation, logging, checkpoints --------------------------------------------------------

@@ -1,0 +1,110 @@
+"""Data-parallel training (2 processes, gloo on CPU) gives the single-process policy update.
+
+One torchrun launch runs every (wrapper, optimizer) pair in tests/dist_worker.py. SGD is compared too:
+AdamW's first step normalises the gradient scale away, so only SGD catches a wrong loss normalizer.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.config import Config
+from gspo.model.load import build_char_tokenizer, build_tiny_moe
+from gspo.train.loop import RolloutData, policy_update
+
+pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+
+ROOT = Path(__file__).resolve().parents[1]
+B, NPROC = 16, 2
+BASE_CFG = {"num_minibatches": 2, "prompts_per_step": 2, "group_size": 8, "log_volatility": False,
+            "old_logp": "recompute", "routing_replay": True, "threads": 1}
+RUNS = [
+    {"name": f"{par}-{opt}", "opt": opt, "lr": 0.1 if opt == "sgd" else 1e-2,
+     # no clipping for SGD (clipping would also normalise the gradient scale away)
+     "cfg": {**BASE_CFG, "parallel": par, **({"max_grad_norm": 0.0} if opt == "sgd" else {})}}
+    for par in ("fsdp", "ddp") for opt in ("adamw", "sgd")
+]
+
+
+def synthetic_rollout(vocab: int, seed: int = 0) -> RolloutData:
+    """B rows: left-padded prompts (3..9 tokens), right-padded responses (1..10), fixed advantages."""
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(3, 10, (B,), generator=g)
+    t_len = torch.randint(1, 11, (B,), generator=g)
+    P, T = int(p_len.max()), int(t_len.max())
+    p_mask = (torch.arange(P)[None] >= P - p_len[:, None]).long()
+    t_mask = (torch.arange(T)[None] < t_len[:, None]).long()
+    p_ids = torch.randint(4, vocab, (B, P), generator=g) * p_mask
+    t_ids = torch.randint(4, vocab, (B, T), generator=g) * t_mask
+    logp = -torch.rand(B, T, generator=g).mul(3).add(0.1) * t_mask
+    adv = torch.linspace(-1.5, 1.5, B)[torch.randperm(B, generator=g)]
+    return RolloutData(p_ids, p_mask, t_ids, t_mask, logp, adv)
+
+
+def _single(run: dict, data: RolloutData, vocab: int):
+    from tests.dist_worker import make_optimizer
+
+    cfg = Config(**run["cfg"]).validate()
+    model = build_tiny_moe(vocab, seed=0)
+    opt = make_optimizer(run["opt"], model.parameters(), run["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = policy_update(model, opt, sched, data, cfg, 1, is_moe=True)
+    return model, metrics
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    vocab = len(build_char_tokenizer())
+    data = synthetic_rollout(vocab)
+    tmp = tmp_path_factory.mktemp("dist")
+    torch.save({"data": data, "runs": RUNS}, tmp / "in.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+           str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return data, vocab, torch.load(tmp / "out.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r["name"] for r in RUNS])
+def test_two_process_update_equals_single_process(distributed, run):
+    data, vocab, results = distributed
+    got = results[run["name"]]
+    ref, ref_m = _single(run, data, vocab)
+    ref_sd = ref.state_dict()
+    moved = 0.0
+    init = build_tiny_moe(vocab, seed=0).state_dict()
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, ref_sd[name], atol=1e-6, rtol=0, msg=name)
+        moved = max(moved, float((ref_sd[name] - init[name]).abs().max()))
+    assert set(got["params"]) >= {n for n, _ in ref.named_parameters()}
+    assert moved > 1e-3  # the update did something
+    for k in ("loss/loss", "loss/grad_norm", "loss/clip_frac_tok"):  # rank means are the global values
+        assert abs(got["metrics"][k] - ref_m[k]) < 1e-5, k
+    assert got["rollout_diff"] == 0.0  # the rollout module holds the updated weights
+    assert got["rollout_tied"]
+    assert got["opt_diff"] == 0.0 and got["opt_keys"] == sorted(n for n, _ in ref.named_parameters())
+
+
+def test_optimizer_state_converts_between_process_counts():
+    """A distributed (name-keyed) optimizer state loads in one process, and back."""
+    from gspo.train import distributed as D
+
+    model = build_tiny_moe(len(build_char_tokenizer()), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    sd = opt.state_dict()
+    fqn = D._int_to_fqn(model, opt, sd)
+    assert set(fqn["state"]) == {n for n, _ in model.named_parameters()}
+    ctx = D.DistContext(0, 1, 0, torch.device("cpu"))
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    D.load_optimizer_state_dict(model, opt2, fqn, ctx)
+    for k, v in opt2.state_dict()["state"].items():
+        torch.testing.assert_close(v["exp_avg"], sd["state"][k]["exp_avg"])
