@@ -24,7 +24,7 @@ B, NPROC = 16, 2
 BASE_CFG = {"num_minibatches": 2, "prompts_per_step": 2, "group_size": 8, "log_volatility": False,
             "old_logp": "recompute", "routing_replay": True, "threads": 1}
 RUNS = [
-    {"name": f"{par}-{opt}", "opt": opt, "lr": 0.1 if opt == "sgd" else 1e-2,
+    {"name": f"{par}-{opt}", "opt": opt, "lr": 0.1 if opt == "sgd" else 1e-4,
      # no clipping for SGD (clipping would also normalise the gradient scale away)
      "cfg": {**BASE_CFG, "parallel": par, **({"max_grad_norm": 0.0} if opt == "sgd" else {})}}
     for par in ("fsdp", "ddp") for opt in ("adamw", "sgd")

@@ -83,8 +83,10 @@ def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
     # auto: the HF engine in float32 is the trainer itself, so its log-probs are pi_old
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False, old_logp="rollout") == 4
-    # volatility needs pi_old's routing everywhere plus one pass under the updated policy
-    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 3 + 4 + 4
+    # volatility needs pi_old's routing (minibatches 2-4) and reads the new routing off the training passes
+    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 3 + 4
+    # under replay the free routing of minibatches 2-4 needs its own no-grad pass
+    assert _count_forwards(model, batch, num_minibatches=4, routing_replay=True) == 3 + 3 + 4
 
 
 def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):
@@ -93,3 +95,18 @@ def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):
     _, m = _run(model, batch, num_minibatches=1, old_logp="recompute")
     assert m["loss/ratio_min"] == m["loss/ratio_max"] == 1.0
     assert m["loss/clip_frac_tok"] == 0.0 and m["loss/approx_kl"] == 0.0
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_volatility_is_zero_without_change_and_positive_with_it(tiny_moe, batch, replay):
+    """Expert volatility is exactly 0 when parameters do not move and in (0, 1] when they move a lot."""
+    model, _ = tiny_moe
+    for lr, check in [(0.0, lambda v: v == 0.0), (50.0, lambda v: 0.0 < v <= 1.0)]:
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        cfg = Config(prompts_per_step=2, group_size=8, num_minibatches=4, max_grad_norm=0, routing_replay=replay,
+                     algo="grpo").validate()
+        out = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+        assert check(out["moe/volatility"]), (lr, out["moe/volatility"])
+        assert {"moe/volatility/layer0", "moe/volatility/layer1"} <= out.keys()

@@ -257,6 +257,10 @@ def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, stat
 
     if _int_keyed(state):
         state = _int_to_fqn(model, optimizer, state)
+    if not state["state"]:  # nothing stepped yet (or a stateless optimizer): hyper-parameters only
+        for g, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        return
     # every rank read the checkpoint, so each passes the full state (no rank-0 broadcast needed)
     opts = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(model, optimizer, state, options=opts)

@@ -153,6 +153,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
                 for j, mmb in enumerate(mbs[i]):
                     old_logp[i, j], _, old_routing[i, j] = _forward(model, mmb, cfg, capture=want_routing)
 
+    new_routing: dict[tuple[int, int], Any] = {}
     sums: dict[str, float] = defaultdict(float)
     mismatch = torch.zeros(3)  # sum |token diff| (per-seq mean), sum |seq diff|, n sequences
     n_updates = 0
@@ -162,10 +163,16 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
         mb_metrics: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
         for j, mmb in enumerate(mbs[i]):
             replay = old_routing[i, j] if (cfg.routing_replay and is_moe and i > 0) else None
+            measure = is_moe and cfg.log_volatility and i > 0
+            if measure and replay is not None:  # replay forces routing: look at the free choice separately
+                with torch.no_grad():
+                    _, _, new_routing[i, j] = _forward(model, mmb, cfg, capture=True)
             logp, ent, routing = _forward(model, mmb, cfg, entropy=True, replay=replay,
-                                          capture=want_routing and i == 0)
+                                          capture=want_routing and (i == 0 or (measure and replay is None)))
             if i == 0:
                 old_logp[0, j], old_routing[0, j] = logp.detach(), routing
+            elif measure and replay is None:  # this forward runs under the policy after i updates
+                new_routing[i, j] = routing
             trainer_old = old_logp.get((i, j))
             m_BT = mmb.response_mask_BT
             n_tok_B = m_BT.sum(-1).clamp(min=1)
@@ -198,29 +205,35 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
         out["mismatch/token_abs_logp_diff"] = float(mismatch[0] / mismatch[2])
         out["mismatch/seq_abs_logp_diff"] = float(mismatch[1] / mismatch[2])
     if is_moe and cfg.log_volatility:
-        out.update(_volatility(model, mbs, old_routing, cfg))
+        if len(mbs) == 1:  # no later minibatch saw an updated policy: look once after the update
+            with torch.no_grad():
+                for j, mmb in enumerate(mbs[0]):
+                    new_routing[0, j] = _forward(model, mmb, cfg, capture=True)[2]
+        out.update(_volatility(mbs, old_routing, new_routing, _use_packing(model, cfg)))
     return out
 
 
-@torch.no_grad()
-def _volatility(model: Any, mbs: list[list[RolloutData]], old_routing: dict[tuple[int, int], Any],
-                cfg: Config) -> dict[str, float]:
-    """Fraction of response tokens whose top-k experts differ between pi_old and the updated policy."""
+def _volatility(mbs: list[list[RolloutData]], old_routing: dict[tuple[int, int], Any],
+                new_routing: dict[tuple[int, int], Any], packed: bool) -> dict[str, float]:
+    """Expert-activation volatility: fraction of response tokens whose top-k expert set under the
+    policy that updates on minibatch i (i optimizer steps after pi_old) differs from pi_old's.
+
+    Measured on the training forwards themselves, so it costs no extra forward (except under
+    Routing Replay, whose forced routing hides the free choice). Token-weighted over minibatches.
+    """
     from gspo.model import routing as R
     from gspo.model.forward import make_layout
 
     per_layer: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
     total, n = torch.zeros(()), 0
-    for i, row in enumerate(mbs):
-        for j, mmb in enumerate(row):
-            _, _, new = _forward(model, mmb, cfg, capture=True)
-            lay = make_layout(mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT,
-                              _use_packing(model, cfg))
-            overall, layers = R.routing_volatility(old_routing[i, j], new, lay.response_pos_RL)
-            w = int(mmb.response_mask_BT.sum())
-            total, n = total + overall.float().cpu() * w, n + w
-            for k, v in layers.items():
-                per_layer[k] = per_layer[k] + v.float().cpu() * w
+    for (i, j), new in new_routing.items():
+        mmb = mbs[i][j]
+        lay = make_layout(mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT, packed)
+        overall, layers = R.routing_volatility(old_routing[i, j], new, lay.response_pos_RL)
+        w = int(mmb.response_mask_BT.sum())
+        total, n = total + overall.float().cpu() * w, n + w
+        for k, v in layers.items():
+            per_layer[k] = per_layer[k] + v.float().cpu() * w
     out = {"moe/volatility": float(total) / max(n, 1)}
     out.update({f"moe/volatility/{k}": float(v) / max(n, 1) for k, v in per_layer.items()})
     return out
