@@ -1,6 +1,7 @@
 """Forward+backward time and peak memory of LM-head log-probs: naive ``[N, V]`` logits vs chunked.
 
-Each variant runs in a fresh subprocess. Peak memory there is ``ru_maxrss`` at the end minus
+Each variant runs in a fresh subprocess, ``--rounds`` times, alternating naive and chunked so that
+drifting load on a shared machine hits both alike; the best time over all runs of a variant counts. Peak memory there is ``ru_maxrss`` at the end minus
 ``ru_maxrss`` right after allocating (and touching) the inputs, so it counts only what the
 log-prob computation adds: logits buffers, autograd saved tensors and the gradients (both variants
 produce the same ``[N, H]`` and ``[V, H]`` gradients). Time is the best of ``--repeats`` runs of
@@ -9,6 +10,7 @@ too, as it is less sensitive to other load on a shared machine).
 
     python benchmarks/bench_logprobs.py                      # Qwen3 vocab 151,936, H=256, N=2048
     python benchmarks/bench_logprobs.py --chunk-sizes 256 512 1024
+    python benchmarks/bench_logprobs.py --freeze-weight       # frozen LM head (e.g. LoRA)
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def worker(args: argparse.Namespace) -> None:
     # in-place init: no transient copies that would inflate the baseline
     hidden = torch.empty(args.n, args.hidden, dtype=dtype).normal_(0, 0.5, generator=g).requires_grad_(True)
     weight = (
-        torch.empty(args.vocab, args.hidden, dtype=dtype).normal_(0, 0.05, generator=g).requires_grad_(True)
+        torch.empty(args.vocab, args.hidden, dtype=dtype)
+        .normal_(0, 0.05, generator=g)
+        .requires_grad_(not args.freeze_weight)
     )
     targets = torch.randint(0, args.vocab, (args.n,), generator=g)
     coef = torch.randn(args.n, generator=g)
@@ -82,7 +86,8 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
     peak = _maxrss_bytes() - base  # before the checksum below, which allocates its own temporaries
-    checksum = float(logp.detach().double().sum()), float(weight.grad.double().abs().sum())
+    grad = hidden.grad if args.freeze_weight else weight.grad
+    checksum = float(logp.detach().double().sum()), float(grad.double().abs().sum())
     out = {
         "time_s": min(times),
         "times_s": times,
@@ -116,6 +121,8 @@ def run_variant(args: argparse.Namespace, variant: str, chunk_size: int | None) 
         "--temperature",
         str(args.temperature),
     ]
+    if args.freeze_weight:
+        cmd.append("--freeze-weight")
     if chunk_size is not None:
         cmd += ["--chunk-size", str(chunk_size)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -131,6 +138,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per variant (best is reported)")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating subprocess runs per variant")
+    ap.add_argument("--freeze-weight", action="store_true", help="LM-head weight without grad")
     ap.add_argument(
         "--chunk-sizes",
         type=int,
@@ -152,26 +161,44 @@ def main() -> None:
     gib = 2**30
     print(
         f"N={args.n} H={args.hidden} V={args.vocab} dtype={args.dtype} threads={args.threads} "
-        f"repeats={args.repeats} (full [N,V] float32 logits = {args.n * args.vocab * 4 / gib:.2f} GiB)"
+        f"repeats={args.repeats} rounds={args.rounds} freeze_weight={args.freeze_weight} "
+        f"(full [N,V] float32 logits = {args.n * args.vocab * 4 / gib:.2f} GiB)"
     )
-    naive = run_variant(args, "naive", None)
+    variants = [("naive", None)] + [("chunked", cs) for cs in chunk_sizes]
+    runs: dict[tuple, list[dict]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            runs[v].append(run_variant(args, *v))
+
+    def summary(v: tuple) -> dict:
+        rs = runs[v]
+        return {
+            "time_s": min(r["time_s"] for r in rs),
+            "times_s": [round(t, 2) for r in rs for t in r["times_s"]],
+            "cpu_s": min(r["cpu_s"] for r in rs),
+            "peak_bytes": max(r["peak_bytes"] for r in rs),
+            "checksum": rs[0]["checksum"],
+        }
+
+    naive = summary(variants[0])
     print(
-        f"naive           : fwd+bwd {naive['time_s']:.2f} s (runs {[round(t, 2) for t in naive['times_s']]}), "
+        f"naive           : fwd+bwd {naive['time_s']:.2f} s (runs {naive['times_s']}), "
         f"cpu {naive['cpu_s']:.2f} s, peak +{naive['peak_bytes'] / gib:.3f} GiB"
     )
-    for cs in chunk_sizes:
-        res = run_variant(args, "chunked", cs)
+    for v in variants[1:]:
+        cs, res = v[1], summary(v)
         print(
-            f"chunked cs={cs:<5}: fwd+bwd {res['time_s']:.2f} s (runs {[round(t, 2) for t in res['times_s']]}), "
+            f"chunked cs={cs:<5}: fwd+bwd {res['time_s']:.2f} s (runs {res['times_s']}), "
             f"cpu {res['cpu_s']:.2f} s, peak +{res['peak_bytes'] / gib:.3f} GiB"
         )
         dl = abs(res["checksum"][0] - naive["checksum"][0]) / max(1.0, abs(naive["checksum"][0]))
+        dg = abs(res["checksum"][1] - naive["checksum"][1]) / max(1.0, abs(naive["checksum"][1]))
         mem_ratio = res["peak_bytes"] / naive["peak_bytes"]
         time_ratio = res["time_s"] / naive["time_s"]
         print(
             f"  chunk_size={cs}: peak memory ratio chunked/naive = {mem_ratio:.3f} (target <= 0.25), "
             f"time ratio = {time_ratio:.3f} (target <= 1.1); cpu-time ratio = {res['cpu_s'] / naive['cpu_s']:.3f}; "
-            f"checksum rel diff {dl:.1e}"
+            f"checksum rel diff logp {dl:.1e} grad {dg:.1e}"
         )
 
 

@@ -57,19 +57,44 @@ def _single(run: dict, data: RolloutData, vocab: int):
     return model, metrics
 
 
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -9, out
+    return proc.returncode, out
+
+
 @pytest.fixture(scope="module")
-def distributed(tmp_path_factory):
+def launches(tmp_path_factory):
+    """Both torchrun launches at once (the worker and the CLI end-to-end run overlap their start-up)."""
     vocab = len(build_char_tokenizer())
     data = synthetic_rollout(vocab)
     tmp = tmp_path_factory.mktemp("dist")
     torch.save({"data": data, "runs": RUNS}, tmp / "in.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return data, vocab, torch.load(tmp / "out.pt", weights_only=False)
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+              str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt")]
+    e2e = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gspo", "train", "--steps", "2", "--sft-steps", "2",
+           "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4", "--threads", "1",
+           "--output-dir", str(tmp / "runs"), "--no-progress"]
+    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    procs = {"worker": subprocess.Popen(worker, **kw), "e2e": subprocess.Popen(e2e, **kw)}
+    done = {name: _wait(p, 240) for name, p in procs.items()}
+    return {"data": data, "vocab": vocab, "tmp": tmp, "done": done}
+
+
+@pytest.fixture(scope="module")
+def distributed(launches):
+    rc, out = launches["done"]["worker"]
+    assert rc == 0, out[-6000:]
+    return launches["data"], launches["vocab"], torch.load(launches["tmp"] / "out.pt", weights_only=False)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r["name"] for r in RUNS])
@@ -84,12 +109,16 @@ def test_two_process_update_equals_single_process(distributed, run):
         torch.testing.assert_close(p, ref_sd[name], atol=1e-6, rtol=0, msg=name)
         moved = max(moved, float((ref_sd[name] - init[name]).abs().max()))
     assert set(got["params"]) >= {n for n, _ in ref.named_parameters()}
-    assert moved > 1e-3  # the update did something
-    for k in ("loss/loss", "loss/grad_norm", "loss/clip_frac_tok"):  # rank means are the global values
+    assert moved > 1e-5  # the update did something
+    # the rank mean of these is the global value (token fractions such as clip_frac_tok are rank means of
+    # per-rank token fractions, which differ from the global fraction when ranks hold different token counts)
+    for k in ("loss/loss", "loss/grad_norm"):
         assert abs(got["metrics"][k] - ref_m[k]) < 1e-5, k
     assert got["rollout_diff"] == 0.0  # the rollout module holds the updated weights
     assert got["rollout_tied"]
-    assert got["opt_diff"] == 0.0 and got["opt_keys"] == sorted(n for n, _ in ref.named_parameters())
+    assert got["opt_diff"] == 0.0  # the full optimizer state survives a save/load round trip
+    if run["opt"] == "adamw":  # (plain SGD keeps no state)
+        assert got["opt_keys"] == sorted(n for n, _ in ref.named_parameters())
 
 
 def test_optimizer_state_converts_between_process_counts():
@@ -108,3 +137,14 @@ def test_optimizer_state_converts_between_process_counts():
     D.load_optimizer_state_dict(model, opt2, fqn, ctx)
     for k, v in opt2.state_dict()["state"].items():
         torch.testing.assert_close(v["exp_avg"], sd["state"][k]["exp_avg"])
+
+
+def test_cli_two_process_training_end_to_end(launches):
+    """``gspo train --nproc 2`` (torchrun, FSDP2 on gloo) trains, checkpoints and writes final/."""
+    rc, out = launches["done"]["e2e"]
+    assert rc == 0, out[-6000:]
+    runs = list((launches["tmp"] / "runs").iterdir())
+    assert len(runs) == 1
+    final = runs[0] / "final"
+    assert (final / "model.safetensors").exists() and (final / "config.json").exists()
+    assert (runs[0] / "checkpoints" / "step-000002").is_dir()

@@ -187,6 +187,44 @@ def test_weight_without_grad():
     _close(hc.grad, hr.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_frozen_weight_precomputed_hidden_grad_float64(return_entropy):
+    """Frozen weight (hidden grad computed in forward, no recompute) matches naive autograd to 1e-10."""
+    h, w, t = _inputs(N=23, H=8, V=53, dtype=torch.float64)
+    g_N = torch.randn(23, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    hr = h.clone().requires_grad_(True)
+    (_naive_exact(hr, w, t, temperature=0.7) * g_N).sum().backward()
+    hc = h.clone().requires_grad_(True)
+    out = logprobs_from_hidden(hc, w, t, chunk_size=5, temperature=0.7, return_entropy=return_entropy)
+    lp = out[0] if return_entropy else out
+    (lp * g_N).sum().backward()
+    assert w.grad is None
+    _close(hc.grad, hr.grad, rtol=1e-10, atol=1e-10)
+    if return_entropy:
+        _close(out[1], _ref_float64(h, w, t, temperature=0.7)[1], rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_float64_frozen_weight():
+    """torch.autograd.gradcheck passes w.r.t. hidden alone (precomputed-gradient path)."""
+    h, w, t = _inputs(N=6, H=4, V=11, dtype=torch.float64)
+    h.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda h_: logprobs_from_hidden(h_, w, t, chunk_size=4, temperature=1.3), (h,), eps=1e-6, atol=1e-7
+    )
+
+
+def test_bfloat16_frozen_weight_close_to_naive():
+    """Bfloat16 with a frozen weight: bf16 hidden grad close to naive bf16 autograd, no weight grad."""
+    h, w, t = _inputs(N=40, H=32, V=300, dtype=torch.bfloat16)
+    g_N = torch.randn(40, generator=torch.Generator().manual_seed(9))
+    hr = h.clone().requires_grad_(True)
+    (naive_logprobs_from_hidden(hr, w, t) * g_N).sum().backward()
+    hc = h.clone().requires_grad_(True)
+    (logprobs_from_hidden(hc, w, t, chunk_size=16) * g_N).sum().backward()
+    assert hc.grad.dtype == torch.bfloat16 and w.grad is None
+    _close(hc.grad.float(), hr.grad.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_hidden_without_grad():
     """Hidden not requiring grad: only the weight gets a gradient, matching naive."""
     h, w, t = _inputs(N=17, V=50)

@@ -100,7 +100,7 @@ class Config:
     """MoE only: log the fraction of response tokens whose experts changed over each update."""
 
     # --- rollout -------------------------------------------------------------------------------
-    steps: int = 150
+    steps: int = 200
     """RL steps (one rollout batch each)."""
     prompts_per_step: int = 32
     """Prompts per rollout batch."""

@@ -8,7 +8,10 @@ hidden-state gradient (per chunk) and the LM-head gradient (float32 accumulator,
 dtype at the end). Each pass reuses one preallocated ``[chunk_size, V]`` float32 buffer (two with
 entropy, plus one in the weight's dtype for bfloat16), so peak extra memory is about that buffer plus,
 when the weight needs a gradient, one ``[V, H]`` float32 accumulator. Cost: one extra ``N x V x H``
-matmul versus plain autograd (the logits are recomputed in backward). Under ``no_grad`` (or when no
+matmul versus plain autograd (the logits are recomputed in backward). With a frozen weight (LoRA) the
+hidden gradient is row-separable, ``g_n * ((onehot - softmax) @ W)_n / temperature``, so the forward
+pass computes ``(onehot - softmax) @ W`` (``[N, H]``) and backward only rescales it: no recompute,
+the same two matmuls as plain autograd. Under ``no_grad`` (or when no
 input needs a gradient) only the forward chunks run. :func:`naive_logprobs_from_hidden` is the
 reference that materializes the full logits.
 """
@@ -73,6 +76,12 @@ class _ChunkBuffers:
             z_CV.div_(temperature)
         return z_CV
 
+    def matmul_w(self, a_CV: torch.Tensor, weight_VH: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = a @ W`` for an upcast ``[C, V]`` chunk, cast to the weight's dtype first (as autograd)."""
+        if self.raw is not None:
+            a_CV = self.raw[: a_CV.shape[0]].copy_(a_CV)
+        torch.mm(a_CV, weight_VH, out=out)
+
 
 def _forward_chunks(
     hidden_NH: torch.Tensor,
@@ -81,8 +90,15 @@ def _forward_chunks(
     chunk_size: int,
     temperature: float,
     return_entropy: bool,
+    dlogp_dh_NH: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-row (target log-prob, logsumexp, entropy or None), float32 ``[N]``, chunk by chunk."""
+    """Per-row (target log-prob, logsumexp, entropy or None), float32 ``[N]``, chunk by chunk.
+
+    If ``dlogp_dh_NH`` (``[N, H]``, the weight's dtype) is given, it is filled with
+    ``(onehot(target) - softmax) @ W``, i.e. ``temperature * d logp_n / d hidden_n``: the hidden-state
+    gradient factors per row as ``g_n * that / temperature``, so with a frozen weight the backward pass
+    needs no logits recompute.
+    """
     N = hidden_NH.shape[0]
     kw = dict(dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
     logp_N = torch.empty(N, **kw)
@@ -96,15 +112,21 @@ def _forward_chunks(
         m_C = z_CV.amax(-1)
         y_CV = z_CV.sub_(m_C[:, None])  # in place: y = z - max <= 0
         if ent_N is None:
-            sum_C = y_CV.exp_().sum(-1)
+            p_CV = y_CV.exp_()  # unnormalized probabilities e^y, in place
+            sum_C = p_CV.sum(-1)
         else:
-            p_CV = torch.exp(y_CV, out=bufs.aux[: e - s])  # unnormalized probabilities e^y
+            p_CV = torch.exp(y_CV, out=bufs.aux[: e - s])  # e^y in the second buffer, y kept
             sum_C = p_CV.sum(-1)
             # H = log S - sum_v e^y y / S with S = sum_v e^y; y <= 0 keeps this well conditioned
-            ent_N[s:e] = sum_C.log() - p_CV.mul_(y_CV).sum(-1) / sum_C
+            ent_N[s:e] = sum_C.log() - y_CV.mul_(p_CV).sum(-1) / sum_C
         lse_C = m_C + sum_C.log()
         lse_N[s:e] = lse_C
         logp_N[s:e] = tgt_C - lse_C
+        if dlogp_dh_NH is not None:
+            # onehot - softmax, in place on e^y, then one [C, V] x [V, H] matmul
+            p_CV.mul_(-sum_C.reciprocal()[:, None])
+            p_CV.scatter_add_(1, targets_N[s:e, None], torch.ones_like(p_CV[:, :1]))
+            bufs.matmul_w(p_CV, weight_VH, out=dlogp_dh_NH[s:e])
     return logp_N, lse_N, ent_N
 
 
@@ -113,10 +135,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy):
+        # Frozen weight: the hidden gradient is row-separable, so compute it here (one matmul) instead
+        # of recomputing the logits in backward (two matmuls). Costs that matmul even if no backward runs.
+        dlogp_dh_NH = None
+        if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
+            dlogp_dh_NH = torch.empty(hidden_NH.shape, dtype=weight_VH.dtype, device=hidden_NH.device)
         logp_N, lse_N, ent_N = _forward_chunks(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy
+            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, dlogp_dh_NH
         )
-        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N)
+        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N, dlogp_dh_NH)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
         if ent_N is None:
@@ -127,18 +154,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp_N, *_grad_ent):
-        hidden_NH, weight_VH, targets_N, lse_N = ctx.saved_tensors
+        hidden_NH, weight_VH, targets_N, lse_N, dlogp_dh_NH = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
             return None, None, None, None, None, None
         chunk_size, temperature = ctx.chunk_size, ctx.temperature
         N = hidden_NH.shape[0]
-        grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
         acc = _acc_dtype(weight_VH.dtype)
-        grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
         if grad_logp_N is None:
             grad_logp_N = torch.zeros(N, dtype=acc, device=hidden_NH.device)
         g_N = grad_logp_N.to(acc) / temperature
+        if dlogp_dh_NH is not None:  # frozen weight: hidden gradient precomputed in forward
+            grad_h_NH = (dlogp_dh_NH.to(acc) * g_N[:, None]).to(hidden_NH.dtype)
+            return grad_h_NH, None, None, None, None, None
+        grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
+        grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
         bufs = _ChunkBuffers(min(chunk_size, N), weight_VH) if N else None
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
@@ -149,12 +179,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gl_CV.sub_(lse_N[s:e, None]).exp_().mul_(-g_C[:, None])
             gl_CV.scatter_add_(1, targets_N[s:e, None], g_C[:, None])
             if grad_h_NH is not None:
-                if bufs.raw is None:
-                    torch.mm(gl_CV, weight_VH, out=grad_h_NH[s:e])
-                else:
-                    raw_CV = bufs.raw[: e - s]
-                    raw_CV.copy_(gl_CV)
-                    torch.mm(raw_CV, weight_VH, out=grad_h_NH[s:e])
+                bufs.matmul_w(gl_CV, weight_VH, out=grad_h_NH[s:e])
             if grad_w_VH is not None:
                 grad_w_VH.addmm_(gl_CV.T, h_CH.to(acc))
         if grad_w_VH is not None and grad_w_VH.dtype != weight_VH.dtype:

@@ -23,6 +23,7 @@ replica). FSDP samples from an unsharded copy made before sharding, refreshed af
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,7 +154,10 @@ def wrap(model: Any, cfg: Config, ctx: DistContext) -> Any:
     _broadcast_from_rank0(model)  # identical replicas whatever happened before (init, warm start)
     if cfg.parallel == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return _BaseHookedDDP(model, device_ids=ids, broadcast_buffers=False)
+        # buffers (rotary tables) never change; syncing them is a collective inside every forward
+        params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        return _BaseHookedDDP(model, device_ids=ids, **no_sync)
     ctx.rollout_copy = copy.deepcopy(model).requires_grad_(False)  # tying survives deepcopy
     return _fsdp(model, ctx)
 
