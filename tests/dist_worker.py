@@ -65,14 +65,23 @@ def main() -> None:
             rsd = rollout.state_dict()
             rollout_diff = max(float((rsd[k] - v).abs().max()) for k, v in sd.items())
             opt_diff = max(
-                (float((osd2["state"][n][k] - s[k]).abs().max()) for n, st in osd["state"].items()
-                 for k, s in [(k, st) for k in st] if torch.is_tensor(s[k])),
+                (
+                    float((osd2["state"][n][k] - s[k]).abs().max())
+                    for n, st in osd["state"].items()
+                    for k, s in [(k, st) for k in st]
+                    if torch.is_tensor(s[k])
+                ),
                 default=0.0,
             )
             tied = rollout.lm_head.weight is rollout.get_input_embeddings().weight
-            results[run["name"]] = {"params": sd, "metrics": metrics, "rollout_diff": rollout_diff,
-                                    "opt_diff": opt_diff, "opt_keys": sorted(osd["state"]),
-                                    "rollout_tied": tied}
+            results[run["name"]] = {
+                "params": sd,
+                "metrics": metrics,
+                "rollout_diff": rollout_diff,
+                "opt_diff": opt_diff,
+                "opt_keys": sorted(osd["state"]),
+                "rollout_tied": tied,
+            }
         dist.barrier()
     if ctx is not None and ctx.rank == 0:
         torch.save(results, args.out)

@@ -21,13 +21,25 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reaso
 
 ROOT = Path(__file__).resolve().parents[1]
 B, NPROC = 16, 2
-BASE_CFG = {"num_minibatches": 2, "prompts_per_step": 2, "group_size": 8, "log_volatility": False,
-            "old_logp": "recompute", "routing_replay": True, "threads": 1}
+BASE_CFG = {
+    "num_minibatches": 2,
+    "prompts_per_step": 2,
+    "group_size": 8,
+    "log_volatility": False,
+    "old_logp": "recompute",
+    "routing_replay": True,
+    "threads": 1,
+}
 RUNS = [
-    {"name": f"{par}-{opt}", "opt": opt, "lr": 0.1 if opt == "sgd" else 1e-4,
-     # no clipping for SGD (clipping would also normalise the gradient scale away)
-     "cfg": {**BASE_CFG, "parallel": par, **({"max_grad_norm": 0.0} if opt == "sgd" else {})}}
-    for par in ("fsdp", "ddp") for opt in ("adamw", "sgd")
+    {
+        "name": f"{par}-{opt}",
+        "opt": opt,
+        "lr": 0.1 if opt == "sgd" else 1e-4,
+        # no clipping for SGD (clipping would also normalise the gradient scale away)
+        "cfg": {**BASE_CFG, "parallel": par, **({"max_grad_norm": 0.0} if opt == "sgd" else {})},
+    }
+    for par in ("fsdp", "ddp")
+    for opt in ("adamw", "sgd")
 ]
 
 
@@ -58,8 +70,12 @@ def _single(run: dict, data: RolloutData, vocab: int):
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -79,11 +95,41 @@ def launches(tmp_path_factory):
     data = synthetic_rollout(vocab)
     tmp = tmp_path_factory.mktemp("dist")
     torch.save({"data": data, "runs": RUNS}, tmp / "in.pt")
-    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-              str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt")]
-    e2e = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gspo", "train", "--steps", "2", "--sft-steps", "2",
-           "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4", "--threads", "1",
-           "--output-dir", str(tmp / "runs"), "--no-progress"]
+    worker = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        str(ROOT / "tests" / "dist_worker.py"),
+        "--data",
+        str(tmp / "in.pt"),
+        "--out",
+        str(tmp / "out.pt"),
+    ]
+    e2e = [
+        sys.executable,
+        "-m",
+        "gspo",
+        "train",
+        "--nproc",
+        str(NPROC),
+        "--steps",
+        "2",
+        "--sft-steps",
+        "2",
+        "--eval-size",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--threads",
+        "1",
+        "--output-dir",
+        str(tmp / "runs"),
+        "--no-progress",
+    ]
     kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
     procs = {"worker": subprocess.Popen(worker, **kw), "e2e": subprocess.Popen(e2e, **kw)}
     done = {name: _wait(p, 240) for name, p in procs.items()}

@@ -83,8 +83,9 @@ def _launch_torchrun(nproc: int) -> int:
         if a.startswith("--nproc="):
             continue
         args.append(a)
+    # the workers learn the process count from WORLD_SIZE: torchrun rejects a trailing --nproc as ambiguous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "gspo", *args, "--nproc", str(nproc)]
+           "gspo", *args]
     env = dict(os.environ, GSPO_LAUNCHED="1")
     return subprocess.call(cmd, env=env)
 
@@ -92,7 +93,10 @@ def _launch_torchrun(nproc: int) -> int:
 def cmd_train(ns: argparse.Namespace) -> int:
     from gspo.config import make_config
 
-    cfg = make_config(ns.config, _overrides(ns))
+    overrides = _overrides(ns)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the real process count wins
+        overrides["nproc"] = int(os.environ["WORLD_SIZE"])
+    cfg = make_config(ns.config, overrides)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_torchrun(cfg.nproc)
     from gspo.train.loop import train

@@ -8,12 +8,14 @@ hidden-state gradient (per chunk) and the LM-head gradient (float32 accumulator,
 dtype at the end). Each pass reuses one preallocated ``[chunk_size, V]`` float32 buffer (two with
 entropy, plus one in the weight's dtype for bfloat16), so peak extra memory is about that buffer plus,
 when the weight needs a gradient, one ``[V, H]`` float32 accumulator. Cost: one extra ``N x V x H``
-matmul versus plain autograd (the logits are recomputed in backward). With a frozen weight (LoRA) the
-hidden gradient is row-separable, ``g_n * ((onehot - softmax) @ W)_n / temperature``, so the forward
-pass computes ``(onehot - softmax) @ W`` (``[N, H]``) and backward only rescales it: no recompute,
-the same two matmuls as plain autograd. Under ``no_grad`` (or when no
-input needs a gradient) only the forward chunks run. :func:`naive_logprobs_from_hidden` is the
-reference that materializes the full logits.
+matmul versus plain autograd (the logits are recomputed in backward).
+
+With a frozen weight (e.g. LoRA) the hidden gradient is row-separable,
+``g_n * ((onehot - softmax) @ W)_n / temperature``, so the forward pass computes
+``(onehot - softmax) @ W`` (``[N, H]``) and backward only rescales it by ``g / temperature``: no
+recompute, the same two matmuls as plain autograd. Under ``no_grad`` (or when no input needs a
+gradient) only the forward chunks run. :func:`naive_logprobs_from_hidden` is the reference that
+materializes the full logits.
 """
 
 from __future__ import annotations
@@ -131,7 +133,11 @@ def _forward_chunks(
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Chunked log softmax + gather through the LM head; saves only inputs and per-row logsumexp."""
+    """Chunked log softmax + gather through the LM head.
+
+    Saves the inputs, the per-row logsumexp and, with a frozen weight, the ``[N, H]`` hidden-gradient
+    factor; never anything of size ``N x V``.
+    """
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy):

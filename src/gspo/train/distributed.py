@@ -156,7 +156,11 @@ def wrap(model: Any, cfg: Config, ctx: DistContext) -> Any:
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # buffers (rotary tables) never change; syncing them is a collective inside every forward
         params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
-        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        no_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in params
+            else {"broadcast_buffers": False}
+        )
         return _BaseHookedDDP(model, device_ids=ids, **no_sync)
     ctx.rollout_copy = copy.deepcopy(model).requires_grad_(False)  # tying survives deepcopy
     return _fsdp(model, ctx)
@@ -251,8 +255,9 @@ def optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, ctx: Dist
     return get_optimizer_state_dict(model, optimizer, options=opts)
 
 
-def load_optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                              ctx: DistContext) -> None:
+def load_optimizer_state_dict(
+    model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], ctx: DistContext
+) -> None:
     """Load a state saved by :func:`optimizer_state_dict` with any process count (collective)."""
     if not _distributed(ctx):
         optimizer.load_state_dict(state if _int_keyed(state) else _fqn_to_int(model, optimizer, state))
