@@ -137,6 +137,13 @@ class Config:
     logp_chunk_size: int = 512
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
 
+    lora_rank: int = 0
+    """LoRA rank via PEFT (0: train all weights). MoE routers are never adapted."""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha."""
+    lora_target_modules: str = "all-linear"
+    """Modules that get adapters: ``all-linear`` or comma-separated names (e.g. ``q_proj,v_proj``)."""
+
     # --- evaluation, logging, checkpoints --------------------------------------------------------
     eval_every: int = 10
     """Held-out greedy accuracy every N RL steps (0: only at start and end)."""
@@ -178,7 +185,7 @@ class Config:
         for f in positive:
             if getattr(self, f) < 1:
                 raise bad(f, "must be >= 1")
-        for f in ["sft_steps", "micro_batch_size", "warmup_steps", "eval_every", "save_every", "threads"]:
+        for f in ["sft_steps", "micro_batch_size", "warmup_steps", "eval_every", "save_every", "threads", "lora_rank"]:
             if getattr(self, f) < 0:
                 raise bad(f, "must be >= 0")
         for f in ["lr", "sft_lr"]:

@@ -77,6 +77,9 @@ def response_logprobs(
     positions (chunked, see :func:`logprobs_from_hidden`), never on prompt or padding positions.
     """
     lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, pack)
+    from gspo.model.lora import hf_module
+
+    model = hf_module(model)
     base = getattr(model, model.base_model_prefix)
     out = base(input_ids=lay.input_ids_RL, attention_mask=lay.attention_mask_RL, position_ids=lay.position_ids_RL,
                use_cache=False)

@@ -32,7 +32,9 @@ class HFRolloutEngine:
 
     def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int,
                  generator: torch.Generator | None = None, max_batch_size: int = 256) -> None:
-        self.model = model
+        from gspo.model.lora import hf_module
+
+        self.model = hf_module(model)  # under PEFT, the transformers model with adapters in place
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.generator = generator

@@ -55,7 +55,7 @@ def save_checkpoint(run_dir: Path, step: int, save_model: Any, trainer_state: di
     tmp.mkdir()
     save_model(tmp)
     torch.save(trainer_state, tmp / "trainer_state.pt")
-    for f in tmp.iterdir():
+    for f in (p for p in tmp.rglob("*") if p.is_file()):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if final.exists():

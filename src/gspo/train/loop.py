@@ -372,25 +372,40 @@ def train(cfg: Config) -> dict[str, Any]:
     eval_ids = encode_prompts(tokenizer, task.eval, cfg)
     from gspo.model.routing import is_moe as _is_moe
 
-    is_moe = _is_moe(model)
+    is_moe = _is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
     progress = cfg.progress and rank == 0
 
     start_step, data_pos = 0, 0
     sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+    lora_base = run_dir / "checkpoints" / "lora-base"
     if resume_from is not None:
         from transformers import AutoModelForCausalLM
 
         state = ckpt.load_trainer_state(resume_from)
         # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
-        saved = AutoModelForCausalLM.from_pretrained(resume_from, dtype=next(model.parameters()).dtype)
+        weights_dir = lora_base if cfg.lora_rank else resume_from
+        saved = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
         del saved
     elif cfg.sft_steps:
         warm_start(model, tokenizer, task.train, train_ids, cfg, device, progress)
+    if cfg.lora_rank:
+        from gspo.model.lora import apply_lora
+
+        if world > 1:
+            raise GspoError("config field 'lora_rank': LoRA runs in one process for now (use nproc 1)")
+        if resume_from is None:  # the frozen base, saved once; checkpoints then hold only adapters
+            save_pretrained(model, tokenizer, lora_base)
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        if resume_from is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors")))
 
     model = dist_utils.wrap(model, cfg, dctx)
     # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, fused=world == 1)
     warm = max(cfg.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
@@ -488,6 +503,14 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def _save_hf(model: Any, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """HF folder loadable by ``from_pretrained``; with LoRA the adapters are merged in and also kept
+    on their own under ``adapter/`` (for resuming and for PEFT users)."""
+    from gspo.model.lora import is_peft, merged_copy
+
+    if is_peft(model):
+        save_pretrained(merged_copy(model), tokenizer, path)
+        model.save_pretrained(Path(path) / "adapter")
+        return
     if state_dict is not None:
         model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(path)
