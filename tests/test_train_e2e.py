@@ -11,14 +11,32 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY = ["--steps", "4", "--sft-steps", "5", "--eval-size", "16", "--prompts-per-step", "4", "--group-size", "4",
-        "--max-new-tokens", "10", "--eval-every", "2", "--threads", "1", "--no-progress"]
+TINY = [
+    "--steps",
+    "4",
+    "--sft-steps",
+    "5",
+    "--eval-size",
+    "16",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "10",
+    "--eval-every",
+    "2",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 
 
 def _gspo(*args, **kw):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "gspo", *args], capture_output=True, text=True, env=env,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "gspo", *args], capture_output=True, text=True, env=env, timeout=300, **kw
+    )
 
 
 @pytest.mark.parametrize("algo", ["gspo", "grpo"])
@@ -30,9 +48,18 @@ def test_train_writes_all_artifacts(tmp_path, algo):
     run = tmp_path / "r"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
-    for key in ["rollout/reward_mean", "loss/clip_frac_tok", "loss/clip_frac_seq", "loss/ratio_mean",
-                "loss/approx_kl", "rollout/entropy", "rollout/response_len", "time/step_s", "moe/volatility",
-                "mismatch/token_abs_logp_diff"]:
+    for key in [
+        "rollout/reward_mean",
+        "loss/clip_frac_tok",
+        "loss/clip_frac_seq",
+        "loss/ratio_mean",
+        "loss/approx_kl",
+        "rollout/entropy",
+        "rollout/response_len",
+        "time/step_s",
+        "moe/volatility",
+        "mismatch/token_abs_logp_diff",
+    ]:
         assert key in rows[1], key
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[4]
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
@@ -66,8 +93,12 @@ def test_resume_after_kill_9_is_exact(tmp_path):
     args = [*TINY, "--steps", "6", "--save-every", "1", "--output-dir", str(tmp_path)]
     assert _gspo("train", *args, "--name", "full").returncode == 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "gspo", "train", *args, "--name", "killed"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gspo", "train", *args, "--name", "killed"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     latest = tmp_path / "killed" / "checkpoints" / "latest"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -112,7 +143,17 @@ def test_lora_run_merges_adapters_and_resumes_exactly(tmp_path):
     """LoRA: final/ is a merged from_pretrained model, adapters kept; a resumed run equals a straight one."""
     pytest.importorskip("peft")
     # a format reward gives mixed rewards even for an untrained model, so the adapters really move
-    args = [*TINY, "--lora-rank", "4", "--lr", "1e-2", "--reward", "format:[0-9]+", "--output-dir", str(tmp_path)]
+    args = [
+        *TINY,
+        "--lora-rank",
+        "4",
+        "--lr",
+        "1e-2",
+        "--reward",
+        "format:[0-9]+",
+        "--output-dir",
+        str(tmp_path),
+    ]
     assert _gspo("train", *args, "--name", "straight").returncode == 0
     assert _gspo("train", *args, "--steps", "2", "--name", "split").returncode == 0
     r = _gspo("train", *args, "--name", "split", "--resume")
@@ -124,5 +165,7 @@ def test_lora_run_merges_adapters_and_resumes_exactly(tmp_path):
     assert (tmp_path / "straight" / "final" / "adapter" / "adapter_config.json").exists()
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoints" / "lora-base").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "straight" / "checkpoints" / "lora-base"
+    ).state_dict()
     assert any(not torch.equal(a[k], base[k]) for k in a)  # the adapters changed the merged weights

@@ -39,8 +39,9 @@ def test_packed_equals_padded_logprobs_and_grads(tiny_moe, batch):
     grads = []
     for pack in (False, True):
         model.zero_grad()
-        lp = response_logprobs(model, b.prompt_ids_BP, b.prompt_mask_BP, b.response_ids_BT, b.response_mask_BT,
-                               pack=pack)
+        lp = response_logprobs(
+            model, b.prompt_ids_BP, b.prompt_mask_BP, b.response_ids_BT, b.response_mask_BT, pack=pack
+        )
         (lp * b.adv_B[:, None]).sum().backward()
         grads.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[0][0], grads[1][0], atol=2e-5, rtol=0)
@@ -49,7 +50,9 @@ def test_packed_equals_padded_logprobs_and_grads(tiny_moe, batch):
     model.zero_grad()
 
 
-@pytest.mark.parametrize("kw", [{"micro_batch_size": 3}, {"packing": "on"}, {"micro_batch_size": 2, "packing": "on"}])
+@pytest.mark.parametrize(
+    "kw", [{"micro_batch_size": 3}, {"packing": "on"}, {"micro_batch_size": 2, "packing": "on"}]
+)
 def test_micro_batching_and_packing_do_not_change_the_update(tiny_moe, batch, kw):
     """Length-bucketed micro-batches (grad accumulation) and packing give the whole-minibatch update."""
     model, _ = tiny_moe
@@ -105,8 +108,14 @@ def test_volatility_is_zero_without_change_and_positive_with_it(tiny_moe, batch,
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        cfg = Config(prompts_per_step=2, group_size=8, num_minibatches=4, max_grad_norm=0, routing_replay=replay,
-                     algo="grpo").validate()
+        cfg = Config(
+            prompts_per_step=2,
+            group_size=8,
+            num_minibatches=4,
+            max_grad_norm=0,
+            routing_replay=replay,
+            algo="grpo",
+        ).validate()
         out = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
         assert check(out["moe/volatility"]), (lr, out["moe/volatility"])
         assert {"moe/volatility/layer0", "moe/volatility/layer1"} <= out.keys()

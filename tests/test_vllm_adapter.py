@@ -24,7 +24,9 @@ def test_outputs_to_batch_pads_and_cuts_at_eos():
     b = outputs_to_batch([[3], [3, 4], [4]], outs, eos, pad)
     assert b.response_ids_BT.tolist() == [[5, 6, eos], [7, pad, pad], [8, eos, pad]]
     assert b.response_mask_BT.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
-    torch.testing.assert_close(b.sampler_logp_BT, torch.tensor([[-0.5, -1.0, -0.1], [-2.0, 0, 0], [-0.2, -0.3, 0]]))
+    torch.testing.assert_close(
+        b.sampler_logp_BT, torch.tensor([[-0.5, -1.0, -0.1], [-2.0, 0, 0], [-0.2, -0.3, 0]])
+    )
     assert b.prompt_ids == [[3], [3, 4], [4]]
 
 

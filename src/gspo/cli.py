@@ -25,7 +25,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         default = f.default
         help_ = f"{docs.get(f.name, '')} [default: {default}]".replace("%", "%%")
         if typ is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         else:
             parser.add_argument(flag, dest=f.name, default=None, metavar=typ.__name__.upper(), help=help_)
 
@@ -44,22 +46,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("train", help="train a policy (default: embedded tiny MoE on a synthetic task)",
-                       description="Train with GSPO / GSPO-token / GRPO. Flags override the YAML config.")
+    p = sub.add_parser(
+        "train",
+        help="train a policy (default: embedded tiny MoE on a synthetic task)",
+        description="Train with GSPO / GSPO-token / GRPO. Flags override the YAML config.",
+    )
     p.add_argument("--config", help="YAML file of config keys (flags given here override it)")
     _add_config_flags(p)
 
-    c = sub.add_parser("compare", help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay, with a report",
-                       description="Run each algorithm on the same seeds and task, then write report.md + PNGs.")
+    c = sub.add_parser(
+        "compare",
+        help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay, with a report",
+        description="Run each algorithm on the same seeds and task, then write report.md + PNGs.",
+    )
     c.add_argument("--config", help="YAML file of base config keys")
     c.add_argument("--seeds", default="0", help="comma-separated seeds [default: 0]")
-    c.add_argument("--variants", default="gspo,gspo_token,grpo,grpo_replay",
-                   help="comma-separated: gspo, gspo_token, grpo, grpo_replay [default: all four]")
+    c.add_argument(
+        "--variants",
+        default="gspo,gspo_token,grpo,grpo_replay",
+        help="comma-separated: gspo, gspo_token, grpo, grpo_replay [default: all four]",
+    )
     c.add_argument("--out", default="runs/compare", help="output folder [default: runs/compare]")
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume"))
 
-    e = sub.add_parser("eval", help="greedy held-out evaluation of a checkpoint",
-                       description="Evaluate a saved model (HF folder) on a task's held-out set.")
+    e = sub.add_parser(
+        "eval",
+        help="greedy held-out evaluation of a checkpoint",
+        description="Evaluate a saved model (HF folder) on a task's held-out set.",
+    )
     e.add_argument("checkpoint", help="HF model folder (e.g. runs/NAME/final)")
     e.add_argument("--task", default="reverse", help="task name or dataset path [default: reverse]")
     e.add_argument("--reward", default="exact_match", help="reward spec [default: exact_match]")
@@ -84,8 +98,16 @@ def _launch_torchrun(nproc: int) -> int:
             continue
         args.append(a)
     # the workers learn the process count from WORLD_SIZE: torchrun rejects a trailing --nproc as ambiguous
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "gspo", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "gspo",
+        *args,
+    ]
     env = dict(os.environ, GSPO_LAUNCHED="1")
     return subprocess.call(cmd, env=env)
 
@@ -106,8 +128,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         init, final = summary.get("initial_accuracy"), summary.get("final_accuracy")
         if init is not None and final is not None:
             print(f"held-out accuracy: {init:.3f} -> {final:.3f} ({100 * (final - init):+.1f} points)")
-        print(f"run folder: {summary['run_dir']}  (final model: {summary.get('final_dir')}, "
-              f"curves: {summary.get('plot')})")
+        print(
+            f"run folder: {summary['run_dir']}  (final model: {summary.get('final_dir')}, "
+            f"curves: {summary.get('plot')})"
+        )
     return 0
 
 
@@ -124,8 +148,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from gspo.evaluate import evaluate_checkpoint
 
-    out = evaluate_checkpoint(ns.checkpoint, ns.task, ns.reward, ns.eval_size, ns.max_new_tokens, ns.seed,
-                              ns.chat_template)
+    out = evaluate_checkpoint(
+        ns.checkpoint, ns.task, ns.reward, ns.eval_size, ns.max_new_tokens, ns.seed, ns.chat_template
+    )
     print(json.dumps(out))
     return 0
 
@@ -138,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gspo: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        print(f"\ngspo: interrupted; {e or 'the last checkpoint is kept (continue with --resume)'}", file=sys.stderr)
+        print(
+            f"\ngspo: interrupted; {e or 'the last checkpoint is kept (continue with --resume)'}",
+            file=sys.stderr,
+        )
         return 130
 
 

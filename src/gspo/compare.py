@@ -36,11 +36,11 @@ def _warm_start_once(base: Config, seed: int, out: Path) -> str | None:
     """Run only the supervised warm start for ``seed`` and save it; returns the model folder."""
     if base.sft_steps == 0:
         return None
+    import torch
+
     from gspo.model.load import load_model_and_tokenizer, save_pretrained
     from gspo.tasks import build_task
     from gspo.train.loop import encode_prompts, warm_start
-
-    import torch
 
     folder = out / f"warm-start-s{seed}"
     if (folder / "config.json").exists():
@@ -48,14 +48,19 @@ def _warm_start_once(base: Config, seed: int, out: Path) -> str | None:
     torch.manual_seed(seed)
     cfg = dataclasses.replace(base, seed=seed)
     model, tok = load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, seed)
-    task = build_task(cfg.task, cfg.reward, seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field)
-    warm_start(model, tok, task.train, encode_prompts(tok, task.train, cfg), cfg, torch.device("cpu"), cfg.progress)
+    task = build_task(
+        cfg.task, cfg.reward, seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field
+    )
+    warm_start(
+        model, tok, task.train, encode_prompts(tok, task.train, cfg), cfg, torch.device("cpu"), cfg.progress
+    )
     save_pretrained(model, tok, folder)
     return str(folder)
 
 
-def run_compare(config_path: str | None, overrides: dict[str, Any], seeds: list[int], variants: list[str],
-                out_dir: str) -> Path:
+def run_compare(
+    config_path: str | None, overrides: dict[str, Any], seeds: list[int], variants: list[str], out_dir: str
+) -> Path:
     """Train every (variant, seed), then write the report. Returns the report path."""
     from gspo.errors import GspoError
     from gspo.train.loop import train
@@ -121,7 +126,9 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
         for v in variants:
             pts = _series(out, v, seeds, key)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=v, marker="." if len(pts) < 30 else None)
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], label=v, marker="." if len(pts) < 30 else None
+                )
                 drawn = True
         if drawn:
             ax.set_title(f"{title} (mean of {len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
@@ -164,9 +171,11 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
     ]
     for v in variants:
         s = stats[v]
-        lines.append(f"| {v} | {_fmt(s['acc0'])} | {_fmt(s['acc_final'])} | {_fmt(s['acc_best'])} | "
-                     f"{_fmt(s['reward'])} | {_fmt(s['clip_tok'], True)} | {_fmt(s['clip_seq'], True)} | "
-                     f"{_fmt(s['vol'], True)} | {_fmt(s['kl'])} | {_fmt(s['step_s'])} |")
+        lines.append(
+            f"| {v} | {_fmt(s['acc0'])} | {_fmt(s['acc_final'])} | {_fmt(s['acc_best'])} | "
+            f"{_fmt(s['reward'])} | {_fmt(s['clip_tok'], True)} | {_fmt(s['clip_seq'], True)} | "
+            f"{_fmt(s['vol'], True)} | {_fmt(s['kl'])} | {_fmt(s['step_s'])} |"
+        )
 
     def verdict(ok: bool | None) -> str:
         return "n/a" if ok is None else ("consistent" if ok else "not reproduced here")
@@ -174,38 +183,93 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
     claims = []
     if g("gspo") and g("grpo") and g("gspo")["clip_tok"] is not None and g("grpo")["clip_tok"] is not None:
         a, b = g("gspo")["clip_tok"], g("grpo")["clip_tok"]
-        claims.append(("GSPO clips far more tokens than GRPO (paper: ~15% vs ~0.13%, about 100x), yet learns "
-                       "at least as efficiently", f"GSPO {_fmt(a, True)} vs GRPO {_fmt(b, True)} "
-                       f"({a / b:.0f}x)" if b else f"GSPO {_fmt(a, True)} vs GRPO {_fmt(b, True)}",
-                       verdict(a > 10 * b if b else a > 0)))
+        claims.append(
+            (
+                "GSPO clips far more tokens than GRPO (paper: ~15% vs ~0.13%, about 100x), yet learns "
+                "at least as efficiently",
+                f"GSPO {_fmt(a, True)} vs GRPO {_fmt(b, True)} ({a / b:.0f}x)"
+                if b
+                else f"GSPO {_fmt(a, True)} vs GRPO {_fmt(b, True)}",
+                verdict(a > 10 * b if b else a > 0),
+            )
+        )
     if g("gspo") and g("grpo") and g("gspo")["acc_final"] is not None and g("grpo")["acc_final"] is not None:
         a, b = g("gspo")["acc_final"], g("grpo")["acc_final"]
-        claims.append(("GSPO trains more efficiently than GRPO (higher accuracy for the same compute)",
-                       f"final held-out accuracy GSPO {_fmt(a)} vs GRPO {_fmt(b)}", verdict(a >= b)))
-    if g("grpo") and g("grpo_replay") and g("grpo")["acc_final"] is not None and g("grpo_replay")["acc_final"] is not None:
+        claims.append(
+            (
+                "GSPO trains more efficiently than GRPO (higher accuracy for the same compute)",
+                f"final held-out accuracy GSPO {_fmt(a)} vs GRPO {_fmt(b)}",
+                verdict(a >= b),
+            )
+        )
+    if (
+        g("grpo")
+        and g("grpo_replay")
+        and g("grpo")["acc_final"] is not None
+        and g("grpo_replay")["acc_final"] is not None
+    ):
         a, b = g("grpo_replay")["acc_final"], g("grpo")["acc_final"]
-        claims.append(("GRPO on MoE needs Routing Replay to train stably", f"GRPO+replay {_fmt(a)} vs GRPO {_fmt(b)}",
-                       verdict(a >= b)))
-    if g("gspo") and g("grpo_replay") and g("gspo")["acc_final"] is not None and g("grpo_replay")["acc_final"] is not None:
+        claims.append(
+            (
+                "GRPO on MoE needs Routing Replay to train stably",
+                f"GRPO+replay {_fmt(a)} vs GRPO {_fmt(b)}",
+                verdict(a >= b),
+            )
+        )
+    if (
+        g("gspo")
+        and g("grpo_replay")
+        and g("gspo")["acc_final"] is not None
+        and g("grpo_replay")["acc_final"] is not None
+    ):
         a, b = g("gspo")["acc_final"], g("grpo_replay")["acc_final"]
-        claims.append(("GSPO does not need Routing Replay (matches or beats GRPO+replay without it)",
-                       f"GSPO {_fmt(a)} vs GRPO+replay {_fmt(b)}", verdict(a >= b - 0.02)))
+        claims.append(
+            (
+                "GSPO does not need Routing Replay (matches or beats GRPO+replay without it)",
+                f"GSPO {_fmt(a)} vs GRPO+replay {_fmt(b)}",
+                verdict(a >= b - 0.02),
+            )
+        )
     vols = [s["vol"] for s in stats.values() if s["vol"] is not None]
     if vols:
-        claims.append(("About 10% of routed experts change per update (48-layer Qwen3-30B-A3B)",
-                       f"{_fmt(statistics.fmean(vols), True)} of response tokens change their expert set per "
-                       "rollout update (2-layer tiny MoE, mean over variants)", "measured (different scale)"))
-    if g("gspo") and g("gspo_token") and g("gspo")["acc_final"] is not None and g("gspo_token")["acc_final"] is not None:
+        claims.append(
+            (
+                "About 10% of routed experts change per update (48-layer Qwen3-30B-A3B)",
+                f"{_fmt(statistics.fmean(vols), True)} of response tokens change their expert set per "
+                "rollout update (2-layer tiny MoE, mean over variants)",
+                "measured (different scale)",
+            )
+        )
+    if (
+        g("gspo")
+        and g("gspo_token")
+        and g("gspo")["acc_final"] is not None
+        and g("gspo_token")["acc_final"] is not None
+    ):
         a, b = g("gspo")["acc_final"], g("gspo_token")["acc_final"]
-        claims.append(("GSPO-token equals GSPO when all tokens share the sequence advantage",
-                       f"final accuracy GSPO {_fmt(a)} vs GSPO-token {_fmt(b)} (identical in exact arithmetic; "
-                       "float rounding lets trajectories drift)", verdict(abs(a - b) <= 0.05)))
-    lines += ["", "## The paper's claims and this run", "", "| claim (arXiv 2507.18071) | measured here | verdict |",
-              "|---|---|---|"]
+        claims.append(
+            (
+                "GSPO-token equals GSPO when all tokens share the sequence advantage",
+                f"final accuracy GSPO {_fmt(a)} vs GSPO-token {_fmt(b)} (identical in exact arithmetic; "
+                "float rounding lets trajectories drift)",
+                verdict(abs(a - b) <= 0.05),
+            )
+        )
+    lines += [
+        "",
+        "## The paper's claims and this run",
+        "",
+        "| claim (arXiv 2507.18071) | measured here | verdict |",
+        "|---|---|---|",
+    ]
     lines += [f"| {c} | {m} | {v} |" for c, m, v in claims]
-    lines += ["", "Clip fractions are token-weighted (fraction of response tokens whose loss term was clipped), "
-              "as in the paper's Figure 2. A tiny model on a synthetic task with few seeds is a noisy "
-              "instrument: read the table as what this run measured, not as a verdict on the paper.", ""]
+    lines += [
+        "",
+        "Clip fractions are token-weighted (fraction of response tokens whose loss term was clipped), "
+        "as in the paper's Figure 2. A tiny model on a synthetic task with few seeds is a noisy "
+        "instrument: read the table as what this run measured, not as a verdict on the paper.",
+        "",
+    ]
     for title, fname in images:
         lines += [f"### {title}", "", f"![{title}]({fname})", ""]
     report = out / "report.md"

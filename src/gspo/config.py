@@ -172,20 +172,43 @@ class Config:
             return GspoError(f"config field '{field}': {msg} (got {getattr(self, field)!r})")
 
         choices = {
-            "algo": tuple(LOSSES), "adv_scale": SCALES, "old_logp": ("auto", "recompute", "rollout"),
-            "reward_on_error": ("error", "zero"), "dtype": ("float32", "bfloat16", "float16"),
-            "grpo_aggregation": ("seq_mean_token_mean", "token_mean"), "rollout_engine": ("hf", "vllm"),
-            "parallel": ("fsdp", "ddp"), "packing": ("auto", "on", "off"),
+            "algo": tuple(LOSSES),
+            "adv_scale": SCALES,
+            "old_logp": ("auto", "recompute", "rollout"),
+            "reward_on_error": ("error", "zero"),
+            "dtype": ("float32", "bfloat16", "float16"),
+            "grpo_aggregation": ("seq_mean_token_mean", "token_mean"),
+            "rollout_engine": ("hf", "vllm"),
+            "parallel": ("fsdp", "ddp"),
+            "packing": ("auto", "on", "off"),
         }
         for f, allowed in choices.items():
             if getattr(self, f) not in allowed:
                 raise bad(f, f"must be one of {', '.join(allowed)}")
-        positive = ["steps", "prompts_per_step", "group_size", "max_new_tokens", "num_minibatches",
-                    "eval_size", "sft_batch_size", "logp_chunk_size", "nproc", "max_prompt_tokens"]
+        positive = [
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "num_minibatches",
+            "eval_size",
+            "sft_batch_size",
+            "logp_chunk_size",
+            "nproc",
+            "max_prompt_tokens",
+        ]
         for f in positive:
             if getattr(self, f) < 1:
                 raise bad(f, "must be >= 1")
-        for f in ["sft_steps", "micro_batch_size", "warmup_steps", "eval_every", "save_every", "threads", "lora_rank"]:
+        for f in [
+            "sft_steps",
+            "micro_batch_size",
+            "warmup_steps",
+            "eval_every",
+            "save_every",
+            "threads",
+            "lora_rank",
+        ]:
             if getattr(self, f) < 0:
                 raise bad(f, "must be >= 0")
         for f in ["lr", "sft_lr"]:
@@ -198,8 +221,11 @@ class Config:
             if v is not None and not 0 <= v < 1:
                 raise bad(f, "must be in [0, 1)")
         if (self.prompts_per_step * self.group_size) % (self.num_minibatches * self.nproc):
-            raise bad("num_minibatches", f"prompts_per_step*group_size = {self.prompts_per_step * self.group_size}"
-                      f" must divide evenly into num_minibatches x nproc = {self.num_minibatches * self.nproc}")
+            raise bad(
+                "num_minibatches",
+                f"prompts_per_step*group_size = {self.prompts_per_step * self.group_size}"
+                f" must divide evenly into num_minibatches x nproc = {self.num_minibatches * self.nproc}",
+            )
         if self.name is not None and (not self.name or "/" in self.name):
             raise bad("name", "must be a non-empty folder name without '/'")
         return self
@@ -236,7 +262,11 @@ def field_docs() -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
     return docs
 

@@ -11,8 +11,15 @@ from gspo.config import Config
 from gspo.errors import GspoError
 
 
-def evaluate_checkpoint(path: str, task: str, reward: str, eval_size: int, max_new_tokens: int, seed: int,
-                        chat_template: bool = False) -> dict[str, Any]:
+def evaluate_checkpoint(
+    path: str,
+    task: str,
+    reward: str,
+    eval_size: int,
+    max_new_tokens: int,
+    seed: int,
+    chat_template: bool = False,
+) -> dict[str, Any]:
     """Load ``path`` with ``from_pretrained`` and report held-out reward / accuracy (greedy decoding)."""
     from gspo.model.load import load_model_and_tokenizer
     from gspo.rollout.hf import HFRolloutEngine
@@ -21,8 +28,15 @@ def evaluate_checkpoint(path: str, task: str, reward: str, eval_size: int, max_n
 
     if not Path(path).is_dir():
         raise GspoError(f"checkpoint folder not found: {path}")
-    cfg = Config(model=path, task=task, reward=reward, eval_size=eval_size, max_new_tokens=max_new_tokens,
-                 seed=seed, chat_template=chat_template).validate()
+    cfg = Config(
+        model=path,
+        task=task,
+        reward=reward,
+        eval_size=eval_size,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        chat_template=chat_template,
+    ).validate()
     model, tokenizer = load_model_and_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)

@@ -40,8 +40,13 @@ class Layout:
     response_pos_RL: torch.Tensor
 
 
-def make_layout(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, response_ids_BT: torch.Tensor,
-                response_mask_BT: torch.Tensor, pack: bool = True) -> Layout:
+def make_layout(
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    pack: bool = True,
+) -> Layout:
     B, P = prompt_ids_BP.shape
     T = response_ids_BT.shape[1]
     ids_BL = torch.cat([prompt_ids_BP, response_ids_BT], 1)
@@ -81,14 +86,19 @@ def response_logprobs(
 
     model = hf_module(model)
     base = getattr(model, model.base_model_prefix)
-    out = base(input_ids=lay.input_ids_RL, attention_mask=lay.attention_mask_RL, position_ids=lay.position_ids_RL,
-               use_cache=False)
+    out = base(
+        input_ids=lay.input_ids_RL,
+        attention_mask=lay.attention_mask_RL,
+        position_ids=lay.position_ids_RL,
+        use_cache=False,
+    )
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
     sel_BT = response_mask_BT.bool()
     weight_VH = model.get_output_embeddings().weight
-    res = logprobs_from_hidden(hidden_NH, weight_VH, response_ids_BT[sel_BT], chunk_size, temperature,
-                               return_entropy)
+    res = logprobs_from_hidden(
+        hidden_NH, weight_VH, response_ids_BT[sel_BT], chunk_size, temperature, return_entropy
+    )
     logp_N, ent_N = res if return_entropy else (res, None)
     B, T = response_ids_BT.shape
     logp_BT = torch.zeros(B, T, dtype=torch.float32, device=hidden_NH.device).masked_scatter(sel_BT, logp_N)

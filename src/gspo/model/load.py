@@ -100,7 +100,9 @@ def load_model_and_tokenizer(
     if spec.startswith(EMBEDDED_PREFIX):
         name = spec[len(EMBEDDED_PREFIX) :]
         if name not in EMBEDDED_MODELS:
-            raise GspoError(f"config field 'model': unknown embedded model {name!r} (known: {sorted(EMBEDDED_MODELS)})")
+            raise GspoError(
+                f"config field 'model': unknown embedded model {name!r} (known: {sorted(EMBEDDED_MODELS)})"
+            )
         tokenizer = build_char_tokenizer()
         model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
         return model, tokenizer

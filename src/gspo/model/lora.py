@@ -15,16 +15,22 @@ def apply_lora(model: Any, rank: int, alpha: float, targets: str) -> Any:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise GspoError("config field 'lora_rank': peft is not installed (pip install gspo[peft])") from None
-    from gspo.model.routing import find_routers
-
     import torch
+
+    from gspo.model.routing import find_routers
 
     routers = set(map(id, find_routers(model).values()))
     if targets == "all-linear":
         # spelled out: PEFT's own "all-linear" also wraps MoE routers and fused expert parameters
-        target = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-                         if isinstance(mod, torch.nn.Linear) and id(mod) not in routers
-                         and mod is not model.get_output_embeddings()})
+        target = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, mod in model.named_modules()
+                if isinstance(mod, torch.nn.Linear)
+                and id(mod) not in routers
+                and mod is not model.get_output_embeddings()
+            }
+        )
     else:
         target = [t.strip() for t in targets.split(",") if t.strip()]
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=target, task_type="CAUSAL_LM")

@@ -11,7 +11,9 @@ from gspo.model.forward import position_ids_from_mask
 from gspo.rollout.base import RolloutBatch
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> ``(ids_BP, mask_BP)`` so every prompt ends at the same column."""
     P = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
@@ -30,8 +32,14 @@ class HFRolloutEngine:
     log-probs come from the same logits the token was drawn from (after temperature).
     """
 
-    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int,
-                 generator: torch.Generator | None = None, max_batch_size: int = 256) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        eos_token_id: int,
+        pad_token_id: int,
+        generator: torch.Generator | None = None,
+        max_batch_size: int = 256,
+    ) -> None:
         from gspo.model.lora import hf_module
 
         self.model = hf_module(model)  # under PEFT, the transformers model with adapters in place
@@ -47,10 +55,13 @@ class HFRolloutEngine:
         return None
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False) -> RolloutBatch:
-        parts = [self._generate(prompt_ids[i : i + self.max_batch_size], max_new_tokens, temperature, greedy)
-                 for i in range(0, len(prompt_ids), self.max_batch_size)]
+    def generate(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
+    ) -> RolloutBatch:
+        parts = [
+            self._generate(prompt_ids[i : i + self.max_batch_size], max_new_tokens, temperature, greedy)
+            for i in range(0, len(prompt_ids), self.max_batch_size)
+        ]
         T = max(p[0].shape[1] for p in parts)
         pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
         return RolloutBatch(
@@ -60,8 +71,9 @@ class HFRolloutEngine:
             sampler_logp_BT=torch.cat([pad(p[2], 0.0) for p in parts]),
         )
 
-    def _generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float,
-                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _generate(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample up to ``max_new_tokens``; a row that emits EOS leaves the batch (and the KV cache)."""
         device = next(self.model.parameters()).device
         was_training = self.model.training
@@ -78,8 +90,14 @@ class HFRolloutEngine:
         step_ids = ids_BP
         n_steps = 0
         for t in range(max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
+            )
             logits_bV = out.logits[:, -1].float()
             if greedy or temperature == 0:
                 logp_bV = torch.log_softmax(logits_bV, -1)

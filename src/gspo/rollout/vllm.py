@@ -24,12 +24,15 @@ def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError:
-        raise GspoError("config field 'rollout_engine': vllm is not installed (pip install gspo[vllm])") from None
+        raise GspoError(
+            "config field 'rollout_engine': vllm is not installed (pip install gspo[vllm])"
+        ) from None
     return vllm
 
 
-def outputs_to_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Any], eos_token_id: int,
-                     pad_token_id: int) -> RolloutBatch:
+def outputs_to_batch(
+    prompt_ids: Sequence[Sequence[int]], completions: Sequence[Any], eos_token_id: int, pad_token_id: int
+) -> RolloutBatch:
     """Convert vLLM ``CompletionOutput``-like objects (``token_ids``, ``logprobs``) to a RolloutBatch.
 
     ``logprobs`` is a list, one entry per generated token, of ``{token_id: Logprob(logprob=...)}``
@@ -79,7 +82,9 @@ def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 class VLLMRolloutEngine:
     """Rollouts with vLLM; the trainer's weights are pushed in by :meth:`sync_weights`."""
 
-    def __init__(self, llm: Any, trainer_model: Any, eos_token_id: int, pad_token_id: int, seed: int = 0) -> None:
+    def __init__(
+        self, llm: Any, trainer_model: Any, eos_token_id: int, pad_token_id: int, seed: int = 0
+    ) -> None:
         self.llm = llm
         self.trainer_model = trainer_model
         self.eos_token_id = eos_token_id
@@ -88,31 +93,44 @@ class VLLMRolloutEngine:
         self.calls = 0
 
     @classmethod
-    def from_trainer(cls, cfg: Any, model: Any, tokenizer: Any, gpu_memory_utilization: float = 0.3) -> VLLMRolloutEngine:
+    def from_trainer(
+        cls, cfg: Any, model: Any, tokenizer: Any, gpu_memory_utilization: float = 0.3
+    ) -> VLLMRolloutEngine:
         vllm = _import_vllm()
         folder = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
-        kwargs: dict[str, Any] = dict(model=str(folder), dtype=cfg.dtype if cfg.dtype != "float32" else "auto",
-                                      gpu_memory_utilization=gpu_memory_utilization, seed=cfg.seed,
-                                      enable_prefix_caching=True)
+        kwargs: dict[str, Any] = dict(
+            model=str(folder),
+            dtype=cfg.dtype if cfg.dtype != "float32" else "auto",
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=cfg.seed,
+            enable_prefix_caching=True,
+        )
         try:
             llm = vllm.LLM(**kwargs, logprobs_mode="processed_logprobs")
         except TypeError:  # older vLLM: no logprobs_mode (log-probs are then before temperature)
             llm = vllm.LLM(**kwargs)
         return cls(llm, model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.seed)
 
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False) -> RolloutBatch:
+    def generate(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
+    ) -> RolloutBatch:
         vllm = _import_vllm()
         self.calls += 1
         params = vllm.SamplingParams(
-            n=1, temperature=0.0 if greedy else temperature, max_tokens=max_new_tokens, logprobs=0,
-            seed=self.seed * 1_000_003 + self.calls, stop_token_ids=[self.eos_token_id],
+            n=1,
+            temperature=0.0 if greedy else temperature,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            seed=self.seed * 1_000_003 + self.calls,
+            stop_token_ids=[self.eos_token_id],
         )
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return outputs_to_batch(prompt_ids, [o.outputs[0] for o in outs], self.eos_token_id, self.pad_token_id)
+        return outputs_to_batch(
+            prompt_ids, [o.outputs[0] for o in outs], self.eos_token_id, self.pad_token_id
+        )
 
     def sync_weights(self) -> None:
         weights = list(hf_checkpoint_weights(self.trainer_model))

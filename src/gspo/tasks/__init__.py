@@ -21,8 +21,15 @@ class Task:
     reward_name: str
 
 
-def build_task(task: str, reward: str, seed: int, eval_size: int, eval_task: str | None = None,
-               prompt_field: str = "prompt", answer_field: str = "answer") -> Task:
+def build_task(
+    task: str,
+    reward: str,
+    seed: int,
+    eval_size: int,
+    eval_task: str | None = None,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+) -> Task:
     """Train/held-out examples and the reward for a task spec (embedded name or dataset path)."""
     if task in SYNTHETIC_TASKS:
         train = synthetic_examples(task, EMBEDDED_TRAIN_SIZE, seed)
@@ -31,8 +38,10 @@ def build_task(task: str, reward: str, seed: int, eval_size: int, eval_task: str
         held_out = [e for e in pool if e.prompt not in seen][:eval_size]
     else:
         if "/" not in task and "." not in task:
-            raise GspoError(f"config field 'task': unknown task {task!r} (embedded: {', '.join(SYNTHETIC_TASKS)};"
-                            " or a dataset path)")
+            raise GspoError(
+                f"config field 'task': unknown task {task!r} (embedded: {', '.join(SYNTHETIC_TASKS)};"
+                " or a dataset path)"
+            )
         train = load_prompt_dataset(task, prompt_field, answer_field)
         if eval_task:
             held_out = load_prompt_dataset(eval_task, prompt_field, answer_field)[:eval_size]

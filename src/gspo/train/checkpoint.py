@@ -45,7 +45,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, save_model: Any, trainer_state: dict[str, Any], keep: int = 2) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, save_model: Any, trainer_state: dict[str, Any], keep: int = 2
+) -> Path:
     """Write checkpoint ``step`` atomically. ``save_model(path)`` writes the HF weights + tokenizer."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)

@@ -19,14 +19,22 @@ class MetricsLogger:
     TensorBoard purges the same steps, so curves never show the lost segment twice.
     """
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None, use_wandb: bool = False,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        resume_step: int | None = None,
+        use_wandb: bool = False,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip()
-                    and json.loads(ln).get("step", 0) <= resume_step]
+            keep = [
+                ln
+                for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= resume_step
+            ]
             self.path.write_text("".join(k + "\n" for k in keep))
         elif self.path.exists():
             self.path.unlink()
@@ -38,12 +46,16 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError:
-                raise GspoError("config field 'wandb': wandb is not installed (pip install gspo[wandb])") from None
+                raise GspoError(
+                    "config field 'wandb': wandb is not installed (pip install gspo[wandb])"
+                ) from None
             self.wandb = wandb.init(project="gspo", name=run_dir.name, config=config, resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()},
+        }
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for k, v in metrics.items():
@@ -106,7 +118,9 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str = "") -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(n, [k for k in keys if any(r.get(k) is not None for r in rows)], t) for n, keys, t in PLOT_PANELS]
+    panels = [
+        (n, [k for k in keys if any(r.get(k) is not None for r in rows)], t) for n, keys, t in PLOT_PANELS
+    ]
     panels = [p for p in panels if p[1]]
     if not panels:
         return
@@ -122,7 +136,7 @@ def plot_metrics(rows: list[dict[str, Any]], path: Path, title: str = "") -> Non
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title)

@@ -7,7 +7,6 @@ steps over contiguous slices of the rollout batch -> metrics, eval, checkpoint.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections import defaultdict
@@ -54,8 +53,14 @@ class RolloutData:
         keep_t = self.response_mask_BT.any(0).nonzero()
         p0 = int(keep_p[0]) if len(keep_p) else self.prompt_mask_BP.shape[1] - 1
         t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
-        return RolloutData(self.prompt_ids_BP[:, p0:], self.prompt_mask_BP[:, p0:], self.response_ids_BT[:, :t1],
-                           self.response_mask_BT[:, :t1], self.sampler_logp_BT[:, :t1], self.adv_B)
+        return RolloutData(
+            self.prompt_ids_BP[:, p0:],
+            self.prompt_mask_BP[:, p0:],
+            self.response_ids_BT[:, :t1],
+            self.response_mask_BT[:, :t1],
+            self.sampler_logp_BT[:, :t1],
+            self.adv_B,
+        )
 
     def to(self, device: torch.device) -> RolloutData:
         return RolloutData(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -74,13 +79,17 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list
 
     out = []
     for ex in examples:
-        text = apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if cfg.chat_template else ex.prompt
+        text = (
+            apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if cfg.chat_template else ex.prompt
+        )
         ids = tokenizer(text, add_special_tokens=not cfg.chat_template).input_ids
         if not ids:
             raise GspoError(f"prompt is empty after tokenization: {ex.prompt[:60]!r}")
         if len(ids) > cfg.max_prompt_tokens:
-            raise GspoError(f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: "
-                            f"{ex.prompt[:60]!r}")
+            raise GspoError(
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: "
+                f"{ex.prompt[:60]!r}"
+            )
         out.append(ids)
     return out
 
@@ -89,17 +98,26 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list
 # the policy update
 
 
-def _forward(model: Any, mb: RolloutData, cfg: Config, entropy: bool = False, replay: Any = None,
-             capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+def _forward(
+    model: Any, mb: RolloutData, cfg: Config, entropy: bool = False, replay: Any = None, capture: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """Response log-probs ``[B, T]`` (+ entropy), optionally replaying or capturing MoE routing."""
     from gspo.model import routing as R
 
     ctx = R.replay_routing(model, replay) if replay is not None else nullcontext()
     cap = R.capture_routing(model) if capture else nullcontext()
     with ctx, cap as rec:
-        res = response_logprobs(model, mb.prompt_ids_BP, mb.prompt_mask_BP, mb.response_ids_BT,
-                                mb.response_mask_BT, cfg.temperature, cfg.logp_chunk_size,
-                                return_entropy=entropy, pack=_use_packing(model, cfg))
+        res = response_logprobs(
+            model,
+            mb.prompt_ids_BP,
+            mb.prompt_mask_BP,
+            mb.response_ids_BT,
+            mb.response_mask_BT,
+            cfg.temperature,
+            cfg.logp_chunk_size,
+            return_entropy=entropy,
+            pack=_use_packing(model, cfg),
+        )
     logp, ent = res if entropy else (res, None)
     return logp, ent, (R.routing_snapshot(rec) if capture else None)
 
@@ -119,12 +137,21 @@ def micro_batches(mb: RolloutData, micro: int) -> list[RolloutData]:
     total_B = mb.prompt_mask_BP.sum(-1) + mb.response_mask_BT.sum(-1)
     order = torch.argsort(total_B, stable=True) if micro < len(total_B) else torch.arange(len(total_B))
     fields = RolloutData.__dataclass_fields__
-    return [RolloutData(*(getattr(mb, f)[order[j : j + micro]] for f in fields)).trim()
-            for j in range(0, len(order), micro)]
+    return [
+        RolloutData(*(getattr(mb, f)[order[j : j + micro]] for f in fields)).trim()
+        for j in range(0, len(order), micro)
+    ]
 
 
-def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, data: RolloutData,
-                  cfg: Config, world_size: int = 1, is_moe: bool = False) -> dict[str, float]:
+def policy_update(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: RolloutData,
+    cfg: Config,
+    world_size: int = 1,
+    is_moe: bool = False,
+) -> dict[str, float]:
     """``num_minibatches`` optimizer steps over contiguous slices of ``data``; returns mean metrics.
 
     pi_old: minibatch 0's own first forward is on-policy (no update has happened yet), so its
@@ -133,7 +160,6 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     log-probs (``"rollout"``). Losses use the global minibatch size as normalizer; gradients are
     averaged across ranks, so the loss is scaled by ``world_size`` to give the single-process update.
     """
-    from gspo.model import routing as R
 
     loss_fn, _, _ = LOSSES[cfg.algo]
     eps_low, eps_high = cfg.clip_range()
@@ -141,8 +167,10 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     mb_size = data.adv_B.shape[0] // cfg.num_minibatches
     micro = cfg.micro_batch_size or mb_size
     # mbs[i][j]: micro-batch j of minibatch i; the same tensors serve pi_old, the update and volatility
-    mbs = [micro_batches(data.slice(slice(i * mb_size, (i + 1) * mb_size)), micro)
-           for i in range(cfg.num_minibatches)]
+    mbs = [
+        micro_batches(data.slice(slice(i * mb_size, (i + 1) * mb_size)), micro)
+        for i in range(cfg.num_minibatches)
+    ]
     want_routing = is_moe and (cfg.routing_replay or cfg.log_volatility)
     old_logp: dict[tuple[int, int], torch.Tensor] = {}
     old_routing: dict[tuple[int, int], Any] = {}
@@ -167,8 +195,14 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
             if measure and replay is not None:  # replay forces routing: look at the free choice separately
                 with torch.no_grad():
                     _, _, new_routing[i, j] = _forward(model, mmb, cfg, capture=True)
-            logp, ent, routing = _forward(model, mmb, cfg, entropy=True, replay=replay,
-                                          capture=want_routing and (i == 0 or (measure and replay is None)))
+            logp, ent, routing = _forward(
+                model,
+                mmb,
+                cfg,
+                entropy=True,
+                replay=replay,
+                capture=want_routing and (i == 0 or (measure and replay is None)),
+            )
             if i == 0:
                 old_logp[0, j], old_routing[0, j] = logp.detach(), routing
             elif measure and replay is None:  # this forward runs under the policy after i updates
@@ -178,11 +212,21 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
             n_tok_B = m_BT.sum(-1).clamp(min=1)
             if trainer_old is not None:  # train/inference mismatch, always logged when measurable
                 d_BT = (trainer_old - mmb.sampler_logp_BT) * m_BT
-                mismatch += torch.stack([(d_BT.abs().sum(-1) / n_tok_B).sum(), (d_BT.sum(-1) / n_tok_B).abs().sum(),
-                                         torch.tensor(float(len(n_tok_B)))]).detach().cpu()
+                mismatch += (
+                    torch.stack(
+                        [
+                            (d_BT.abs().sum(-1) / n_tok_B).sum(),
+                            (d_BT.sum(-1) / n_tok_B).abs().sum(),
+                            torch.tensor(float(len(n_tok_B))),
+                        ]
+                    )
+                    .detach()
+                    .cpu()
+                )
             old = mmb.sampler_logp_BT if old_mode == "rollout" else trainer_old
-            loss, metrics = loss_fn(logp, old, mmb.adv_B, m_BT, eps_low, eps_high,
-                                    normalizer=mb_size * world_size, **extra)
+            loss, metrics = loss_fn(
+                logp, old, mmb.adv_B, m_BT, eps_low, eps_high, normalizer=mb_size * world_size, **extra
+            )
             (loss * world_size).backward()
             w = mmb.adv_B.shape[0] / mb_size
             for k, v in metrics.items():
@@ -213,8 +257,12 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     return out
 
 
-def _volatility(mbs: list[list[RolloutData]], old_routing: dict[tuple[int, int], Any],
-                new_routing: dict[tuple[int, int], Any], packed: bool) -> dict[str, float]:
+def _volatility(
+    mbs: list[list[RolloutData]],
+    old_routing: dict[tuple[int, int], Any],
+    new_routing: dict[tuple[int, int], Any],
+    packed: bool,
+) -> dict[str, float]:
     """Expert-activation volatility: fraction of response tokens whose top-k expert set under the
     policy that updates on minibatch i (i optimizer steps after pi_old) differs from pi_old's.
 
@@ -228,7 +276,9 @@ def _volatility(mbs: list[list[RolloutData]], old_routing: dict[tuple[int, int],
     total, n = torch.zeros(()), 0
     for (i, j), new in new_routing.items():
         mmb = mbs[i][j]
-        lay = make_layout(mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT, packed)
+        lay = make_layout(
+            mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT, packed
+        )
         overall, layers = R.routing_volatility(old_routing[i, j], new, lay.response_pos_RL)
         w = int(mmb.response_mask_BT.sum())
         total, n = total + overall.float().cpu() * w, n + w
@@ -243,20 +293,24 @@ def _volatility(mbs: list[list[RolloutData]], old_routing: dict[tuple[int, int],
 # rollout, rewards, evaluation
 
 
-def collect_rollout(engine: Any, tokenizer: Any, task: Any, examples: list[Example], prompt_ids: list[list[int]],
-                    cfg: Config) -> tuple[RolloutData, dict[str, float]]:
+def collect_rollout(
+    engine: Any, tokenizer: Any, task: Any, examples: list[Example], prompt_ids: list[list[int]], cfg: Config
+) -> tuple[RolloutData, dict[str, float]]:
     """G samples per prompt, rewards, group advantages -> RolloutData (groups contiguous)."""
     G = cfg.group_size
     rep_ids = [p for p in prompt_ids for _ in range(G)]
     t0 = time.time()
     rb = engine.generate(rep_ids, cfg.max_new_tokens, cfg.temperature)
     t_gen = time.time() - t0
-    completions = [_completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
-                   for i in range(len(rep_ids))]
+    completions = [
+        _completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
+        for i in range(len(rep_ids))
+    ]
     prompts = [e.prompt for e in examples for _ in range(G)]
     answers = [e.answer for e in examples for _ in range(G)]
-    rewards, n_bad = safe_rewards(task.reward, prompts, completions, answers, on_error=cfg.reward_on_error,
-                                  name=task.reward_name)
+    rewards, n_bad = safe_rewards(
+        task.reward, prompts, completions, answers, on_error=cfg.reward_on_error, name=task.reward_name
+    )
     rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(examples), G)
     adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
     p_ids, p_mask = left_pad(rep_ids, tokenizer.pad_token_id)
@@ -273,31 +327,56 @@ def collect_rollout(engine: Any, tokenizer: Any, task: Any, examples: list[Examp
         "rollout/reward_errors": float(n_bad),
         "time/generate_s": t_gen,
     }
-    data = RolloutData(p_ids, p_mask, rb.response_ids_BT.cpu(), rb.response_mask_BT.cpu(),
-                       rb.sampler_logp_BT.float().cpu(), adv_B)
+    data = RolloutData(
+        p_ids,
+        p_mask,
+        rb.response_ids_BT.cpu(),
+        rb.response_mask_BT.cpu(),
+        rb.sampler_logp_BT.float().cpu(),
+        adv_B,
+    )
     return data, metrics
 
 
 @torch.no_grad()
-def evaluate(engine: Any, tokenizer: Any, task: Any, prompt_ids: list[list[int]], cfg: Config) -> dict[str, float]:
+def evaluate(
+    engine: Any, tokenizer: Any, task: Any, prompt_ids: list[list[int]], cfg: Config
+) -> dict[str, float]:
     """Greedy decoding on the held-out set: mean reward and accuracy (reward >= 1)."""
     rb = engine.generate(prompt_ids, cfg.max_new_tokens, 1.0, greedy=True)
-    completions = [_completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
-                   for i in range(len(prompt_ids))]
+    completions = [
+        _completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
+        for i in range(len(prompt_ids))
+    ]
     ex = task.eval
-    rewards, _ = safe_rewards(task.reward, [e.prompt for e in ex], completions, [e.answer for e in ex],
-                              on_error=cfg.reward_on_error, name=task.reward_name)
+    rewards, _ = safe_rewards(
+        task.reward,
+        [e.prompt for e in ex],
+        completions,
+        [e.answer for e in ex],
+        on_error=cfg.reward_on_error,
+        name=task.reward_name,
+    )
     r = np.asarray(rewards, dtype=np.float64)
     return {"eval/reward_mean": float(r.mean()), "eval/accuracy": float((r >= 1.0 - 1e-9).mean())}
 
 
-def warm_start(model: Any, tokenizer: Any, examples: list[Example], prompt_ids: list[list[int]], cfg: Config,
-               device: torch.device, progress: bool) -> float:
+def warm_start(
+    model: Any,
+    tokenizer: Any,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    cfg: Config,
+    device: torch.device,
+    progress: bool,
+) -> float:
     """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss."""
     rng = random.Random(cfg.seed + 7)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     bar = Progress(cfg.sft_steps, "warm start", enabled=progress)
-    answers = [tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples]
+    answers = [
+        tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples
+    ]
     loss_v = float("nan")
     model.train()
     for step in range(cfg.sft_steps):
@@ -351,8 +430,10 @@ def train(cfg: Config) -> dict[str, Any]:
     if cfg.resume and resume_from is None:
         raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints")
     if not cfg.resume and ckpt.latest_checkpoint(run_dir) is not None:
-        raise GspoError(f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or "
-                        "--name to start a new run")
+        raise GspoError(
+            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or "
+            "--name to start a new run"
+        )
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_yaml(cfg, run_dir / "config.yaml")
@@ -362,12 +443,15 @@ def train(cfg: Config) -> dict[str, Any]:
     np.random.seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)
     model.to(device)
-    task = build_task(cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field,
-                      cfg.answer_field)
+    task = build_task(
+        cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field
+    )
     ctx_len = getattr(model.config, "max_position_embeddings", None)
     if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
-        raise GspoError(f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
-                        f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}")
+        raise GspoError(
+            f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
+            f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}"
+        )
     train_ids = encode_prompts(tokenizer, task.train, cfg)
     eval_ids = encode_prompts(tokenizer, task.eval, cfg)
     from gspo.model.routing import is_moe as _is_moe
@@ -401,12 +485,19 @@ def train(cfg: Config) -> dict[str, Any]:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            set_peft_model_state_dict(model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors")))
+            set_peft_model_state_dict(
+                model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors"))
+            )
 
     model = dist_utils.wrap(model, cfg, dctx)
     # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, fused=world == 1)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        fused=world == 1,
+    )
     warm = max(cfg.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     if resume_from is not None:
@@ -417,7 +508,11 @@ def train(cfg: Config) -> dict[str, Any]:
         ckpt.set_rng_state(state["rng"])
     rollout_model = dist_utils.rollout_model(model, dctx)
     engine = make_engine(cfg, rollout_model, tokenizer, sample_gen)
-    logger = MetricsLogger(run_dir, start_step if resume_from else None, cfg.wandb, cfg.to_dict()) if rank == 0 else None
+    logger = (
+        MetricsLogger(run_dir, start_step if resume_from else None, cfg.wandb, cfg.to_dict())
+        if rank == 0
+        else None
+    )
 
     last_saved = start_step
 
@@ -427,8 +522,15 @@ def train(cfg: Config) -> dict[str, Any]:
         opt_sd = dist_utils.optimizer_state_dict(model, optimizer, dctx)
         if rank != 0:
             return
-        state = {"optimizer": opt_sd, "scheduler": scheduler.state_dict(), "step": step,
-                 "data_pos": data_pos, "sample_gen": gens, "rng": ckpt.rng_state(), "config": cfg.to_dict()}
+        state = {
+            "optimizer": opt_sd,
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "data_pos": data_pos,
+            "sample_gen": gens,
+            "rng": ckpt.rng_state(),
+            "config": cfg.to_dict(),
+        }
         base = dist_utils.unwrap(model)
         ckpt.save_checkpoint(run_dir, step, lambda p: _save_hf(base, tokenizer, p, full_sd), state)
         nonlocal last_saved
@@ -446,7 +548,9 @@ def train(cfg: Config) -> dict[str, Any]:
     last: dict[str, float] = {}
     prompts_local = cfg.prompts_per_step // world if cfg.prompts_per_step % world == 0 else None
     if prompts_local is None:
-        raise GspoError(f"config field 'prompts_per_step': {cfg.prompts_per_step} must divide by nproc={world}")
+        raise GspoError(
+            f"config field 'prompts_per_step': {cfg.prompts_per_step} must divide by nproc={world}"
+        )
     for step in range(start_step + 1, cfg.steps + 1):
         t0 = time.time()
         idx = _prompt_batch(len(task.train), data_pos, cfg.prompts_per_step, cfg.seed)
@@ -454,8 +558,9 @@ def train(cfg: Config) -> dict[str, Any]:
         gen_state = sample_gen.get_state()
         data_pos += cfg.prompts_per_step
         try:
-            data, metrics = collect_rollout(engine, tokenizer, task, [task.train[i] for i in idx],
-                                            [train_ids[i] for i in idx], cfg)
+            data, metrics = collect_rollout(
+                engine, tokenizer, task, [task.train[i] for i in idx], [train_ids[i] for i in idx], cfg
+            )
         except (GspoError, KeyboardInterrupt) as e:
             # nothing was updated this step: rewind it and checkpoint, so no finished step is lost
             sample_gen.set_state(gen_state)
@@ -479,22 +584,34 @@ def train(cfg: Config) -> dict[str, Any]:
         if logger:
             logger.log(step, metrics)
         last.update(metrics)
-        bar.update(step, f"reward {metrics['rollout/reward_mean']:.3f} acc {last.get('eval/accuracy', float('nan')):.3f}"
-                   f" clip {metrics.get('loss/clip_frac_tok', 0):.3f}")
+        bar.update(
+            step,
+            f"reward {metrics['rollout/reward_mean']:.3f} acc {last.get('eval/accuracy', float('nan')):.3f}"
+            f" clip {metrics.get('loss/clip_frac_tok', 0):.3f}",
+        )
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             save(step)
 
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     if rank == 0:
         final_dir = run_dir / "final"
-        _save_hf(dist_utils.unwrap(model), tokenizer, final_dir, dist_utils.full_state_dict(model, dctx)
-                 if world > 1 else None)
+        _save_hf(
+            dist_utils.unwrap(model),
+            tokenizer,
+            final_dir,
+            dist_utils.full_state_dict(model, dctx) if world > 1 else None,
+        )
         rows = read_metrics(run_dir / "metrics.jsonl")
         plot_metrics(rows, run_dir / "curves.png", title=f"{cfg.algo} on {cfg.task} ({cfg.model})")
         evals = [r for r in rows if r.get("eval/accuracy") is not None]
-        summary.update({"initial_accuracy": initial.get("eval/accuracy"),
-                        "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
-                        "final_dir": str(final_dir), "plot": str(run_dir / "curves.png")})
+        summary.update(
+            {
+                "initial_accuracy": initial.get("eval/accuracy"),
+                "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+                "final_dir": str(final_dir),
+                "plot": str(run_dir / "curves.png"),
+            }
+        )
         logger.close()
     else:
         dist_utils.full_state_dict(model, dctx) if world > 1 else None
@@ -502,7 +619,9 @@ def train(cfg: Config) -> dict[str, Any]:
     return summary
 
 
-def _save_hf(model: Any, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def _save_hf(
+    model: Any, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
     """HF folder loadable by ``from_pretrained``; with LoRA the adapters are merged in and also kept
     on their own under ``adapter/`` (for resuming and for PEFT users)."""
     from gspo.model.lora import is_peft, merged_copy
