@@ -72,7 +72,7 @@ def response_logprobs(
     response_ids_BT: torch.Tensor,
     response_mask_BT: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 512,
     return_entropy: bool = False,
     pack: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
