@@ -42,6 +42,9 @@ def _warm_start_once(base: Config, seed: int, out: Path) -> str | None:
     from gspo.tasks import build_task
     from gspo.train.loop import encode_prompts, warm_start
 
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     folder = out / f"warm-start-s{seed}"
     if (folder / "config.json").exists():
         return str(folder)
