@@ -37,12 +37,11 @@ def _warm_start_once(base: Config, seed: int, out: Path) -> str | None:
     if base.sft_steps == 0:
         return None
     import torch
+    import transformers
 
     from gspo.model.load import load_model_and_tokenizer, save_pretrained
     from gspo.tasks import build_task
     from gspo.train.loop import encode_prompts, warm_start
-
-    import transformers
 
     transformers.utils.logging.disable_progress_bar()
     folder = out / f"warm-start-s{seed}"
