@@ -35,30 +35,36 @@ def build_char_tokenizer() -> PreTrainedTokenizerBase:
     )
 
 
+# shared by both tiny models, so dense vs MoE comparisons differ only in the MLP
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
 def build_tiny_moe(vocab_size: int, seed: int = 0) -> PreTrainedModel:
     """Tiny Qwen3-MoE: 2 layers, 8 experts (top-2), hidden 64. Trains in minutes on a CPU."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
         moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
         output_router_logits=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **_TINY,
     )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config)
@@ -68,23 +74,8 @@ def build_tiny_dense(vocab_size: int, seed: int = 0) -> PreTrainedModel:
     """Tiny dense Qwen3 of about the same active size as :func:`build_tiny_moe`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **_TINY))
 
 
 EMBEDDED_MODELS = {"tiny-moe": build_tiny_moe, "tiny-dense": build_tiny_dense}
