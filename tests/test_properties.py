@@ -10,8 +10,9 @@ from gspo.advantages import SCALES, group_advantages
 from gspo.losses import grpo_loss, gspo_loss, gspo_token_loss
 
 F64 = torch.float64
-SETTINGS = settings(max_examples=40, deadline=None)
-LOSS_SETTINGS = settings(max_examples=30, deadline=None)  # each example runs forward + backward
+# derandomize: CI runs the same examples every time (a failure reproduces; no flaky runs)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
+LOSS_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)  # each example runs forward + backward
 
 LOSS_FNS = {
     "gspo": gspo_loss,
@@ -170,10 +171,11 @@ def test_advantages_finite_zero_sum_and_equal_groups_zero(r, scale, eps):
         # population std: |r - mean| <= sqrt(G) std_group, and <= sqrt(N G) std_batch
         lim = (G if scale == "group" else N * G) ** 0.5
         assert (out.abs() <= lim * (1 + 1e-5)).all()
-    out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+    finite_rows = torch.isfinite(out).all(dim=1)  # "none" may overflow near the dtype's max (allowed above)
+    out_f = out[finite_rows].double()  # the check's own sum must not overflow near float32's max
     rel = 1e-12 if r.dtype == F64 else 1e-5
-    mag = out.abs().amax(dim=1).clamp(min=1.0)
-    assert (out.sum(dim=1).abs() <= rel * r.shape[1] * mag).all()
+    mag = out_f.abs().amax(dim=1).clamp(min=1.0) if len(out_f) else out_f.sum(dim=1)
+    assert (out_f.sum(dim=1).abs() <= rel * r.shape[1] * mag).all()
     equal = (r == r[:, :1]).all(dim=1)
     assert torch.all(out[equal] == 0)
 
