@@ -169,3 +169,14 @@ def test_lora_run_merges_adapters_and_resumes_exactly(tmp_path):
         tmp_path / "straight" / "checkpoints" / "lora-base"
     ).state_dict()
     assert any(not torch.equal(a[k], base[k]) for k in a)  # the adapters changed the merged weights
+
+
+def test_eval_command_scores_a_checkpoint(tmp_path):
+    """`gspo eval` loads a saved folder with from_pretrained and prints held-out accuracy as JSON."""
+    assert _gspo("train", *TINY, "--steps", "1", "--output-dir", str(tmp_path), "--name", "r").returncode == 0
+    r = _gspo("eval", str(tmp_path / "r" / "final"), "--eval-size", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["n"] == 8 and 0.0 <= out["eval/accuracy"] <= 1.0
+    bad = _gspo("eval", str(tmp_path / "nope"))
+    assert bad.returncode == 2 and "checkpoint folder not found" in bad.stderr
