@@ -159,7 +159,6 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
             "step_s": _mean(_series(out, v, seeds, "time/step_s")),
         }
 
-    g = stats.get
     lines = [
         "# GSPO vs GRPO on an MoE model",
         "",
@@ -182,9 +181,14 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
     def verdict(ok: bool | None) -> str:
         return "n/a" if ok is None else ("consistent" if ok else "not reproduced here")
 
+    def both(x: str, y: str, key: str) -> tuple[float, float] | None:
+        """``(stats[x][key], stats[y][key])`` when both variants ran and measured it."""
+        a, b = (stats.get(x) or {}).get(key), (stats.get(y) or {}).get(key)
+        return None if a is None or b is None else (a, b)
+
     claims = []
-    if g("gspo") and g("grpo") and g("gspo")["clip_tok"] is not None and g("grpo")["clip_tok"] is not None:
-        a, b = g("gspo")["clip_tok"], g("grpo")["clip_tok"]
+    if pair := both("gspo", "grpo", "clip_tok"):
+        a, b = pair
         claims.append(
             (
                 "GSPO clips far more tokens than GRPO (paper: ~15% vs ~0.13%, about 100x), yet learns "
@@ -195,8 +199,8 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
                 verdict(a > 10 * b if b else a > 0),
             )
         )
-    if g("gspo") and g("grpo") and g("gspo")["acc_final"] is not None and g("grpo")["acc_final"] is not None:
-        a, b = g("gspo")["acc_final"], g("grpo")["acc_final"]
+    if pair := both("gspo", "grpo", "acc_final"):
+        a, b = pair
         claims.append(
             (
                 "GSPO trains more efficiently than GRPO (higher accuracy for the same compute)",
@@ -204,13 +208,8 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
                 verdict(a >= b),
             )
         )
-    if (
-        g("grpo")
-        and g("grpo_replay")
-        and g("grpo")["acc_final"] is not None
-        and g("grpo_replay")["acc_final"] is not None
-    ):
-        a, b = g("grpo_replay")["acc_final"], g("grpo")["acc_final"]
+    if pair := both("grpo_replay", "grpo", "acc_final"):
+        a, b = pair
         claims.append(
             (
                 "GRPO on MoE needs Routing Replay to train stably",
@@ -218,13 +217,8 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
                 verdict(a >= b),
             )
         )
-    if (
-        g("gspo")
-        and g("grpo_replay")
-        and g("gspo")["acc_final"] is not None
-        and g("grpo_replay")["acc_final"] is not None
-    ):
-        a, b = g("gspo")["acc_final"], g("grpo_replay")["acc_final"]
+    if pair := both("gspo", "grpo_replay", "acc_final"):
+        a, b = pair
         claims.append(
             (
                 "GSPO does not need Routing Replay (matches or beats GRPO+replay without it)",
@@ -242,13 +236,8 @@ def write_report(out: Path, variants: list[str], seeds: list[int], base: Config)
                 "measured (different scale)",
             )
         )
-    if (
-        g("gspo")
-        and g("gspo_token")
-        and g("gspo")["acc_final"] is not None
-        and g("gspo_token")["acc_final"] is not None
-    ):
-        a, b = g("gspo")["acc_final"], g("gspo_token")["acc_final"]
+    if pair := both("gspo", "gspo_token", "acc_final"):
+        a, b = pair
         claims.append(
             (
                 "GSPO-token equals GSPO when all tokens share the sequence advantage",
