@@ -593,14 +593,10 @@ def train(cfg: Config) -> dict[str, Any]:
             save(step)
 
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    final_sd = dist_utils.full_state_dict(model, dctx)  # collective on every rank; None in one process
     if rank == 0:
         final_dir = run_dir / "final"
-        _save_hf(
-            dist_utils.unwrap(model),
-            tokenizer,
-            final_dir,
-            dist_utils.full_state_dict(model, dctx) if world > 1 else None,
-        )
+        _save_hf(dist_utils.unwrap(model), tokenizer, final_dir, final_sd)
         rows = read_metrics(run_dir / "metrics.jsonl")
         plot_metrics(rows, run_dir / "curves.png", title=f"{cfg.algo} on {cfg.task} ({cfg.model})")
         evals = [r for r in rows if r.get("eval/accuracy") is not None]
@@ -613,8 +609,6 @@ def train(cfg: Config) -> dict[str, Any]:
             }
         )
         logger.close()
-    else:
-        dist_utils.full_state_dict(model, dctx) if world > 1 else None
     dist_utils.cleanup(dctx)
     return summary
 
