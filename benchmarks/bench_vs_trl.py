@@ -7,8 +7,10 @@ steps, fp32, no gradient checkpointing, one CPU thread.
 - TRL: ``GRPOTrainer`` with ``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
   ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``; time per rollout = wall time of
   ``trainer.train()`` between every 4th optimizer step (a ``TrainerCallback``), first rollout dropped.
-- gspo: ``collect_rollout`` + ``policy_update`` (``log_volatility`` off to match TRL; MoE also with it
-  on; both also with ``old_logp="rollout"``, which skips the pi_old recompute).
+- gspo: ``collect_rollout`` + ``policy_update`` with the default config (``old_logp="auto"``: the HF
+  sampler in fp32 is the trainer, so its log-probs are pi_old; ``prefix_sharing="auto"``: each group's
+  prompt is computed once), ``log_volatility`` off to match TRL; MoE also with it on; both also with
+  ``old_logp="recompute"`` (pi_old recomputed, as TRL does) and ``prefix_sharing="off"``.
 - floor: the same ``engine.generate`` call + 4 x (``response_logprobs`` on the same minibatches,
   trivial loss, backward, optimizer step), each measured alone.
 
@@ -61,7 +63,7 @@ def _since(t0: tuple[float, float]) -> tuple[float, float]:
     return t1[0] - t0[0], t1[1] - t0[1]
 
 
-def _cfg(log_volatility: bool = False, old_logp: str = "recompute") -> Config:
+def _cfg(log_volatility: bool = False, old_logp: str = "auto", prefix_sharing: str = "auto") -> Config:
     return Config(
         prompts_per_step=PROMPTS,
         group_size=G,
@@ -69,6 +71,7 @@ def _cfg(log_volatility: bool = False, old_logp: str = "recompute") -> Config:
         num_minibatches=MINIBATCHES,
         log_volatility=log_volatility,
         old_logp=old_logp,
+        prefix_sharing=prefix_sharing,
         sft_steps=0,
         lr=LR,
         adam_beta1=BETAS[0],
@@ -170,10 +173,7 @@ def bench_trl(kind: str, su: Setup, n: int) -> list[tuple[float, float]]:
 
 def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     model = _model(kind, su.tok)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt, sched = L.make_optimizer(model, cfg)  # what ``gspo train`` uses (fused AdamW, warmup 0)
     engine = HFRolloutEngine(
         model, su.tok.eos_token_id, su.tok.pad_token_id, torch.Generator().manual_seed(0)
     )
@@ -181,10 +181,15 @@ def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
 
 
 def bench_gspo(
-    kind: str, su: Setup, n: int, log_volatility: bool = False, old_logp: str = "recompute"
+    kind: str,
+    su: Setup,
+    n: int,
+    log_volatility: bool = False,
+    old_logp: str = "auto",
+    prefix_sharing: str = "auto",
 ) -> list[tuple[float, float]]:
     """Seconds per rollout of gspo's ``collect_rollout`` + ``policy_update``."""
-    cfg = _cfg(log_volatility, old_logp)
+    cfg = _cfg(log_volatility, old_logp, prefix_sharing)
     model, opt, sched, engine = _gspo_state(kind, su, cfg)
     times = []
     for r in range(n):
@@ -200,7 +205,7 @@ def bench_floor(kind: str, su: Setup, n: int) -> list[tuple[tuple[float, float],
     """(generate, 4 x fwd/bwd/step) (wall, cpu) seconds per rollout, each measured alone on the same batches."""
     cfg = _cfg()
     model, opt, _, engine = _gspo_state(kind, su, cfg)
-    pack = L._use_packing(model, cfg)
+    layout = L._layout(model, cfg)
     out = []
     for r in range(n):
         _, ids = su.batch(r)
@@ -226,7 +231,7 @@ def bench_floor(kind: str, su: Setup, n: int) -> list[tuple[tuple[float, float],
                 m.response_mask_BT,
                 1.0,
                 cfg.logp_chunk_size,
-                pack=pack,
+                layout=layout,
             )
             (logp * m.response_mask_BT).sum().div(mb).backward()
             opt.step()
@@ -271,7 +276,11 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
     def fwd_key() -> str | None:
         if depth["vol"]:
             return None
-        return "train fwd (logp+entropy)" if torch.is_grad_enabled() else "old-logp fwd (no grad, 3 mb)"
+        return (
+            "train fwd (logp+entropy)"
+            if torch.is_grad_enabled()
+            else "pi_old fwd (no grad: routing, recompute)"
+        )
 
     def vol(*a, **k):
         depth["vol"] += 1
@@ -365,10 +374,11 @@ def _report(kind: str, res: dict[str, list], clock: int) -> str:
     else:
         line += f"gspo {y:.4f} s/rollout; "
     line += f"gspo/floor = {y / floor:.2f} (target <= 1.2)"
-    if "gspo(rollout-logp)" in series:
-        v = med(series["gspo(rollout-logp)"])
-        line += f"; with old_logp=rollout: gspo {v:.4f} s, /floor = {v / floor:.2f}"
-        line += f", speedup = {med(series['trl']) / v:.2f}" if "trl" in series else ""
+    for key, what in [("gspo(recompute)", "old_logp=recompute"), ("gspo(no-share)", "prefix_sharing=off")]:
+        if key in series:
+            v = med(series[key])
+            line += f"; with {what}: gspo {v:.4f} s, /floor = {v / floor:.2f}"
+            line += f", speedup = {med(series['trl']) / v:.2f}" if "trl" in series else ""
     if "gspo+vol" in series:
         v = med(series["gspo+vol"])
         line += f"; with log_volatility: gspo {v:.4f} s, /floor = {v / floor:.2f}"
@@ -402,7 +412,8 @@ def main() -> None:
                 res["trl"] += bench_trl(kind, su, n)
             res["gspo"] += bench_gspo(kind, su, n)
             res["floor"] += bench_floor(kind, su, n)
-            res["gspo(rollout-logp)"] += bench_gspo(kind, su, n, old_logp="rollout")
+            res["gspo(recompute)"] += bench_gspo(kind, su, n, old_logp="recompute")
+            res["gspo(no-share)"] += bench_gspo(kind, su, n, prefix_sharing="off")
             if kind == "moe":
                 res["gspo+vol"] += bench_gspo(kind, su, n, log_volatility=True)
         print(f"\n== {kind}: {len(res['gspo'])} timed rollouts per contender (s/rollout)")

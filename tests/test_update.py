@@ -32,22 +32,83 @@ def _run(model, data, **kw):
     return m, metrics
 
 
-def test_packed_equals_padded_logprobs_and_grads(tiny_moe, batch):
-    """Packing all rows into one sequence gives the padded layout's log-probs and gradients."""
+@pytest.mark.parametrize("layout", ["packed", "shared_prefix"])
+def test_layouts_give_the_same_logprobs_entropy_and_grads(tiny_moe, batch, layout):
+    """Packing all rows into one sequence, and computing each shared prompt once for all of its
+    responses (rows shuffled, so a group's rows are not contiguous), give the per-row layout's
+    log-probs, entropies and gradients."""
     model, _ = tiny_moe
-    b = batch
-    grads = []
-    for pack in (False, True):
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    b = RolloutData(*(getattr(batch, f)[perm] for f in RolloutData.__dataclass_fields__))
+    out = []
+    for lay in ("rows", layout):
         model.zero_grad()
-        lp = response_logprobs(
-            model, b.prompt_ids_BP, b.prompt_mask_BP, b.response_ids_BT, b.response_mask_BT, pack=pack
+        lp, ent = response_logprobs(
+            model,
+            b.prompt_ids_BP,
+            b.prompt_mask_BP,
+            b.response_ids_BT,
+            b.response_mask_BT,
+            temperature=0.8,
+            return_entropy=True,
+            layout=lay,
         )
         (lp * b.adv_B[:, None]).sum().backward()
-        grads.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    torch.testing.assert_close(grads[0][0], grads[1][0], atol=2e-5, rtol=0)
-    for g0, g1 in zip(grads[0][1], grads[1][1], strict=True):
+        out.append((lp.detach(), ent, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out[0][1], out[1][1], atol=2e-5, rtol=0)
+    assert len(out[0][2]) == len(out[1][2])
+    for g0, g1 in zip(out[0][2], out[1][2], strict=True):
         torch.testing.assert_close(g0, g1, atol=2e-5, rtol=1e-4)
     model.zero_grad()
+
+
+def test_shared_prefix_layout_closed_form():
+    """Two rows share prompt [5, 6] (left-padded differently from a third row's [4]): one sequence
+    [5, 6, 7, 8, 9] with positions [0, 1, 2, 3, 2], each response seeing the prompt and itself only,
+    and the first token of each response predicted from the prompt's last token."""
+    from gspo.model.forward import make_layout
+
+    p_ids = torch.tensor([[5, 6], [5, 6], [0, 4]])
+    p_mask = torch.tensor([[1, 1], [1, 1], [0, 1]])
+    r_ids = torch.tensor([[7, 8], [9, 0], [3, 0]])
+    r_mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    lay = make_layout(p_ids, p_mask, r_ids, r_mask, "shared_prefix")
+    L = lay.input_ids_RL.shape[1]
+    assert L == 5
+    k = int((lay.input_ids_RL[:, 0] == 5).nonzero())  # sequence order is not part of the contract
+    u = 1 - k
+    assert lay.input_ids_RL[k].tolist() == [5, 6, 7, 8, 9] and lay.input_ids_RL[u, :2].tolist() == [4, 3]
+    assert lay.position_ids_RL[k].tolist() == [0, 1, 2, 3, 2]
+    assert lay.position_ids_RL[u, :2].tolist() == [0, 1]
+    # targets 7, 8, 9, 3 in row-major order of r_mask: predicted from columns 1, 2, 1 (row k) and 0 (row u)
+    assert lay.pred_pos.tolist() == [k * L + 1, k * L + 2, k * L + 1, u * L + 0]
+    assert lay.response_pos_RL[k].tolist() == [False, False, True, True, True]
+    see = lay.attention_mask_R1LL[k, 0] == 0
+    expect = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 0],
+            [1, 1, 0, 0, 1],  # response 2 sees the prompt and itself, not response 1
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(see, expect)
+
+
+def test_shared_prefix_falls_back_to_rows_without_shared_prompts():
+    """No two rows share a prompt: the plain causal per-row layout (no mask), real tokens left-aligned."""
+    from gspo.model.forward import make_layout
+
+    p_ids, p_mask = torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]])
+    r_ids, r_mask = torch.tensor([[8, 0], [9, 9]]), torch.tensor([[1, 0], [1, 1]])
+    lay = make_layout(p_ids, p_mask, r_ids, r_mask, "shared_prefix")
+    assert lay.attention_mask_R1LL is None
+    assert lay.input_ids_RL.tolist() == [[5, 8, 0, 0], [6, 7, 9, 9]]
+    assert lay.position_ids_RL.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert lay.pred_pos.tolist() == [0, 4 + 1, 4 + 2]
 
 
 @pytest.mark.parametrize(
@@ -86,10 +147,10 @@ def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
     # auto: the HF engine in float32 is the trainer itself, so its log-probs are pi_old
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False, old_logp="rollout") == 4
-    # volatility needs pi_old's routing (minibatches 2-4) and reads the new routing off the training passes
-    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 3 + 4
-    # under replay the free routing of minibatches 2-4 needs its own no-grad pass
-    assert _count_forwards(model, batch, num_minibatches=4, routing_replay=True) == 3 + 3 + 4
+    # volatility needs pi_old's routing of minibatch 2 and reads the new routing off its training pass
+    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 1 + 4
+    # replay needs pi_old's routing of minibatches 2-4; the free routing of minibatch 2 its own pass
+    assert _count_forwards(model, batch, num_minibatches=4, routing_replay=True) == 3 + 1 + 4
 
 
 def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):

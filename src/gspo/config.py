@@ -97,7 +97,8 @@ class Config:
     routing_replay: bool = False
     """MoE only: force pi_old's experts in pi_theta's forward (Routing Replay; needed by GRPO)."""
     log_volatility: bool = True
-    """MoE only: log the fraction of response tokens whose experts changed over each update."""
+    """MoE only: log the fraction of response tokens whose top-k experts changed over one optimizer
+    step (measured on the second minibatch; costs one no-grad forward of it)."""
 
     # --- rollout -------------------------------------------------------------------------------
     steps: int = 200
@@ -134,6 +135,12 @@ class Config:
     """Training forward layout: ``on`` packs all sequences of a micro-batch into one row (no padding
     compute), ``off`` pads, ``auto`` packs only with flash attention (dense-mask attention makes packing
     cost more than the padding it saves)."""
+    prefix_sharing: str = "auto"
+    """Training forward layout for rows that share a prompt (a group's G samples): ``on`` computes
+    each prompt once and lets its G responses attend to it through a 4D mask (the same log-probs and
+    gradients for less compute), ``off`` gives every row its own copy, ``auto`` shares when the model
+    takes a 4D mask (sdpa or eager attention, no sliding window) and ``packing`` is off; large
+    sequences fall back to separate rows (the shared mask is dense)."""
     logp_chunk_size: int = 512
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
 
@@ -181,6 +188,7 @@ class Config:
             "rollout_engine": ("hf", "vllm"),
             "parallel": ("fsdp", "ddp"),
             "packing": ("auto", "on", "off"),
+            "prefix_sharing": ("auto", "on", "off"),
         }
         for f, allowed in choices.items():
             if getattr(self, f) not in allowed:

@@ -1,12 +1,24 @@
 """Token log-probs of responses under a causal LM, computed only at response positions.
 
-Two input layouts, same result:
+Three input layouts (:data:`LAYOUTS`), same log-probs and gradients; each sequence is its real
+tokens, prompt then response, with position ids counting from 0 at its first prompt token:
 
-- ``pack=True`` (default for training): the real tokens of every row are concatenated into one
-  ``[1, N]`` row with position ids restarting at 0 per sequence and no attention mask;
-  transformers then builds a block-diagonal causal mask from the position ids, so no layer spends
-  compute on padding and sequences cannot attend to each other.
-- ``pack=False``: rows stay ``[B, P+T]`` (prompt left-padded, response right-padded).
+- ``rows``: every row's real tokens are moved to the left of its own row, padding to the right end.
+  Causal attention never looks right, so no attention mask is needed (sdpa runs its plain causal
+  kernel) and the width is the longest *real* sequence, not the longest prompt plus the longest
+  response.
+- ``packed``: the real tokens of every row are concatenated into one ``[1, N]`` row with position
+  ids restarting at 0 per sequence and no attention mask; transformers then builds a block-diagonal
+  causal mask from the position ids, so no layer spends compute on padding and sequences cannot
+  attend to each other (cheap with flash attention's varlen kernels, costly with a dense mask).
+- ``shared_prefix``: rows with the same prompt (the G samples of a group) become one sequence,
+  ``[prompt, response_1, ..., response_G]``, under a 4D mask in which each response sees the prompt
+  and its own earlier tokens only, and whose position ids continue from the prompt for every
+  response. The prompt is computed once per group instead of G times; its keys and values collect
+  the gradients of all G responses, exactly the sum the separate rows would give. Needs a model that
+  takes a ready 4D additive mask (:func:`takes_additive_mask`); falls back to ``rows`` when no two
+  rows share a prompt or the mask would exceed :data:`SHARED_PREFIX_MAX_MASK` entries (its attention
+  is dense, so it pays off for short sequences, not for thousands of tokens).
 """
 
 from __future__ import annotations
@@ -18,10 +30,25 @@ from transformers import PreTrainedModel
 
 from gspo.model.logprobs import logprobs_from_hidden
 
+LAYOUTS = ("rows", "packed", "shared_prefix")
+SHARED_PREFIX_MAX_MASK = 1 << 22  # entries of the [U, L, L] mask (16 MiB in float32)
+
 
 def position_ids_from_mask(attention_mask_BL: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, so a left-padded prompt sees the same RoPE as an unpadded one."""
     return (attention_mask_BL.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def takes_additive_mask(model: PreTrainedModel) -> bool:
+    """True when a ready 4D additive mask means the same to every layer as transformers' own mask:
+    sdpa or eager attention and full attention in every layer (no sliding window)."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return getattr(cfg, "sliding_window", None) is None
 
 
 @dataclass
@@ -30,14 +57,16 @@ class Layout:
 
     ``pred_pos`` holds flat indices into the ``[R, L]`` hidden states of the positions that predict
     each response token (row-major over ``response_mask_BT``). ``response_pos_RL`` marks the response
-    tokens' own positions (for per-token statistics such as MoE routing).
+    tokens' own positions (for per-token statistics such as MoE routing). ``attention_mask_R1LL`` is
+    None (plain causal) except for ``shared_prefix``, where it is additive: 0 where a query may look,
+    the dtype's minimum elsewhere.
     """
 
     input_ids_RL: torch.Tensor
     position_ids_RL: torch.Tensor
-    attention_mask_RL: torch.Tensor | None
     pred_pos: torch.Tensor
     response_pos_RL: torch.Tensor
+    attention_mask_R1LL: torch.Tensor | None = None
 
 
 def make_layout(
@@ -45,24 +74,98 @@ def make_layout(
     prompt_mask_BP: torch.Tensor,
     response_ids_BT: torch.Tensor,
     response_mask_BT: torch.Tensor,
-    pack: bool = True,
+    layout: str = "rows",
+    mask_dtype: torch.dtype = torch.float32,
 ) -> Layout:
-    B, P = prompt_ids_BP.shape
-    T = response_ids_BT.shape[1]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "shared_prefix":
+        lay = _shared_prefix_layout(
+            prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, mask_dtype
+        )
+        if lay is not None:
+            return lay
     ids_BL = torch.cat([prompt_ids_BP, response_ids_BT], 1)
     mask_BL = torch.cat([prompt_mask_BP, response_mask_BT], 1).bool()
     resp_BL = torch.cat([torch.zeros_like(prompt_mask_BP), response_mask_BT], 1).bool()
-    if not pack:
-        L = P + T
-        # hidden at p predicts token p+1: response token at column P+t is predicted from column P+t-1
-        cols = torch.arange(L, device=ids_BL.device).expand(B, L)
-        pred = (torch.arange(B, device=ids_BL.device)[:, None] * L + cols - 1)[resp_BL]
-        return Layout(ids_BL, position_ids_from_mask(mask_BL), mask_BL.long(), pred, resp_BL)
-    flat_ids = ids_BL[mask_BL][None]  # [1, N] real tokens, row after row
-    pos = position_ids_from_mask(mask_BL)[mask_BL][None]
-    resp_N = resp_BL[mask_BL]
-    pred = resp_N.nonzero().squeeze(-1) - 1  # every response token has a prompt token before it
-    return Layout(flat_ids, pos, None, pred, resp_N[None])
+    if layout == "packed":
+        flat_ids = ids_BL[mask_BL][None]  # [1, N] real tokens, row after row
+        pos = position_ids_from_mask(mask_BL)[mask_BL][None]
+        resp_N = resp_BL[mask_BL]
+        pred = resp_N.nonzero().squeeze(-1) - 1  # every response token has a prompt token before it
+        return Layout(flat_ids, pos, pred, resp_N[None])
+    # rows: real token k of a row goes to column k of that row, padding to the right end
+    B = ids_BL.shape[0]
+    col_BL = mask_BL.long().cumsum(-1) - 1
+    L = int(mask_BL.sum(-1).max()) if B else 0
+    row_BL = torch.arange(B, device=ids_BL.device)[:, None].expand_as(ids_BL)
+    r, c = row_BL[mask_BL], col_BL[mask_BL]
+    ids_RL = torch.zeros((B, L), dtype=ids_BL.dtype, device=ids_BL.device)  # any valid id as filler
+    ids_RL[r, c] = ids_BL[mask_BL]
+    resp_RL = torch.zeros((B, L), dtype=torch.bool, device=ids_BL.device)
+    resp_RL[r, c] = resp_BL[mask_BL]
+    # hidden at column k predicts the token at column k+1 (row-major, as response_mask_BT selects)
+    pred = resp_RL.view(-1).nonzero().squeeze(-1) - 1
+    pos_RL = torch.arange(L, device=ids_BL.device).expand(B, L)
+    return Layout(ids_RL, pos_RL, pred, resp_RL)
+
+
+def _shared_prefix_layout(
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    mask_dtype: torch.dtype,
+) -> Layout | None:
+    """One sequence per distinct prompt: ``[prompt, responses of its rows in row order]``; None when
+    no prompt is shared or the mask would be too large."""
+    dev = prompt_ids_BP.device
+    B = prompt_ids_BP.shape[0]
+    pmask_BP, rmask_BT = prompt_mask_BP.bool(), response_mask_BT.bool()
+    keyed_BP = torch.where(pmask_BP, prompt_ids_BP, -1)  # padding cannot tell equal prompts apart
+    uniq_UP, grp_B = torch.unique(keyed_BP, dim=0, return_inverse=True)
+    U = uniq_UP.shape[0]
+    plen_U = (uniq_UP >= 0).sum(-1)
+    rlen_B = rmask_BT.sum(-1)
+    len_U = plen_U.index_add(0, grp_B, rlen_B)
+    L = int(len_U.max()) if B else 0
+    if U == B or U * L * L > SHARED_PREFIX_MAX_MASK:
+        return None
+    # where each row's responses start: after its prompt and the responses of earlier rows of its group
+    order = torch.argsort(grp_B, stable=True)  # group-major, row order within a group
+    excl_B = torch.zeros_like(rlen_B)
+    excl_B[order] = rlen_B[order].cumsum(0) - rlen_B[order]  # response tokens before row b, all groups
+    rtot_U = len_U - plen_U
+    start_B = plen_U[grp_B] + excl_B - (rtot_U.cumsum(0) - rtot_U)[grp_B]
+    ids_UL = torch.zeros((U, L), dtype=prompt_ids_BP.dtype, device=dev)  # any valid id as filler
+    pos_UL = torch.zeros((U, L), dtype=torch.long, device=dev)
+    seg_UL = torch.full((U, L), -1, dtype=torch.long, device=dev)  # 0: prompt, b + 1: row b's response
+    resp_UL = torch.zeros((U, L), dtype=torch.bool, device=dev)
+    # prompts: real token j of prompt u at column j
+    u_UP = torch.arange(U, device=dev)[:, None].expand_as(uniq_UP)
+    j_UP = (uniq_UP >= 0).long().cumsum(-1) - 1
+    real_UP = uniq_UP >= 0
+    pu, pj = u_UP[real_UP], j_UP[real_UP]
+    ids_UL[pu, pj] = uniq_UP[real_UP]
+    pos_UL[pu, pj] = pj
+    seg_UL[pu, pj] = 0
+    # responses: real token t of row b at column start_b + t, position plen + t
+    t_BT = rmask_BT.long().cumsum(-1) - 1
+    ru = grp_B[:, None].expand_as(t_BT)[rmask_BT]
+    rt = t_BT[rmask_BT]
+    rc = (start_B[:, None] + t_BT)[rmask_BT]
+    ids_UL[ru, rc] = response_ids_BT[rmask_BT]
+    pos_UL[ru, rc] = plen_U[ru] + rt
+    seg_UL[ru, rc] = (torch.arange(B, device=dev)[:, None].expand_as(t_BT) + 1)[rmask_BT]
+    resp_UL[ru, rc] = True
+    # the first response token is predicted by the prompt's last token, later ones by their predecessor
+    pred = ru * L + torch.where(rt == 0, plen_U[ru] - 1, rc - 1)
+    seg_q, seg_k = seg_UL[:, :, None], seg_UL[:, None, :]
+    causal_LL = torch.ones((L, L), dtype=torch.bool, device=dev).tril()
+    see_ULL = causal_LL & ((seg_k == 0) | (seg_k == seg_q))
+    mask_U1LL = torch.zeros((U, 1, L, L), dtype=mask_dtype, device=dev)
+    mask_U1LL.masked_fill_(~see_ULL[:, None], torch.finfo(mask_dtype).min)
+    return Layout(ids_UL, pos_UL, pred, resp_UL, mask_U1LL)
 
 
 def response_logprobs(
@@ -74,28 +177,28 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 512,
     return_entropy: bool = False,
-    pack: bool = True,
+    layout: str = "rows",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) for every response token -> ``[B, T]`` float32 (0 on padding).
 
     Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
     positions (chunked, see :func:`logprobs_from_hidden`), never on prompt or padding positions.
     """
-    lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, pack)
     from gspo.model.lora import hf_module
 
     model = hf_module(model)
+    lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, layout, model.dtype)
     base = getattr(model, model.base_model_prefix)
     out = base(
         input_ids=lay.input_ids_RL,
-        attention_mask=lay.attention_mask_RL,
+        attention_mask=lay.attention_mask_R1LL,
         position_ids=lay.position_ids_RL,
         use_cache=False,
     )
     hidden = out.last_hidden_state
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
     sel_BT = response_mask_BT.bool()
-    weight_VH = model.get_output_embeddings().weight
+    weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
     res = logprobs_from_hidden(
         hidden_NH, weight_VH, response_ids_BT[sel_BT], chunk_size, temperature, return_entropy
     )

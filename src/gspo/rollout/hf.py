@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import inspect
+from itertools import chain
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from gspo.model.forward import position_ids_from_mask
+from gspo.model.forward import position_ids_from_mask, takes_additive_mask
 from gspo.rollout.base import RolloutBatch
 
 
@@ -15,14 +16,20 @@ def left_pad(
     seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> ``(ids_BP, mask_BP)`` so every prompt ends at the same column."""
-    P = max(len(s) for s in seqs)
+    lens_B = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    P = int(lens_B.max()) if len(seqs) else 0
+    mask = torch.arange(P) >= (P - lens_B)[:, None]  # row-major order of the real slots = token order
     ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, P - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, P - len(s) :] = 1
-    return ids.to(device), mask.to(device)
+    ids[mask] = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+    return ids.to(device), mask.long().to(device)
+
+
+def _sample(logp_bV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``exp(logp)`` by inverse CDF: one uniform per row (CPU multinomial
+    costs ~10x more at small vocabularies). ``right=True`` never lands on a zero-probability token."""
+    cdf_bV = logp_bV.exp().cumsum(-1)
+    u_b1 = torch.rand(cdf_bV.shape[0], 1, generator=generator, device=cdf_bV.device) * cdf_bV[:, -1:]
+    return torch.searchsorted(cdf_bV, u_b1, right=True).squeeze(-1).clamp_(max=cdf_bV.shape[-1] - 1)
 
 
 class HFRolloutEngine:
@@ -30,6 +37,12 @@ class HFRolloutEngine:
 
     The engine shares the module with the trainer, so ``sync_weights`` has nothing to do. Sampler
     log-probs come from the same logits the token was drawn from (after temperature).
+
+    Cost savers, none of which changes what is sampled: each distinct prompt is prefilled once and
+    its KV cache copied to all of its samples (the G samples of a GRPO/GSPO group share a prompt);
+    a row that emits EOS leaves the batch and the cache; and where it means the same thing
+    (:func:`~gspo.model.forward.takes_additive_mask`), the attention mask is built once per call as a 4D additive
+    mask and sliced each step, instead of transformers rebuilding it from the 2D mask every step.
     """
 
     def __init__(
@@ -75,50 +88,82 @@ class HFRolloutEngine:
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample up to ``max_new_tokens``; a row that emits EOS leaves the batch (and the KV cache)."""
-        device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        ids_BP, mask_BP = left_pad(prompt_ids, self.pad_token_id, device)
-        B = ids_BP.shape[0]
+        model = self.model
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        # prefix sharing: prefill each distinct prompt once (U rows), then copy its cache to its samples
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
+        ids_UP, mask_UP = left_pad([list(k) for k in first], self.pad_token_id, device)
+        src_B = torch.tensor(src, device=device)
+        B, (U, P) = len(prompt_ids), ids_UP.shape
+        K = P + max_new_tokens  # columns the cache can reach
+        keys_BK = torch.ones((B, K), dtype=torch.bool, device=device)  # which cache columns are real
+        keys_BK[:, :P] = mask_UP.bool()[src_B]
+        additive = takes_additive_mask(model)
+        if additive:
+            dtype = next(model.parameters()).dtype
+            neg = torch.finfo(dtype).min
+            add_BK = torch.zeros((B, K), dtype=dtype, device=device).masked_fill_(~keys_BK, neg)
+            causal_PP = torch.ones((P, P), dtype=torch.bool, device=device).tril()
+            keep_UPP = causal_PP & mask_UP.bool()[:, None, :]
+            prefill_mask = torch.zeros((U, 1, P, P), dtype=dtype, device=device)
+            prefill_mask.masked_fill_(~keep_UPP[:, None], neg)
+        else:
+            prefill_mask = mask_UP
         out_ids = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         out_logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
         cache = DynamicCache()
+        pos_UP = position_ids_from_mask(mask_UP)
+        out = model(
+            input_ids=ids_UP,
+            attention_mask=prefill_mask,
+            position_ids=pos_UP,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        logits_BV = out.logits[:, -1]
+        if U < B:
+            cache.reorder_cache(src_B)
+            logits_BV = logits_BV[src_B]
         rows = torch.arange(B, device=device)  # original row of each live batch entry
-        attn = mask_BP
-        pos = position_ids_from_mask(mask_BP)
-        step_ids = ids_BP
+        pos = pos_UP[src_B, -1:]
         n_steps = 0
         for t in range(max_new_tokens):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attn,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            logits_bV = out.logits[:, -1].float()
+            logits_BV = logits_BV.float()
             if greedy or temperature == 0:
-                logp_bV = torch.log_softmax(logits_bV, -1)
-                tok_b = logits_bV.argmax(-1)
+                logp_bV = torch.log_softmax(logits_BV, -1)
+                tok_b = logits_BV.argmax(-1)
             else:
-                logp_bV = torch.log_softmax(logits_bV / temperature, -1)
-                tok_b = torch.multinomial(logp_bV.exp(), 1, generator=self.generator).squeeze(-1)
+                logp_bV = torch.log_softmax(logits_BV / temperature, -1)
+                tok_b = _sample(logp_bV, self.generator)
             out_ids[rows, t] = tok_b
             out_logp[rows, t] = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
             out_mask[rows, t] = 1
             n_steps = t + 1
             live = tok_b != self.eos_token_id
-            if not bool(live.any()):
+            if t + 1 == max_new_tokens or not bool(live.any()):
                 break
             if not bool(live.all()):  # drop finished rows so later steps spend nothing on them
                 keep = live.nonzero().squeeze(-1)
                 cache.reorder_cache(keep)
-                rows, tok_b, attn, pos = rows[keep], tok_b[keep], attn[keep], pos[keep]
-            step_ids = tok_b[:, None]
-            attn = torch.cat([attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype, device=device)], dim=1)
-            pos = pos[:, -1:] + 1
-        self.model.train(was_training)
+                rows, tok_b, pos, keys_BK = rows[keep], tok_b[keep], pos[keep], keys_BK[keep]
+                if additive:
+                    add_BK = add_BK[keep]
+            pos = pos + 1
+            cols = P + t + 1  # the cache holds the prompt and t + 1 generated tokens after this call
+            out = model(
+                input_ids=tok_b[:, None],
+                attention_mask=add_BK[:, None, None, :cols] if additive else keys_BK[:, :cols].long(),
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
+            )
+            logits_BV = out.logits[:, -1]
+        model.train(was_training)
         T = max(n_steps, 1)
         return out_ids[:, :T], out_mask[:, :T], out_logp[:, :T]

@@ -66,11 +66,13 @@ class RolloutData:
         return RolloutData(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def _completion_text(tokenizer: Any, ids_T: torch.Tensor, mask_T: torch.Tensor) -> str:
-    ids = ids_T[mask_T.bool()].tolist()
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=True)
+def completion_texts(tokenizer: Any, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> list[str]:
+    """Decoded responses without their final EOS (one batched tokenizer call)."""
+    seqs = []
+    for ids, n in zip(ids_BT.tolist(), mask_BT.sum(-1).tolist(), strict=True):
+        ids = ids[:n]
+        seqs.append(ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=True)
 
 
 def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list[list[int]]:
@@ -116,19 +118,34 @@ def _forward(
             cfg.temperature,
             cfg.logp_chunk_size,
             return_entropy=entropy,
-            pack=_use_packing(model, cfg),
+            layout=_layout(model, cfg),
         )
     logp, ent = res if entropy else (res, None)
     return logp, ent, (R.routing_snapshot(rec) if capture else None)
 
 
-def _use_packing(model: Any, cfg: Config) -> bool:
-    """Packing removes padding compute; with dense-mask attention (sdpa/eager) its attention cost
-    grows with the packed length squared, so ``auto`` packs only with flash attention."""
-    if cfg.packing != "auto":
-        return cfg.packing == "on"
-    impl = getattr(getattr(dist_utils.unwrap(model), "config", None), "_attn_implementation", "") or ""
-    return impl.startswith("flash")
+def _layout(model: Any, cfg: Config) -> str:
+    """Training forward layout (see :mod:`gspo.model.forward`). Packing removes padding compute, but
+    with dense-mask attention (sdpa/eager) its attention cost grows with the packed length squared,
+    so ``auto`` packs only with flash attention; prefix sharing needs a model that takes 4D masks."""
+    from gspo.model.forward import takes_additive_mask
+
+    base = dist_utils.unwrap(model)
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", "") or ""
+    if cfg.packing == "on" or (cfg.packing == "auto" and impl.startswith("flash")):
+        return "packed"
+    if cfg.prefix_sharing == "off":
+        return "rows"
+    from gspo.model.lora import hf_module
+
+    if takes_additive_mask(hf_module(base)):
+        return "shared_prefix"
+    if cfg.prefix_sharing == "on":
+        raise GspoError(
+            f"config field 'prefix_sharing': 'on' needs sdpa or eager attention without sliding window; "
+            f"this model uses {impl!r} (use 'auto' or 'off')"
+        )
+    return "rows"
 
 
 def micro_batches(mb: RolloutData, micro: int) -> list[RolloutData]:
@@ -157,8 +174,10 @@ def policy_update(
     pi_old: minibatch 0's own first forward is on-policy (no update has happened yet), so its
     detached log-probs *are* pi_old and nothing is recomputed for it. Other minibatches get one
     no-grad forward before the first update (``old_logp="recompute"``), or use the sampler's
-    log-probs (``"rollout"``). Losses use the global minibatch size as normalizer; gradients are
-    averaged across ranks, so the loss is scaled by ``world_size`` to give the single-process update.
+    log-probs (``"rollout"``). MoE: Routing Replay needs pi_old's routing of minibatches 2.., and
+    volatility that of minibatch 2 (see :func:`_volatility`). Losses use the global minibatch size as
+    normalizer; gradients are averaged across ranks, so the loss is scaled by ``world_size`` to give
+    the single-process update.
     """
 
     loss_fn, _, _ = LOSSES[cfg.algo]
@@ -171,27 +190,33 @@ def policy_update(
         micro_batches(data.slice(slice(i * mb_size, (i + 1) * mb_size)), micro)
         for i in range(cfg.num_minibatches)
     ]
-    want_routing = is_moe and (cfg.routing_replay or cfg.log_volatility)
+    replaying = is_moe and cfg.routing_replay
+    # volatility is measured on one minibatch: the second (one optimizer step after pi_old, the
+    # paper's per-update figure), or the only one, looked at again after its update
+    vol_i = (1 if len(mbs) > 1 else 0) if (is_moe and cfg.log_volatility) else None
     old_logp: dict[tuple[int, int], torch.Tensor] = {}
     old_routing: dict[tuple[int, int], Any] = {}
     old_mode = cfg.resolved_old_logp()
-    if old_mode == "recompute" or want_routing:
-        with torch.no_grad():
-            for i in range(1, len(mbs)):
+    with torch.no_grad():  # pi_old before any update: log-probs and/or routing where needed
+        for i in range(1, len(mbs)):
+            want = replaying or i == vol_i
+            if old_mode == "recompute" or want:
                 for j, mmb in enumerate(mbs[i]):
-                    old_logp[i, j], _, old_routing[i, j] = _forward(model, mmb, cfg, capture=want_routing)
+                    old_logp[i, j], _, old_routing[i, j] = _forward(model, mmb, cfg, capture=want)
 
     new_routing: dict[tuple[int, int], Any] = {}
-    sums: dict[str, float] = defaultdict(float)
+    per_mb: dict[str, list[torch.Tensor]] = defaultdict(list)  # one value per minibatch
+    token_keys = _TOKEN_METRICS | ({"ratio_mean"} if cfg.algo == "grpo" else set())
     mismatch = torch.zeros(3)  # sum |token diff| (per-seq mean), sum |seq diff|, n sequences
     n_updates = 0
     model.train()
     for i in range(len(mbs)):
         optimizer.zero_grad(set_to_none=True)
-        mb_metrics: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+        parts: list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        loss_sum = torch.zeros(())
         for j, mmb in enumerate(mbs[i]):
-            replay = old_routing[i, j] if (cfg.routing_replay and is_moe and i > 0) else None
-            measure = is_moe and cfg.log_volatility and i > 0
+            replay = old_routing[i, j] if (replaying and i > 0) else None
+            measure = i == vol_i and i > 0
             if measure and replay is not None:  # replay forces routing: look at the free choice separately
                 with torch.no_grad():
                     _, _, new_routing[i, j] = _forward(model, mmb, cfg, capture=True)
@@ -201,7 +226,7 @@ def policy_update(
                 cfg,
                 entropy=True,
                 replay=replay,
-                capture=want_routing and (i == 0 or (measure and replay is None)),
+                capture=(i == 0 and vol_i == 0) or (measure and replay is None),
             )
             if i == 0:
                 old_logp[0, j], old_routing[0, j] = logp.detach(), routing
@@ -228,32 +253,63 @@ def policy_update(
                 logp, old, mmb.adv_B, m_BT, eps_low, eps_high, normalizer=mb_size * world_size, **extra
             )
             (loss * world_size).backward()
-            w = mmb.adv_B.shape[0] / mb_size
-            for k, v in metrics.items():
-                mb_metrics[k] = mb_metrics[k] + v.detach().float() * w
-            mb_metrics["entropy"] = mb_metrics["entropy"] + (ent * m_BT).sum() / m_BT.sum().clamp(min=1) * w
-            mb_metrics["loss"] = mb_metrics["loss"] + loss.detach() * world_size
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            n_tok = m_BT.sum()
+            metrics["entropy"] = (ent * m_BT).sum() / n_tok.clamp(min=1)
+            parts.append((metrics, (m_BT.sum(-1) > 0).sum(), n_tok))
+            loss_sum = loss_sum + loss.detach().float().cpu() * world_size
+        # the optimizer's parameters only: frozen ones (LoRA base) must not add stale gradients
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
         if torch.isfinite(gnorm):
             optimizer.step()
             n_updates += 1
         scheduler.step()
-        mb_metrics["grad_norm"] = gnorm.detach().float()
-        for k, v in mb_metrics.items():  # one host sync per minibatch
-            sums[k] += float(v) / len(mbs)
+        mb_metrics = _combine_micro_batches(parts, token_keys)
+        if hasattr(gnorm, "full_tensor"):  # FSDP2: a replicated DTensor
+            gnorm = gnorm.full_tensor()
+        mb_metrics["loss"], mb_metrics["grad_norm"] = loss_sum, gnorm.detach().float().cpu()
+        for k, v in mb_metrics.items():
+            per_mb[k].append(v)
 
+    keys = list(per_mb)
+    vals = torch.stack([_reduce(k, torch.stack(per_mb[k])) for k in keys]).tolist()  # one host sync
+    sums = dict(zip(keys, vals, strict=True))
     out = {f"loss/{k}": v for k, v in sums.items() if k != "entropy"}
     out["rollout/entropy"] = sums["entropy"]
     out["loss/skipped_updates"] = float(len(mbs) - n_updates)
     if mismatch[2] > 0:
         out["mismatch/token_abs_logp_diff"] = float(mismatch[0] / mismatch[2])
         out["mismatch/seq_abs_logp_diff"] = float(mismatch[1] / mismatch[2])
-    if is_moe and cfg.log_volatility:
-        if len(mbs) == 1:  # no later minibatch saw an updated policy: look once after the update
+    if vol_i is not None:
+        if vol_i == 0:  # no later minibatch saw an updated policy: look once after the update
             with torch.no_grad():
                 for j, mmb in enumerate(mbs[0]):
                     new_routing[0, j] = _forward(model, mmb, cfg, capture=True)[2]
-        out.update(_volatility(mbs, old_routing, new_routing, _use_packing(model, cfg)))
+        out.update(_volatility(mbs, old_routing, new_routing, _layout(model, cfg)))
+    return out
+
+
+# metrics averaged over tokens (the rest over sequences); ``*_min`` / ``*_max`` are minima / maxima
+_TOKEN_METRICS = {"clip_frac_tok", "clip_frac_tok_low", "clip_frac_tok_high", "approx_kl", "entropy"}
+
+
+def _reduce(key: str, v: torch.Tensor) -> torch.Tensor:
+    return v.amin() if key.endswith("_min") else v.amax() if key.endswith("_max") else v.mean()
+
+
+def _combine_micro_batches(
+    parts: list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]], token_keys: set[str]
+) -> dict[str, torch.Tensor]:
+    """One minibatch's metrics from its micro-batches' ``(metrics, sequences, tokens)``: means weighted
+    by the sequences or tokens each was averaged over, so they equal the whole-minibatch values."""
+    out = {}
+    for k in parts[0][0]:
+        v = torch.stack([m[k].detach().float().cpu() for m, _, _ in parts])
+        if k.endswith(("_min", "_max")):
+            out[k] = _reduce(k, v)
+            continue
+        w = torch.stack([(n_tok if k in token_keys else n_seq).float().cpu() for _, n_seq, n_tok in parts])
+        out[k] = (v * w).sum() / w.sum().clamp(min=1)
     return out
 
 
@@ -261,13 +317,15 @@ def _volatility(
     mbs: list[list[RolloutData]],
     old_routing: dict[tuple[int, int], Any],
     new_routing: dict[tuple[int, int], Any],
-    packed: bool,
+    layout: str,
 ) -> dict[str, float]:
     """Expert-activation volatility: fraction of response tokens whose top-k expert set under the
-    policy that updates on minibatch i (i optimizer steps after pi_old) differs from pi_old's.
+    policy after one optimizer step differs from pi_old's (per layer, and their mean).
 
-    Measured on the training forwards themselves, so it costs no extra forward (except under
-    Routing Replay, whose forced routing hides the free choice). Token-weighted over minibatches.
+    Measured on the second minibatch: pi_old's routing comes from one no-grad forward before the
+    first update, the new routing from that minibatch's own training forward (one step later), so it
+    costs one forward of a quarter of the batch (under Routing Replay, whose forced routing hides the
+    free choice, one more). With a single minibatch, the same rows are looked at after the update.
     """
     from gspo.model import routing as R
     from gspo.model.forward import make_layout
@@ -277,7 +335,7 @@ def _volatility(
     for (i, j), new in new_routing.items():
         mmb = mbs[i][j]
         lay = make_layout(
-            mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT, packed
+            mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT, layout
         )
         overall, layers = R.routing_volatility(old_routing[i, j], new, lay.response_pos_RL)
         w = int(mmb.response_mask_BT.sum())
@@ -302,10 +360,7 @@ def collect_rollout(
     t0 = time.time()
     rb = engine.generate(rep_ids, cfg.max_new_tokens, cfg.temperature)
     t_gen = time.time() - t0
-    completions = [
-        _completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
-        for i in range(len(rep_ids))
-    ]
+    completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
     prompts = [e.prompt for e in examples for _ in range(G)]
     answers = [e.answer for e in examples for _ in range(G)]
     rewards, n_bad = safe_rewards(
@@ -344,10 +399,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Greedy decoding on the held-out set: mean reward and accuracy (reward >= 1)."""
     rb = engine.generate(prompt_ids, cfg.max_new_tokens, 1.0, greedy=True)
-    completions = [
-        _completion_text(tokenizer, rb.response_ids_BT[i], rb.response_mask_BT[i])
-        for i in range(len(prompt_ids))
-    ]
+    completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
     ex = task.eval
     rewards, _ = safe_rewards(
         task.reward,
@@ -398,6 +450,7 @@ def warm_start(
         if step % 10 == 0 or step == cfg.sft_steps - 1:
             loss_v = float(loss.detach())
         bar.update(step + 1, f"nll {loss_v:.3f}")
+    opt.zero_grad(set_to_none=True)  # no warm-start gradient may outlive it (e.g. on a LoRA-frozen base)
     return loss_v
 
 
@@ -490,16 +543,7 @@ def train(cfg: Config) -> dict[str, Any]:
             )
 
     model = dist_utils.wrap(model, cfg, dctx)
-    # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay,
-        fused=world == 1,
-    )
-    warm = max(cfg.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    optimizer, scheduler = make_optimizer(model, cfg, world)
     if resume_from is not None:
         dist_utils.load_optimizer_state_dict(model, optimizer, state["optimizer"], dctx)
         scheduler.load_state_dict(state["scheduler"])
@@ -629,6 +673,21 @@ def _save_hf(
         tokenizer.save_pretrained(path)
     else:
         save_pretrained(model, tokenizer, path)
+
+
+def make_optimizer(model: Any, cfg: Config, world_size: int = 1) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the trainable parameters and a linear-warmup LR schedule."""
+    # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        fused=world_size == 1,
+    )
+    warm = max(cfg.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    return optimizer, scheduler
 
 
 def make_engine(cfg: Config, model: Any, tokenizer: Any, generator: torch.Generator) -> Any:
