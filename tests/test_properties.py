@@ -12,9 +12,8 @@ from gspo.losses import grpo_loss, gspo_loss, gspo_token_loss
 F64 = torch.float64
 # derandomize: CI runs the same examples every time (a failure reproduces; no flaky runs)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
-LOSS_SETTINGS = settings(
-    max_examples=30, deadline=None, derandomize=True
-)  # each example runs forward + backward
+# each example runs forward + backward
+LOSS_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 
 LOSS_FNS = {
     "gspo": gspo_loss,

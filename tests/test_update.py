@@ -64,13 +64,13 @@ def test_layouts_give_the_same_logprobs_entropy_and_grads(tiny_moe, batch, layou
 
 
 def test_shared_prefix_layout_closed_form():
-    """Two rows share prompt [5, 6] (left-padded differently from a third row's [4]): one sequence
+    """Two rows share prompt [5, 6] (a third row has prompt [4]): one sequence
     [5, 6, 7, 8, 9] with positions [0, 1, 2, 3, 2], each response seeing the prompt and itself only,
     and the first token of each response predicted from the prompt's last token."""
     from gspo.model.forward import make_layout
 
-    p_ids = torch.tensor([[5, 6], [5, 6], [0, 4]])
-    p_mask = torch.tensor([[1, 1], [1, 1], [0, 1]])
+    p_ids = torch.tensor([[5, 6], [5, 6], [4, 0]])
+    p_mask = torch.tensor([[1, 1], [1, 1], [1, 0]])  # padding on either side
     r_ids = torch.tensor([[7, 8], [9, 0], [3, 0]])
     r_mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
     lay = make_layout(p_ids, p_mask, r_ids, r_mask, "shared_prefix")

@@ -118,54 +118,44 @@ def _shared_prefix_layout(
     mask_dtype: torch.dtype,
 ) -> Layout | None:
     """One sequence per distinct prompt: ``[prompt, responses of its rows in row order]``; None when
-    no prompt is shared or the mask would be too large."""
+    no prompt is shared or the mask would be too large. Index arithmetic only (no per-row loop)."""
     dev = prompt_ids_BP.device
     B = prompt_ids_BP.shape[0]
-    pmask_BP, rmask_BT = prompt_mask_BP.bool(), response_mask_BT.bool()
-    keyed_BP = torch.where(pmask_BP, prompt_ids_BP, -1)  # padding cannot tell equal prompts apart
+    keyed_BP = torch.where(prompt_mask_BP.bool(), prompt_ids_BP, -1)  # padding cannot tell prompts apart
     uniq_UP, grp_B = torch.unique(keyed_BP, dim=0, return_inverse=True)
     U = uniq_UP.shape[0]
-    plen_U = (uniq_UP >= 0).sum(-1)
-    rlen_B = rmask_BT.sum(-1)
-    len_U = plen_U.index_add(0, grp_B, rlen_B)
-    L = int(len_U.max()) if B else 0
-    if U == B or U * L * L > SHARED_PREFIX_MAX_MASK:
+    if U == B:
         return None
-    # where each row's responses start: after its prompt and the responses of earlier rows of its group
+    real_UP = uniq_UP >= 0
+    plen_U = real_UP.sum(-1)
+    rank_BT = response_mask_BT.long().cumsum(-1) - 1  # t-th real response token of its row
+    rb, rt = response_mask_BT.bool().nonzero(as_tuple=True)  # response tokens, row-major
+    rk = rank_BT[rb, rt]
+    rlen_B = torch.bincount(rb, minlength=B)
+    rtot_U = torch.zeros_like(plen_U).index_add_(0, grp_B, rlen_B)
+    L = int((plen_U + rtot_U).max())
+    if U * L * L > SHARED_PREFIX_MAX_MASK:
+        return None
+    # row b's responses start after its prompt and the responses of the earlier rows of its group
     order = torch.argsort(grp_B, stable=True)  # group-major, row order within a group
-    excl_B = torch.zeros_like(rlen_B)
-    excl_B[order] = rlen_B[order].cumsum(0) - rlen_B[order]  # response tokens before row b, all groups
-    rtot_U = len_U - plen_U
-    start_B = plen_U[grp_B] + excl_B - (rtot_U.cumsum(0) - rtot_U)[grp_B]
+    before_B = torch.empty_like(rlen_B)
+    before_B[order] = rlen_B[order].cumsum(0) - rlen_B[order]  # response tokens of all earlier rows
+    start_B = plen_U[grp_B] + before_B - (rtot_U.cumsum(0) - rtot_U)[grp_B]
+    ru, rc = grp_B[rb], start_B[rb] + rk  # sequence and column of each response token
+    pu, pp = real_UP.nonzero(as_tuple=True)
+    pj = (real_UP.long().cumsum(-1) - 1)[pu, pp]  # j-th real prompt token (any padding side)
     ids_UL = torch.zeros((U, L), dtype=prompt_ids_BP.dtype, device=dev)  # any valid id as filler
     pos_UL = torch.zeros((U, L), dtype=torch.long, device=dev)
     seg_UL = torch.full((U, L), -1, dtype=torch.long, device=dev)  # 0: prompt, b + 1: row b's response
-    resp_UL = torch.zeros((U, L), dtype=torch.bool, device=dev)
-    # prompts: real token j of prompt u at column j
-    u_UP = torch.arange(U, device=dev)[:, None].expand_as(uniq_UP)
-    j_UP = (uniq_UP >= 0).long().cumsum(-1) - 1
-    real_UP = uniq_UP >= 0
-    pu, pj = u_UP[real_UP], j_UP[real_UP]
-    ids_UL[pu, pj] = uniq_UP[real_UP]
-    pos_UL[pu, pj] = pj
-    seg_UL[pu, pj] = 0
-    # responses: real token t of row b at column start_b + t, position plen + t
-    t_BT = rmask_BT.long().cumsum(-1) - 1
-    ru = grp_B[:, None].expand_as(t_BT)[rmask_BT]
-    rt = t_BT[rmask_BT]
-    rc = (start_B[:, None] + t_BT)[rmask_BT]
-    ids_UL[ru, rc] = response_ids_BT[rmask_BT]
-    pos_UL[ru, rc] = plen_U[ru] + rt
-    seg_UL[ru, rc] = (torch.arange(B, device=dev)[:, None].expand_as(t_BT) + 1)[rmask_BT]
-    resp_UL[ru, rc] = True
+    ids_UL[pu, pj], pos_UL[pu, pj], seg_UL[pu, pj] = uniq_UP[pu, pp], pj, 0
+    ids_UL[ru, rc], pos_UL[ru, rc], seg_UL[ru, rc] = response_ids_BT[rb, rt], plen_U[ru] + rk, rb + 1
     # the first response token is predicted by the prompt's last token, later ones by their predecessor
-    pred = ru * L + torch.where(rt == 0, plen_U[ru] - 1, rc - 1)
+    pred = ru * L + torch.where(rk == 0, plen_U[ru] - 1, rc - 1)
     seg_q, seg_k = seg_UL[:, :, None], seg_UL[:, None, :]
-    causal_LL = torch.ones((L, L), dtype=torch.bool, device=dev).tril()
-    see_ULL = causal_LL & ((seg_k == 0) | (seg_k == seg_q))
-    mask_U1LL = torch.zeros((U, 1, L, L), dtype=mask_dtype, device=dev)
-    mask_U1LL.masked_fill_(~see_ULL[:, None], torch.finfo(mask_dtype).min)
-    return Layout(ids_UL, pos_UL, pred, resp_UL, mask_U1LL)
+    see_ULL = torch.ones((L, L), dtype=torch.bool, device=dev).tril() & ((seg_k == 0) | (seg_k == seg_q))
+    zero = torch.zeros((), dtype=mask_dtype, device=dev)
+    mask_U1LL = torch.where(see_ULL[:, None], zero, torch.finfo(mask_dtype).min)
+    return Layout(ids_UL, pos_UL, pred, seg_UL > 0, mask_U1LL)
 
 
 def response_logprobs(
@@ -177,17 +167,20 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 512,
     return_entropy: bool = False,
-    layout: str = "rows",
+    layout: str | Layout = "rows",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) for every response token -> ``[B, T]`` float32 (0 on padding).
 
+    ``layout`` names one of :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors.
     Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
     positions (chunked, see :func:`logprobs_from_hidden`), never on prompt or padding positions.
     """
     from gspo.model.lora import hf_module
 
     model = hf_module(model)
-    lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, layout, model.dtype)
+    lay = layout
+    if not isinstance(lay, Layout):
+        lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, lay, model.dtype)
     base = getattr(model, model.base_model_prefix)
     out = base(
         input_ids=lay.input_ids_RL,

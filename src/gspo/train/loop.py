@@ -22,7 +22,7 @@ from gspo.advantages import group_advantages
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
 from gspo.losses import LOSSES
-from gspo.model.forward import response_logprobs
+from gspo.model.forward import Layout, make_layout, response_logprobs
 from gspo.model.load import load_model_and_tokenizer, save_pretrained
 from gspo.rollout.hf import HFRolloutEngine, left_pad
 from gspo.tasks import build_task
@@ -101,9 +101,16 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list
 
 
 def _forward(
-    model: Any, mb: RolloutData, cfg: Config, entropy: bool = False, replay: Any = None, capture: bool = False
+    model: Any,
+    mb: RolloutData,
+    lay: Layout,
+    cfg: Config,
+    entropy: bool = False,
+    replay: Any = None,
+    capture: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """Response log-probs ``[B, T]`` (+ entropy), optionally replaying or capturing MoE routing."""
+    """Response log-probs ``[B, T]`` (+ entropy) of ``mb`` laid out as ``lay``, optionally replaying or
+    capturing MoE routing."""
     from gspo.model import routing as R
 
     ctx = R.replay_routing(model, replay) if replay is not None else nullcontext()
@@ -118,7 +125,7 @@ def _forward(
             cfg.temperature,
             cfg.logp_chunk_size,
             return_entropy=entropy,
-            layout=_layout(model, cfg),
+            layout=lay,
         )
     logp, ent = res if entropy else (res, None)
     return logp, ent, (R.routing_snapshot(rec) if capture else None)
@@ -190,6 +197,15 @@ def policy_update(
         micro_batches(data.slice(slice(i * mb_size, (i + 1) * mb_size)), micro)
         for i in range(cfg.num_minibatches)
     ]
+    # each micro-batch's model inputs, built once for its pi_old, training and volatility forwards
+    layout, dtype = _layout(model, cfg), next(iter(model.parameters())).dtype
+    lays = {
+        (i, j): make_layout(
+            m.prompt_ids_BP, m.prompt_mask_BP, m.response_ids_BT, m.response_mask_BT, layout, dtype
+        )
+        for i, mb in enumerate(mbs)
+        for j, m in enumerate(mb)
+    }
     replaying = is_moe and cfg.routing_replay
     # volatility is measured on one minibatch: the second (one optimizer step after pi_old, the
     # paper's per-update figure), or the only one, looked at again after its update
@@ -202,7 +218,7 @@ def policy_update(
             want = replaying or i == vol_i
             if old_mode == "recompute" or want:
                 for j, mmb in enumerate(mbs[i]):
-                    old_logp[i, j], _, old_routing[i, j] = _forward(model, mmb, cfg, capture=want)
+                    old_logp[i, j], _, old_routing[i, j] = _forward(model, mmb, lays[i, j], cfg, capture=want)
 
     new_routing: dict[tuple[int, int], Any] = {}
     per_mb: dict[str, list[torch.Tensor]] = defaultdict(list)  # one value per minibatch
@@ -219,10 +235,11 @@ def policy_update(
             measure = i == vol_i and i > 0
             if measure and replay is not None:  # replay forces routing: look at the free choice separately
                 with torch.no_grad():
-                    _, _, new_routing[i, j] = _forward(model, mmb, cfg, capture=True)
+                    _, _, new_routing[i, j] = _forward(model, mmb, lays[i, j], cfg, capture=True)
             logp, ent, routing = _forward(
                 model,
                 mmb,
+                lays[i, j],
                 cfg,
                 entropy=True,
                 replay=replay,
@@ -284,8 +301,8 @@ def policy_update(
         if vol_i == 0:  # no later minibatch saw an updated policy: look once after the update
             with torch.no_grad():
                 for j, mmb in enumerate(mbs[0]):
-                    new_routing[0, j] = _forward(model, mmb, cfg, capture=True)[2]
-        out.update(_volatility(mbs, old_routing, new_routing, _layout(model, cfg)))
+                    new_routing[0, j] = _forward(model, mmb, lays[0, j], cfg, capture=True)[2]
+        out.update(_volatility(mbs, lays, old_routing, new_routing))
     return out
 
 
@@ -302,6 +319,8 @@ def _combine_micro_batches(
 ) -> dict[str, torch.Tensor]:
     """One minibatch's metrics from its micro-batches' ``(metrics, sequences, tokens)``: means weighted
     by the sequences or tokens each was averaged over, so they equal the whole-minibatch values."""
+    if len(parts) == 1:  # the default: the whole minibatch in one pass
+        return {k: v.detach().float().cpu() for k, v in parts[0][0].items()}
     out = {}
     for k in parts[0][0]:
         v = torch.stack([m[k].detach().float().cpu() for m, _, _ in parts])
@@ -315,9 +334,9 @@ def _combine_micro_batches(
 
 def _volatility(
     mbs: list[list[RolloutData]],
+    lays: dict[tuple[int, int], Layout],
     old_routing: dict[tuple[int, int], Any],
     new_routing: dict[tuple[int, int], Any],
-    layout: str,
 ) -> dict[str, float]:
     """Expert-activation volatility: fraction of response tokens whose top-k expert set under the
     policy after one optimizer step differs from pi_old's (per layer, and their mean).
@@ -328,16 +347,12 @@ def _volatility(
     free choice, one more). With a single minibatch, the same rows are looked at after the update.
     """
     from gspo.model import routing as R
-    from gspo.model.forward import make_layout
 
     per_layer: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
     total, n = torch.zeros(()), 0
     for (i, j), new in new_routing.items():
         mmb = mbs[i][j]
-        lay = make_layout(
-            mmb.prompt_ids_BP, mmb.prompt_mask_BP, mmb.response_ids_BT, mmb.response_mask_BT, layout
-        )
-        overall, layers = R.routing_volatility(old_routing[i, j], new, lay.response_pos_RL)
+        overall, layers = R.routing_volatility(old_routing[i, j], new, lays[i, j].response_pos_RL)
         w = int(mmb.response_mask_BT.sum())
         total, n = total + overall.float().cpu() * w, n + w
         for k, v in layers.items():
