@@ -354,8 +354,11 @@ def torch_op_profile(kind: str, su: Setup, n: int, rows: int) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _report(kind: str, res: dict[str, list], clock: int) -> str:
-    """Print per-contender stats for one clock (0 wall, 1 cpu); return the headline line."""
+def _report(kind: str, res: dict[str, list], clock: int, rounds: list[dict[str, list]]) -> str:
+    """Print per-contender stats for one clock (0 wall, 1 cpu); return the headline line.
+
+    Besides the ratio of medians over all rounds, the speedup is also taken per round (TRL and gspo
+    run back to back there, so slow drifts of a shared machine hit both alike) and from best times."""
     med = statistics.median
     name = ("wall", "cpu")[clock]
     series = {
@@ -371,6 +374,10 @@ def _report(kind: str, res: dict[str, list], clock: int) -> str:
     if "trl" in series:
         x = med(series["trl"])
         line += f"TRL {x:.4f} s/rollout, gspo {y:.4f} s/rollout, speedup X/Y = {x / y:.2f} (target >= 2); "
+        per = [med(t[clock] for t in r["trl"]) / med(t[clock] for t in r["gspo"]) for r in rounds]
+        best = min(series["trl"]) / min(series["gspo"])
+        line += f"per-round speedups {' '.join(f'{v:.2f}' for v in per)} (median {med(per):.2f}); "
+        line += f"best-time speedup {best:.2f}; "
     else:
         line += f"gspo {y:.4f} s/rollout; "
     line += f"gspo/floor = {y / floor:.2f} (target <= 1.2)"
@@ -407,17 +414,22 @@ def main() -> None:
     summary = []
     for kind in args.models:
         res: dict[str, list] = defaultdict(list)
+        rounds: list[dict[str, list]] = []
         for _ in range(args.rounds):
+            r: dict[str, list] = {}
             if not args.no_trl:
-                res["trl"] += bench_trl(kind, su, n)
-            res["gspo"] += bench_gspo(kind, su, n)
-            res["floor"] += bench_floor(kind, su, n)
-            res["gspo(recompute)"] += bench_gspo(kind, su, n, old_logp="recompute")
-            res["gspo(no-share)"] += bench_gspo(kind, su, n, prefix_sharing="off")
+                r["trl"] = bench_trl(kind, su, n)
+            r["gspo"] = bench_gspo(kind, su, n)
+            r["floor"] = bench_floor(kind, su, n)
+            r["gspo(recompute)"] = bench_gspo(kind, su, n, old_logp="recompute")
+            r["gspo(no-share)"] = bench_gspo(kind, su, n, prefix_sharing="off")
             if kind == "moe":
-                res["gspo+vol"] += bench_gspo(kind, su, n, log_volatility=True)
+                r["gspo+vol"] = bench_gspo(kind, su, n, log_volatility=True)
+            for k, v in r.items():
+                res[k] += v
+            rounds.append(r)
         print(f"\n== {kind}: {len(res['gspo'])} timed rollouts per contender (s/rollout)")
-        summary += [_report(kind, res, 1), _report(kind, res, 0)]
+        summary += [_report(kind, res, 1, rounds), _report(kind, res, 0, rounds)]
 
         for lv in [False, True] if kind == "moe" else [False]:
             bd = gspo_breakdown(kind, su, 6, lv)
