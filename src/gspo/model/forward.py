@@ -122,10 +122,13 @@ def _shared_prefix_layout(
     dev = prompt_ids_BP.device
     B = prompt_ids_BP.shape[0]
     keyed_BP = torch.where(prompt_mask_BP.bool(), prompt_ids_BP, -1)  # padding cannot tell prompts apart
-    uniq_UP, grp_B = torch.unique(keyed_BP, dim=0, return_inverse=True)
-    U = uniq_UP.shape[0]
+    group: dict[tuple[int, ...], int] = {}  # prompt -> its sequence (on the host: B small rows)
+    grp = [group.setdefault(tuple(r), len(group)) for r in keyed_BP.tolist()]
+    U = len(group)
     if U == B:
         return None
+    grp_B = torch.tensor(grp, device=dev)
+    uniq_UP = torch.tensor(list(group), dtype=keyed_BP.dtype, device=dev)
     real_UP = uniq_UP >= 0
     plen_U = real_UP.sum(-1)
     rank_BT = response_mask_BT.long().cumsum(-1) - 1  # t-th real response token of its row

@@ -131,7 +131,7 @@ class HFRolloutEngine:
         if U < B:
             cache.reorder_cache(src_B)
             logits_BV = logits_BV[src_B]
-        rows = torch.arange(B, device=device)  # original row of each live batch entry
+        rows = slice(None)  # original rows of the live batch entries: all, until one finishes
         pos = pos_UP[src_B, -1:]
         n_steps = 0
         for t in range(max_new_tokens):
@@ -147,12 +147,14 @@ class HFRolloutEngine:
             out_mask[rows, t] = 1
             n_steps = t + 1
             live = tok_b != self.eos_token_id
-            if t + 1 == max_new_tokens or not bool(live.any()):
+            n_live = int(live.sum())  # the one host sync per step
+            if t + 1 == max_new_tokens or n_live == 0:
                 break
-            if not bool(live.all()):  # drop finished rows so later steps spend nothing on them
+            if n_live < len(tok_b):  # drop finished rows so later steps spend nothing on them
                 keep = live.nonzero().squeeze(-1)
                 cache.reorder_cache(keep)
-                rows, tok_b, pos, keys_BK = rows[keep], tok_b[keep], pos[keep], keys_BK[keep]
+                rows = (torch.arange(B, device=device) if isinstance(rows, slice) else rows)[keep]
+                tok_b, pos, keys_BK = tok_b[keep], pos[keep], keys_BK[keep]
                 if additive:
                     add_BK = add_BK[keep]
             pos = pos + 1
