@@ -158,8 +158,10 @@ def _layout(model: Any, cfg: Config) -> str:
 def micro_batches(mb: RolloutData, micro: int) -> list[RolloutData]:
     """Split a minibatch into micro-batches of rows with similar lengths (length bucketing), each
     trimmed to its own longest prompt and response, so little compute goes to padding."""
+    if micro >= len(mb.adv_B):
+        return [mb.trim()]
     total_B = mb.prompt_mask_BP.sum(-1) + mb.response_mask_BT.sum(-1)
-    order = torch.argsort(total_B, stable=True) if micro < len(total_B) else torch.arange(len(total_B))
+    order = torch.argsort(total_B, stable=True)
     fields = RolloutData.__dataclass_fields__
     return [
         RolloutData(*(getattr(mb, f)[order[j : j + micro]] for f in fields)).trim()
@@ -289,8 +291,10 @@ def policy_update(
             per_mb[k].append(v)
 
     keys = list(per_mb)
-    vals = torch.stack([_reduce(k, torch.stack(per_mb[k])) for k in keys]).tolist()  # one host sync
-    sums = dict(zip(keys, vals, strict=True))
+    v_KM = torch.stack([torch.stack(per_mb[k]) for k in keys])  # [metric, minibatch]
+    lo, hi, mean = v_KM.amin(-1).tolist(), v_KM.amax(-1).tolist(), v_KM.mean(-1).tolist()
+    pick = {"_min": lo, "_max": hi}
+    sums = {k: pick.get(k[-4:], mean)[n] for n, k in enumerate(keys)}
     out = {f"loss/{k}": v for k, v in sums.items() if k != "entropy"}
     out["rollout/entropy"] = sums["entropy"]
     out["loss/skipped_updates"] = float(len(mbs) - n_updates)
