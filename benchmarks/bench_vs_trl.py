@@ -5,23 +5,25 @@ reward, same batch: 8 prompts x 8 generations, up to 8 new tokens, one rollout s
 steps, fp32, no gradient checkpointing, one CPU thread.
 
 - TRL: ``GRPOTrainer`` with ``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
-  ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``; time per rollout = wall time of
-  ``trainer.train()`` between every 4th optimizer step (a ``TrainerCallback``), first rollout dropped.
+  ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``; time per rollout = time of ``trainer.train()``
+  between every 4th optimizer step (a ``TrainerCallback``).
 - gspo: ``collect_rollout`` + ``policy_update`` with the default config (``old_logp="auto"``: the HF
   sampler in fp32 is the trainer, so its log-probs are pi_old; ``prefix_sharing="auto"``: each group's
-  prompt is computed once), ``log_volatility`` off to match TRL; MoE also with it on; both also with
-  ``old_logp="recompute"`` (pi_old recomputed, as TRL does) and ``prefix_sharing="off"``.
-- floor: the same ``engine.generate`` call + 4 x (``response_logprobs`` on the same minibatches,
-  trivial loss, backward, optimizer step), each measured alone.
+  prompt is computed once), ``log_volatility`` off to match TRL; also with ``old_logp="recompute"``
+  (pi_old recomputed, as TRL does), ``prefix_sharing="off"`` and (MoE) ``log_volatility=True``.
+- floor: the same ``engine.generate`` call + 4 x (``response_logprobs`` on the same minibatches in
+  gspo's layout, trivial loss, backward, AdamW step), each measured alone.
 
-Each contender runs ``--rounds`` times, alternating, ``--rollouts`` timed rollouts each (after one
-warm-up rollout). Times are reported twice: process CPU time (with one torch thread this is the work
-done, robust when other jobs share the cores) and wall time. Then a breakdown of gspo's step (CPU-time
-timers wrapped around its parts) and the top torch ops by self CPU time.
+Every contender has its own copy of the model and takes its k-th rollout right after TRL's k-th
+(inside TRL's callback, not counted for TRL), so all k-th rollouts run within a second of each other
+and a shared machine's drifting load hits them alike; the speedup is the median of the per-rollout
+ratios. The first rollout of each is a warm-up. Times are reported twice: process CPU time (with one
+torch thread this is the work done, robust when other jobs share the cores) and wall time. Then a
+breakdown of gspo's step (CPU-time timers wrapped around its parts) and the top torch ops.
 
     pip install -e '.[bench]'          # TRL is an optional bench dependency
-    python benchmarks/bench_vs_trl.py  # ~1.5 min CPU time (longer in wall time on a busy machine)
-    python benchmarks/bench_vs_trl.py --rollouts 20 --rounds 3 --models moe
+    python benchmarks/bench_vs_trl.py  # ~4 min CPU time (longer in wall time on a busy machine)
+    python benchmarks/bench_vs_trl.py --rollouts 20 --models moe --op-rows 0
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,19 +104,30 @@ class Setup:
 # contenders
 
 
-def bench_trl(kind: str, su: Setup, n: int) -> list[tuple[float, float]]:
-    """Seconds per rollout (generate + 4 optimizer steps) of TRL's GRPOTrainer in GSPO mode."""
+Stepper = Callable[[int], dict[str, tuple[float, float]]]
+
+
+def trl_run(kind: str, su: Setup, n: int, between: Callable[[int], None]) -> list[tuple[float, float]]:
+    """Seconds per rollout (generate + 4 optimizer steps) of TRL's GRPOTrainer in GSPO mode.
+
+    ``between(k)`` runs after TRL's k-th rollout (its 4th optimizer step) and is not counted: the other
+    contenders take their k-th rollout there, so every contender's k-th rollout runs within a second
+    of TRL's and drifting load on a shared machine hits all of them alike."""
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     class Marks(TrainerCallback):
         def __init__(self) -> None:
-            self.t: list[tuple[float, float]] = []
+            self.spans: list[tuple[float, float]] = []
+            self.resume = _now()
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
             if state.global_step % MINIBATCHES == 0:
-                self.t.append(_now())
+                end = _now()
+                self.spans.append((end[0] - self.resume[0], end[1] - self.resume[1]))
+                between(len(self.spans) - 1)
+                self.resume = _now()
 
     def exact_match(prompts, completions, answer, **kwargs):  # noqa: ANN001
         return su.task.reward(prompts, completions, answer)
@@ -157,18 +171,19 @@ def bench_trl(kind: str, su: Setup, n: int) -> list[tuple[float, float]]:
             dataloader_num_workers=0,
             seed=0,
         )
-        marks = Marks()
         trainer = GRPOTrainer(
             model=_model(kind, su.tok),
             reward_funcs=[exact_match],
             args=args,
             train_dataset=ds,
             processing_class=su.tok,
-            callbacks=[marks],
         )
+        marks = Marks()
+        trainer.add_callback(marks)
+        marks.resume = _now()
         with contextlib.redirect_stdout(io.StringIO()):  # Trainer prints its final metrics dict
             trainer.train()
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks.t, marks.t[1:], strict=False)]
+    return marks.spans
 
 
 def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
@@ -180,34 +195,28 @@ def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     return model, opt, sched, engine
 
 
-def bench_gspo(
-    kind: str,
-    su: Setup,
-    n: int,
-    log_volatility: bool = False,
-    old_logp: str = "auto",
-    prefix_sharing: str = "auto",
-) -> list[tuple[float, float]]:
-    """Seconds per rollout of gspo's ``collect_rollout`` + ``policy_update``."""
-    cfg = _cfg(log_volatility, old_logp, prefix_sharing)
+def gspo_stepper(kind: str, su: Setup, cfg: Config) -> Stepper:
+    """One rollout of gspo's ``collect_rollout`` + ``policy_update`` per call -> {"": (wall, cpu)}."""
     model, opt, sched, engine = _gspo_state(kind, su, cfg)
-    times = []
-    for r in range(n):
+
+    def step(r: int) -> dict[str, tuple[float, float]]:
         ex, ids = su.batch(r)
         t0 = _now()
         data, _ = L.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
         L.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
-        times.append(_since(t0))
-    return times[1:]
+        return {"": _since(t0)}
+
+    return step
 
 
-def bench_floor(kind: str, su: Setup, n: int) -> list[tuple[tuple[float, float], tuple[float, float]]]:
-    """(generate, 4 x fwd/bwd/step) (wall, cpu) seconds per rollout, each measured alone on the same batches."""
+def floor_stepper(kind: str, su: Setup) -> Stepper:
+    """The bare compute of a rollout, each part timed alone: the same ``engine.generate`` call, then
+    4 x (``response_logprobs`` in gspo's layout, trivial loss, backward, AdamW step)."""
     cfg = _cfg()
     model, opt, _, engine = _gspo_state(kind, su, cfg)
     layout = L._layout(model, cfg)
-    out = []
-    for r in range(n):
+
+    def step(r: int) -> dict[str, tuple[float, float]]:
         _, ids = su.batch(r)
         rep = [p for p in ids for _ in range(G)]
         t0 = _now()
@@ -235,8 +244,36 @@ def bench_floor(kind: str, su: Setup, n: int) -> list[tuple[tuple[float, float],
             )
             (logp * m.response_mask_BT).sum().div(mb).backward()
             opt.step()
-        out.append((t_gen, _since(t0)))
-    return out[1:]
+        t_upd = _since(t0)
+        return {"": (t_gen[0] + t_upd[0], t_gen[1] + t_upd[1]), "generate": t_gen, "fwd/bwd/step": t_upd}
+
+    return step
+
+
+def run_contenders(kind: str, su: Setup, n: int, trl: bool) -> dict[str, list[tuple[float, float]]]:
+    """``n`` rollouts of every contender, interleaved rollout by rollout (inside TRL's loop when TRL
+    runs); the first rollout of each is a warm-up and dropped. -> {contender: [(wall, cpu), ...]}."""
+    steppers = {
+        "gspo": gspo_stepper(kind, su, _cfg()),
+        "floor": floor_stepper(kind, su),
+        "gspo(recompute)": gspo_stepper(kind, su, _cfg(old_logp="recompute")),
+        "gspo(no-share)": gspo_stepper(kind, su, _cfg(prefix_sharing="off")),
+    }
+    if kind == "moe":
+        steppers["gspo+vol"] = gspo_stepper(kind, su, _cfg(log_volatility=True))
+    res: dict[str, list[tuple[float, float]]] = defaultdict(list)
+
+    def between(k: int) -> None:
+        for name, step in steppers.items():
+            for part, t in step(k).items():
+                res[f"{name}:{part}" if part else name].append(t)
+
+    if trl:
+        res["trl"] = trl_run(kind, su, n, between)
+    else:
+        for k in range(n):
+            between(k)
+    return {k: v[1:] for k, v in res.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,50 +391,52 @@ def torch_op_profile(kind: str, su: Setup, n: int, rows: int) -> str:
 # ------------------------------------------------------------------------------------------------
 
 
-def _report(kind: str, res: dict[str, list], clock: int, rounds: list[dict[str, list]]) -> str:
+def _report(kind: str, res: dict[str, list], clock: int) -> str:
     """Print per-contender stats for one clock (0 wall, 1 cpu); return the headline line.
 
-    Besides the ratio of medians over all rounds, the speedup is also taken per round (TRL and gspo
-    run back to back there, so slow drifts of a shared machine hit both alike) and from best times."""
+    Contenders ran rollout by rollout in turn, so the k-th rollouts of all of them are neighbours in
+    time: the speedup is the median of the per-rollout ratios (robust to a shared machine's drifting
+    load), with the ratio of medians and of best times beside it."""
     med = statistics.median
     name = ("wall", "cpu")[clock]
-    series = {
-        k: [t[clock] if k != "floor" else t[0][clock] + t[1][clock] for t in v] for k, v in res.items() if v
-    }
+    series = {k: [t[clock] for t in v] for k, v in res.items() if v}
     floor, y = med(series["floor"]), med(series["gspo"])
-    gen, upd = med(t[0][clock] for t in res["floor"]), med(t[1][clock] for t in res["floor"])
+    gen, upd = med(series["floor:generate"]), med(series["floor:fwd/bwd/step"])
     print(f"  [{name} time] floor {floor:.4f} s (generate {gen:.4f} + 4x fwd/bwd/step {upd:.4f})")
     for k, ts in series.items():
         q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        print(f"    {k:18s} median {med(ts):.4f}  IQR [{q[0]:.4f}, {q[2]:.4f}]  min {min(ts):.4f}")
+        print(f"    {k:22s} median {med(ts):.4f}  IQR [{q[0]:.4f}, {q[2]:.4f}]  min {min(ts):.4f}")
+
+    def paired(a: str, b: str) -> float:
+        return med(x / z for x, z in zip(series[a], series[b], strict=True))
+
     line = f"{kind} ({name}): "
     if "trl" in series:
         x = med(series["trl"])
-        line += f"TRL {x:.4f} s/rollout, gspo {y:.4f} s/rollout, speedup X/Y = {x / y:.2f} (target >= 2); "
-        per = [med(t[clock] for t in r["trl"]) / med(t[clock] for t in r["gspo"]) for r in rounds]
-        best = min(series["trl"]) / min(series["gspo"])
-        line += f"per-round speedups {' '.join(f'{v:.2f}' for v in per)} (median {med(per):.2f}); "
-        line += f"best-time speedup {best:.2f}; "
+        line += (
+            f"TRL {x:.4f} s/rollout, gspo {y:.4f} s/rollout, speedup (median of per-rollout ratios) = "
+            f"{paired('trl', 'gspo'):.2f} (target >= 2) [ratio of medians {x / y:.2f}, of best times "
+            f"{min(series['trl']) / min(series['gspo']):.2f}]; "
+        )
     else:
         line += f"gspo {y:.4f} s/rollout; "
-    line += f"gspo/floor = {y / floor:.2f} (target <= 1.2)"
-    for key, what in [("gspo(recompute)", "old_logp=recompute"), ("gspo(no-share)", "prefix_sharing=off")]:
+    line += f"gspo/floor = {paired('gspo', 'floor'):.2f} (target <= 1.2)"
+    variants = [
+        ("gspo(recompute)", "old_logp=recompute"),
+        ("gspo(no-share)", "prefix_sharing=off"),
+        ("gspo+vol", "log_volatility"),
+    ]
+    for key, what in variants:
         if key in series:
-            v = med(series[key])
-            line += f"; with {what}: gspo {v:.4f} s, /floor = {v / floor:.2f}"
-            line += f", speedup = {med(series['trl']) / v:.2f}" if "trl" in series else ""
-    if "gspo+vol" in series:
-        v = med(series["gspo+vol"])
-        line += f"; with log_volatility: gspo {v:.4f} s, /floor = {v / floor:.2f}"
-        line += f", speedup = {med(series['trl']) / v:.2f}" if "trl" in series else ""
+            line += f"; {what}: {med(series[key]):.4f} s, /floor = {paired(key, 'floor'):.2f}"
+            line += f", speedup = {paired('trl', key):.2f}" if "trl" in series else ""
     print("    " + line)
     return line
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rollouts", type=int, default=10, help="timed rollouts per contender and round (K)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds TRL/gspo/floor (noise control)")
+    ap.add_argument("--rollouts", type=int, default=40, help="timed rollouts per contender")
     ap.add_argument("--models", nargs="+", default=["dense", "moe"], choices=list(BUILDERS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-trl", action="store_true", help="skip TRL (e.g. when it is not installed)")
@@ -413,23 +452,9 @@ def main() -> None:
     su = Setup(max(n, 6))
     summary = []
     for kind in args.models:
-        res: dict[str, list] = defaultdict(list)
-        rounds: list[dict[str, list]] = []
-        for _ in range(args.rounds):
-            r: dict[str, list] = {}
-            if not args.no_trl:
-                r["trl"] = bench_trl(kind, su, n)
-            r["gspo"] = bench_gspo(kind, su, n)
-            r["floor"] = bench_floor(kind, su, n)
-            r["gspo(recompute)"] = bench_gspo(kind, su, n, old_logp="recompute")
-            r["gspo(no-share)"] = bench_gspo(kind, su, n, prefix_sharing="off")
-            if kind == "moe":
-                r["gspo+vol"] = bench_gspo(kind, su, n, log_volatility=True)
-            for k, v in r.items():
-                res[k] += v
-            rounds.append(r)
+        res = run_contenders(kind, su, n, trl=not args.no_trl)
         print(f"\n== {kind}: {len(res['gspo'])} timed rollouts per contender (s/rollout)")
-        summary += [_report(kind, res, 1, rounds), _report(kind, res, 0, rounds)]
+        summary += [_report(kind, res, 1), _report(kind, res, 0)]
 
         for lv in [False, True] if kind == "moe" else [False]:
             bd = gspo_breakdown(kind, su, 6, lv)
