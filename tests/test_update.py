@@ -180,3 +180,18 @@ def test_volatility_is_zero_without_change_and_positive_with_it(tiny_moe, batch,
         out = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
         assert check(out["moe/volatility"]), (lr, out["moe/volatility"])
         assert {"moe/volatility/layer0", "moe/volatility/layer1"} <= out.keys()
+
+
+def test_prefix_sharing_on_needs_a_model_that_takes_4d_masks():
+    """``prefix_sharing=on`` with an attention that cannot take a ready 4D mask is a one-line config
+    error naming the field; ``auto`` falls back to per-row sequences."""
+    from gspo.errors import GspoError
+    from gspo.model.load import load_model_and_tokenizer
+    from gspo.train.loop import _layout
+
+    model, _ = load_model_and_tokenizer("embedded:tiny-dense")
+    assert _layout(model, Config(prefix_sharing="auto").validate()) == "shared_prefix"
+    model.config._attn_implementation_internal = "flex_attention"
+    assert _layout(model, Config(prefix_sharing="auto").validate()) == "rows"
+    with pytest.raises(GspoError, match="config field 'prefix_sharing'"):
+        _layout(model, Config(prefix_sharing="on").validate())

@@ -133,8 +133,8 @@ class Config:
     """Linear learning-rate warmup in optimizer steps."""
     packing: str = "auto"
     """Training forward layout: ``on`` packs all sequences of a micro-batch into one row (no padding
-    compute), ``off`` pads, ``auto`` packs only with flash attention (dense-mask attention makes packing
-    cost more than the padding it saves)."""
+    compute), ``off`` keeps one row per sequence (or per group, see ``prefix_sharing``), ``auto`` packs
+    only with flash attention (dense-mask attention makes packing cost more than the padding it saves)."""
     prefix_sharing: str = "auto"
     """Training forward layout for rows that share a prompt (a group's G samples): ``on`` computes
     each prompt once and lets its G responses attend to it through a 4D mask (the same log-probs and

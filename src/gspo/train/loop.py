@@ -529,6 +529,7 @@ def train(cfg: Config) -> dict[str, Any]:
     from gspo.model.routing import is_moe as _is_moe
 
     is_moe = _is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
+    _layout(model, cfg)  # a layout the model cannot take is an error now, not after the warm start
     progress = cfg.progress and rank == 0
 
     start_step, data_pos = 0, 0
