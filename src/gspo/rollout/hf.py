@@ -28,7 +28,9 @@ def _sample(logp_bV: torch.Tensor, generator: torch.Generator | None) -> torch.T
     """One token per row from ``exp(logp)`` by inverse CDF: one uniform per row (CPU multinomial
     costs ~10x more at small vocabularies). ``right=True`` never lands on a zero-probability token."""
     cdf_bV = logp_bV.exp().cumsum(-1)
-    u_b1 = torch.rand(cdf_bV.shape[0], 1, generator=generator, device=cdf_bV.device) * cdf_bV[:, -1:]
+    # uniforms come from the generator's own device (the trainer's generator is a CPU one)
+    dev = generator.device if generator is not None else cdf_bV.device
+    u_b1 = torch.rand(cdf_bV.shape[0], 1, generator=generator, device=dev).to(cdf_bV.device) * cdf_bV[:, -1:]
     return torch.searchsorted(cdf_bV, u_b1, right=True).squeeze(-1).clamp_(max=cdf_bV.shape[-1] - 1)
 
 
