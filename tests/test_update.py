@@ -126,13 +126,16 @@ def test_micro_batching_and_packing_do_not_change_the_update(tiny_moe, batch, kw
 
 
 def _count_forwards(model, data, **kw):
+    from gspo.train.loop import _layout
+
     m = copy.deepcopy(model)
+    cfg = Config(prompts_per_step=2, group_size=8, **kw).validate()
+    _layout(m, cfg)  # the one-time layout probe of a model is not part of an update
     calls = []
     base = getattr(m, m.base_model_prefix)
     h = base.register_forward_pre_hook(lambda *a: calls.append(1))
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cfg = Config(prompts_per_step=2, group_size=8, **kw).validate()
     policy_update(m, opt, sched, data, cfg, 1, is_moe=True)
     h.remove()
     return len(calls)
@@ -193,5 +196,36 @@ def test_prefix_sharing_on_needs_a_model_that_takes_4d_masks():
     assert _layout(model, Config(prefix_sharing="auto").validate()) == "shared_prefix"
     model.config._attn_implementation_internal = "flex_attention"
     assert _layout(model, Config(prefix_sharing="auto").validate()) == "rows"
-    with pytest.raises(GspoError, match="config field 'prefix_sharing'"):
+    with pytest.raises(GspoError, match="config field 'prefix_sharing': 'on' needs a model"):
         _layout(model, Config(prefix_sharing="on").validate())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bloom"])
+def test_other_architectures_get_a_layout_that_is_exact(arch):
+    """Learned absolute positions (GPT-2) take the shared-prefix layout; ALiBi (Bloom), whose biases
+    come from the 2D mask, fails the 4D-mask probe and keeps per-row sequences. Either way the
+    log-probs equal the per-row layout's."""
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from gspo.model.forward import shared_prefix_is_exact, takes_additive_mask
+    from gspo.train.loop import _layout
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1)
+        )
+    else:
+        model = BloomForCausalLM(BloomConfig(vocab_size=40, hidden_size=32, n_layer=2, n_head=4))
+    model.eval()  # GPT-2 has dropout
+    layout = _layout(model, Config().validate())
+    assert layout == ("shared_prefix" if arch == "gpt2" else "rows")
+    assert takes_additive_mask(model) == shared_prefix_is_exact(model) == (arch == "gpt2")
+    p_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
+    p_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])
+    r_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]])
+    r_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    with torch.no_grad():
+        got = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout=layout)
+        ref = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)

@@ -40,15 +40,82 @@ def position_ids_from_mask(attention_mask_BL: torch.Tensor) -> torch.Tensor:
 
 
 def takes_additive_mask(model: PreTrainedModel) -> bool:
-    """True when a ready 4D additive mask means the same to every layer as transformers' own mask:
-    sdpa or eager attention and full attention in every layer (no sliding window)."""
+    """True when a ready 4D additive mask means the same to the model as transformers' own mask from
+    a 2D padding mask: sdpa or eager attention, full attention in every layer (no sliding window),
+    and a probe (two tiny left-padded rows, both ways, once per model and attention implementation)
+    agrees. The probe catches what the config does not tell, e.g. ALiBi biases built from the 2D mask."""
     cfg = model.config
-    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
         return False
     types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        return all(t == "full_attention" for t in types)
-    return getattr(cfg, "sliding_window", None) is None
+    if types is not None and not all(t == "full_attention" for t in types):
+        return False
+    if types is None and getattr(cfg, "sliding_window", None) is not None:
+        return False
+    cache = model.__dict__.setdefault("_gspo_additive_mask_ok", {})
+    if impl not in cache:
+        cache[impl] = _probe_additive_mask(model)
+    return cache[impl]
+
+
+@torch.no_grad()
+def _probe_additive_mask(model: PreTrainedModel) -> bool:
+    """Last-position logits of a left-padded batch with the 2D mask and with the equivalent 4D one."""
+    param = next(model.parameters())
+    dev, dtype = param.device, param.dtype
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], device=dev) % model.config.vocab_size
+    mask_BL = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=dev)
+    see = torch.ones((5, 5), dtype=torch.bool, device=dev).tril() & mask_BL.bool()[:, None, :]
+    mask_B1LL = torch.zeros((2, 1, 5, 5), dtype=dtype, device=dev).masked_fill_(
+        ~see[:, None], torch.finfo(dtype).min
+    )
+    pos = position_ids_from_mask(mask_BL)
+    was_training = model.training
+    model.eval()
+    try:
+        a = model(input_ids=ids, attention_mask=mask_BL, position_ids=pos).logits[:, -1].float()
+        b = model(input_ids=ids, attention_mask=mask_B1LL, position_ids=pos).logits[:, -1].float()
+    except Exception:  # a model that rejects 4D masks outright
+        return False
+    finally:
+        model.train(was_training)
+    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    return bool((a - b).abs().max() <= tol * max(1.0, float(a.abs().max())))
+
+
+def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
+    """True when the model takes 4D masks (:func:`takes_additive_mask`) and a probe (three tiny rows,
+    two sharing a prompt, in eval mode; once per model and attention implementation) gives the same
+    log-probs in the ``shared_prefix`` layout as in ``rows``: a model that ignores ``position_ids`` or
+    rebuilds its own mask is caught here instead of training on wrong log-probs."""
+    if not takes_additive_mask(model):
+        return False
+    cache = model.__dict__.setdefault("_gspo_shared_prefix_ok", {})
+    impl = model.config._attn_implementation
+    if impl not in cache:
+        cache[impl] = _probe_shared_prefix(model)
+    return cache[impl]
+
+
+@torch.no_grad()
+def _probe_shared_prefix(model: PreTrainedModel) -> bool:
+    dev, V = next(model.parameters()).device, model.config.vocab_size
+    p_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]], device=dev) % V
+    p_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]], device=dev)
+    r_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]], device=dev) % V
+    r_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], device=dev)
+    was_training = model.training
+    model.eval()
+    try:
+        a = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
+        b = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="shared_prefix")
+    except Exception:  # a model that rejects the 4D mask or the position ids outright
+        return False
+    finally:
+        model.train(was_training)
+    tol = 1e-3 if model.dtype in (torch.float32, torch.float64) else 5e-2
+    return bool((a - b).abs().max() <= tol * max(1.0, float(a.abs().max())))
 
 
 @dataclass

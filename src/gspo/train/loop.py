@@ -135,7 +135,7 @@ def _layout(model: Any, cfg: Config) -> str:
     """Training forward layout (see :mod:`gspo.model.forward`). Packing removes padding compute, but
     with dense-mask attention (sdpa/eager) its attention cost grows with the packed length squared,
     so ``auto`` packs only with flash attention; prefix sharing needs a model that takes 4D masks."""
-    from gspo.model.forward import takes_additive_mask
+    from gspo.model.forward import shared_prefix_is_exact
 
     base = dist_utils.unwrap(model)
     impl = getattr(getattr(base, "config", None), "_attn_implementation", "") or ""
@@ -145,12 +145,13 @@ def _layout(model: Any, cfg: Config) -> str:
         return "rows"
     from gspo.model.lora import hf_module
 
-    if takes_additive_mask(hf_module(base)):
+    if shared_prefix_is_exact(hf_module(base)):
         return "shared_prefix"
     if cfg.prefix_sharing == "on":
         raise GspoError(
-            f"config field 'prefix_sharing': 'on' needs sdpa or eager attention without sliding window; "
-            f"this model uses {impl!r} (use 'auto' or 'off')"
+            "config field 'prefix_sharing': 'on' needs a model that takes a 4D attention mask (sdpa or "
+            f"eager attention, no sliding window, positions from position_ids); this one ({impl!r}) "
+            "does not (use 'auto' or 'off')"
         )
     return "rows"
 
