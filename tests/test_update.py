@@ -229,3 +229,38 @@ def test_other_architectures_get_a_layout_that_is_exact(arch):
         got = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout=layout)
         ref = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["granitemoe", "gemma2"])
+def test_models_that_post_process_logits_get_their_own_logits(arch):
+    """Granite divides its logits by ``logits_scaling``, Gemma 2 soft-caps them: the LM-head probe sees
+    that and the log-probs then come from the model's own logits, equal to a lone-row reference and to
+    the sampler's (which samples from those logits too)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
+
+    from gspo.model.forward import lm_head_is_plain
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=40, hidden_size=32, intermediate_size=32, num_hidden_layers=2)
+    small.update(num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    if arch == "granitemoe":
+        cfg = GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2, logits_scaling=4.0, **small)
+        model = GraniteMoeForCausalLM(cfg)
+    else:
+        model = Gemma2ForCausalLM(Gemma2Config(head_dim=8, final_logit_softcapping=0.5, **small))
+    model.eval()
+    assert not lm_head_is_plain(model)
+    prompts = [[5, 6], [5, 6], [7, 8, 9]]
+    eng = HFRolloutEngine(model, 1, 0, torch.Generator().manual_seed(0))
+    rb = eng.generate(prompts, 4, temperature=0.9)
+    ids, mask = left_pad(prompts, 0)
+    with torch.no_grad():
+        lp = response_logprobs(model, ids, mask, rb.response_ids_BT, rb.response_mask_BT, temperature=0.9)
+    torch.testing.assert_close(lp, rb.sampler_logp_BT, atol=1e-5, rtol=0)
+    for b, p in enumerate(prompts):  # reference: the row alone, the model's own logits
+        n = int(rb.response_mask_BT[b].sum())
+        seq = torch.tensor([p + rb.response_ids_BT[b, :n].tolist()])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(seq).logits[0].float() / 0.9, -1)
+        want = ref[len(p) - 1 : len(p) - 1 + n].gather(-1, seq[0, len(p) :, None]).squeeze(-1)
+        torch.testing.assert_close(lp[b, :n], want, atol=1e-5, rtol=0)

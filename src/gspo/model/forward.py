@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from gspo.model.logprobs import logprobs_from_hidden
+from gspo.model.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_hidden, logprobs_from_logits
 
 LAYOUTS = ("rows", "packed", "shared_prefix")
 SHARED_PREFIX_MAX_MASK = 1 << 22  # entries of the [U, L, L] mask (16 MiB in float32)
@@ -243,7 +243,8 @@ def response_logprobs(
 
     ``layout`` names one of :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors.
     Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
-    positions (chunked, see :func:`logprobs_from_hidden`), never on prompt or padding positions.
+    positions (chunked, see :func:`logprobs_from_hidden`), never on prompt or padding positions,
+    unless the model post-processes its logits (:func:`lm_head_is_plain`).
     """
     from gspo.model.lora import hf_module
 
@@ -251,24 +252,75 @@ def response_logprobs(
     lay = layout
     if not isinstance(lay, Layout):
         lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, lay, model.dtype)
-    base = getattr(model, model.base_model_prefix)
-    out = base(
-        input_ids=lay.input_ids_RL,
-        attention_mask=lay.attention_mask_R1LL,
-        position_ids=lay.position_ids_RL,
-        use_cache=False,
+    plain = lm_head_is_plain(model)
+    return _logprobs(
+        model, lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, plain
     )
-    hidden = out.last_hidden_state
-    hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
+
+
+def _logprobs(
+    model: PreTrainedModel,
+    lay: Layout,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    return_entropy: bool,
+    plain: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``plain``: base model + chunked LM head at the predicting positions; else the whole causal-LM
+    forward (its own logit post-processing included) and a float32 log-softmax of its logits there."""
+    kw = dict(input_ids=lay.input_ids_RL, attention_mask=lay.attention_mask_R1LL, use_cache=False)
+    kw["position_ids"] = lay.position_ids_RL
     sel_BT = response_mask_BT.bool()
-    weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
-    res = logprobs_from_hidden(
-        hidden_NH, weight_VH, response_ids_BT[sel_BT], chunk_size, temperature, return_entropy
-    )
+    targets_N = response_ids_BT[sel_BT]
+    if plain:
+        hidden = getattr(model, model.base_model_prefix)(**kw).last_hidden_state
+        hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
+        weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
+        res = logprobs_from_hidden(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy)
+    else:
+        logits = model(**kw).logits
+        logits_NV = logits.reshape(-1, logits.shape[-1])[lay.pred_pos]
+        res = logprobs_from_logits(logits_NV, targets_N, temperature, return_entropy)
     logp_N, ent_N = res if return_entropy else (res, None)
     B, T = response_ids_BT.shape
-    logp_BT = torch.zeros(B, T, dtype=torch.float32, device=hidden_NH.device).masked_scatter(sel_BT, logp_N)
+    logp_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, logp_N)
     if not return_entropy:
         return logp_BT
-    ent_BT = torch.zeros(B, T, dtype=torch.float32, device=hidden_NH.device).masked_scatter(sel_BT, ent_N)
+    ent_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, ent_N)
     return logp_BT, ent_BT
+
+
+def lm_head_is_plain(model: PreTrainedModel) -> bool:
+    """True when the causal LM's logits are exactly ``hidden @ W^T`` of its output embeddings, so the
+    chunked LM head may replace them. Checked once per model by a probe on two tiny rows against the
+    model's own logits: architectures that scale or soft-cap their logits (Granite, Cohere, Gemma 2/3,
+    ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits)."""
+    cache = model.__dict__.setdefault("_gspo_plain_head", {})
+    if "ok" not in cache:
+        cache["ok"] = _probe_plain_head(model)
+    return cache["ok"]
+
+
+@torch.no_grad()
+def _probe_plain_head(model: PreTrainedModel) -> bool:
+    dev, V = next(model.parameters()).device, model.config.vocab_size
+    p_ids, p_mask = (
+        torch.tensor([[5, 6], [7, 8]], device=dev) % V,
+        torch.ones(2, 2, dtype=torch.long, device=dev),
+    )
+    r_ids, r_mask = (
+        torch.tensor([[9, 10], [11, 12]], device=dev) % V,
+        torch.ones(2, 2, dtype=torch.long, device=dev),
+    )
+    lay = make_layout(p_ids, p_mask, r_ids, r_mask, "rows")
+    was_training = model.training
+    model.eval()
+    try:
+        a = _logprobs(model, lay, r_ids, r_mask, 1.0, DEFAULT_CHUNK_SIZE, False, plain=True)
+        b = _logprobs(model, lay, r_ids, r_mask, 1.0, DEFAULT_CHUNK_SIZE, False, plain=False)
+    finally:
+        model.train(was_training)
+    tol = 1e-4 if model.dtype in (torch.float32, torch.float64) else 5e-2
+    return bool((a - b).abs().max() <= tol * max(1.0, float(b.abs().max())))

@@ -34,8 +34,14 @@ def naive_logprobs_from_hidden(
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference: full ``[N, V]`` float32 logits, ``log_softmax`` and ``gather`` (``chunk_size`` unused)."""
-    logits_NV = (hidden_NH @ weight_VH.T).float() / temperature
-    logp_NV = torch.log_softmax(logits_NV, dim=-1)
+    return logprobs_from_logits(hidden_NH @ weight_VH.T, targets_N, temperature, return_entropy)
+
+
+def logprobs_from_logits(
+    logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits / temperature)[target]`` in float32 (+ the entropy, detached)."""
+    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
     logp_N = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
     if not return_entropy:
         return logp_N
