@@ -296,7 +296,8 @@ def lm_head_is_plain(model: PreTrainedModel) -> bool:
     """True when the causal LM's logits are exactly ``hidden @ W^T`` of its output embeddings, so the
     chunked LM head may replace them. Checked once per model by a probe on two tiny rows against the
     model's own logits: architectures that scale or soft-cap their logits (Granite, Cohere, Gemma 2/3,
-    ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits)."""
+    ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits). Call it once
+    outside MoE routing capture/replay (the training loop does), or those would record the probe."""
     cache = model.__dict__.setdefault("_gspo_plain_head", {})
     if "ok" not in cache:
         cache["ok"] = _probe_plain_head(model)

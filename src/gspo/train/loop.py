@@ -135,16 +135,18 @@ def _layout(model: Any, cfg: Config) -> str:
     """Training forward layout (see :mod:`gspo.model.forward`). Packing removes padding compute, but
     with dense-mask attention (sdpa/eager) its attention cost grows with the packed length squared,
     so ``auto`` packs only with flash attention; prefix sharing needs a model that takes 4D masks."""
-    from gspo.model.forward import shared_prefix_is_exact
+    from gspo.model.forward import lm_head_is_plain, shared_prefix_is_exact
+    from gspo.model.lora import hf_module
 
+    # the one-time model probes run here, before any routing capture or replay could record them;
+    # this object is the one the forwards will see (a DDP wrapper, say), so its probe is cached too
+    lm_head_is_plain(hf_module(model))
     base = dist_utils.unwrap(model)
     impl = getattr(getattr(base, "config", None), "_attn_implementation", "") or ""
     if cfg.packing == "on" or (cfg.packing == "auto" and impl.startswith("flash")):
         return "packed"
     if cfg.prefix_sharing == "off":
         return "rows"
-    from gspo.model.lora import hf_module
-
     if shared_prefix_is_exact(hf_module(base)):
         return "shared_prefix"
     if cfg.prefix_sharing == "on":
