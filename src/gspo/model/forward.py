@@ -23,6 +23,7 @@ tokens, prompt then response, with position ids counting from 0 at its first pro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,40 @@ def position_ids_from_mask(attention_mask_BL: torch.Tensor) -> torch.Tensor:
     return (attention_mask_BL.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean "may attend" -> the additive form attention adds to its scores: 0, or dtype's minimum."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def _probe(
+    model: PreTrainedModel,
+    name: str,
+    key: str,
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    tol: float,
+    errors: tuple[type[Exception], ...] = (Exception,),
+) -> bool:
+    """Cached once per model (under ``name``/``key``): ``run()`` in eval mode gives ``(ref, got)`` that
+    must agree within ``tol`` relative to ``ref`` (5e-2 for half precision); a raised ``errors`` is a no."""
+    cache = model.__dict__.setdefault(name, {})
+    if key not in cache:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                ref, got = run()
+            if model.dtype not in (torch.float32, torch.float64):
+                tol = 5e-2
+            cache[key] = bool((ref - got).abs().max() <= tol * max(1.0, float(ref.abs().max())))
+        except errors:  # a model that rejects the probed inputs outright
+            cache[key] = False
+        finally:
+            model.train(was_training)
+    return cache[key]
+
+
 def takes_additive_mask(model: PreTrainedModel) -> bool:
     """True when a ready 4D additive mask means the same to the model as transformers' own mask from
     a 2D padding mask: sdpa or eager attention, full attention in every layer (no sliding window),
@@ -53,35 +88,20 @@ def takes_additive_mask(model: PreTrainedModel) -> bool:
         return False
     if types is None and getattr(cfg, "sliding_window", None) is not None:
         return False
-    cache = model.__dict__.setdefault("_gspo_additive_mask_ok", {})
-    if impl not in cache:
-        cache[impl] = _probe_additive_mask(model)
-    return cache[impl]
 
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dev = next(model.parameters()).device
+        ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], device=dev) % model.config.vocab_size
+        mask_BL = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=dev)
+        see_BLL = torch.ones((5, 5), dtype=torch.bool, device=dev).tril() & mask_BL.bool()[:, None, :]
+        pos = position_ids_from_mask(mask_BL)
+        logits = [
+            model(input_ids=ids, attention_mask=m, position_ids=pos).logits[:, -1].float()
+            for m in (mask_BL, additive_mask(see_BLL[:, None], model.dtype))
+        ]
+        return logits[0], logits[1]
 
-@torch.no_grad()
-def _probe_additive_mask(model: PreTrainedModel) -> bool:
-    """Last-position logits of a left-padded batch with the 2D mask and with the equivalent 4D one."""
-    param = next(model.parameters())
-    dev, dtype = param.device, param.dtype
-    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], device=dev) % model.config.vocab_size
-    mask_BL = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=dev)
-    see = torch.ones((5, 5), dtype=torch.bool, device=dev).tril() & mask_BL.bool()[:, None, :]
-    mask_B1LL = torch.zeros((2, 1, 5, 5), dtype=dtype, device=dev).masked_fill_(
-        ~see[:, None], torch.finfo(dtype).min
-    )
-    pos = position_ids_from_mask(mask_BL)
-    was_training = model.training
-    model.eval()
-    try:
-        a = model(input_ids=ids, attention_mask=mask_BL, position_ids=pos).logits[:, -1].float()
-        b = model(input_ids=ids, attention_mask=mask_B1LL, position_ids=pos).logits[:, -1].float()
-    except Exception:  # a model that rejects 4D masks outright
-        return False
-    finally:
-        model.train(was_training)
-    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-    return bool((a - b).abs().max() <= tol * max(1.0, float(a.abs().max())))
+    return _probe(model, "_gspo_additive_mask_ok", impl, run, tol=1e-3)
 
 
 def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
@@ -91,31 +111,17 @@ def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
     rebuilds its own mask is caught here instead of training on wrong log-probs."""
     if not takes_additive_mask(model):
         return False
-    cache = model.__dict__.setdefault("_gspo_shared_prefix_ok", {})
-    impl = model.config._attn_implementation
-    if impl not in cache:
-        cache[impl] = _probe_shared_prefix(model)
-    return cache[impl]
 
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dev, V = next(model.parameters()).device, model.config.vocab_size
+        p_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]], device=dev) % V
+        p_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]], device=dev)
+        r_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]], device=dev) % V
+        r_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], device=dev)
+        rows = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
+        return rows, response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="shared_prefix")
 
-@torch.no_grad()
-def _probe_shared_prefix(model: PreTrainedModel) -> bool:
-    dev, V = next(model.parameters()).device, model.config.vocab_size
-    p_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]], device=dev) % V
-    p_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]], device=dev)
-    r_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]], device=dev) % V
-    r_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], device=dev)
-    was_training = model.training
-    model.eval()
-    try:
-        a = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
-        b = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="shared_prefix")
-    except Exception:  # a model that rejects the 4D mask or the position ids outright
-        return False
-    finally:
-        model.train(was_training)
-    tol = 1e-3 if model.dtype in (torch.float32, torch.float64) else 5e-2
-    return bool((a - b).abs().max() <= tol * max(1.0, float(a.abs().max())))
+    return _probe(model, "_gspo_shared_prefix_ok", model.config._attn_implementation, run, tol=1e-3)
 
 
 @dataclass
@@ -223,9 +229,7 @@ def _shared_prefix_layout(
     pred = ru * L + torch.where(rk == 0, plen_U[ru] - 1, rc - 1)
     seg_q, seg_k = seg_UL[:, :, None], seg_UL[:, None, :]
     see_ULL = torch.ones((L, L), dtype=torch.bool, device=dev).tril() & ((seg_k == 0) | (seg_k == seg_q))
-    zero = torch.zeros((), dtype=mask_dtype, device=dev)
-    mask_U1LL = torch.where(see_ULL[:, None], zero, torch.finfo(mask_dtype).min)
-    return Layout(ids_UL, pos_UL, pred, seg_UL > 0, mask_U1LL)
+    return Layout(ids_UL, pos_UL, pred, seg_UL > 0, additive_mask(see_ULL[:, None], mask_dtype))
 
 
 def response_logprobs(
@@ -270,8 +274,12 @@ def _logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``plain``: base model + chunked LM head at the predicting positions; else the whole causal-LM
     forward (its own logit post-processing included) and a float32 log-softmax of its logits there."""
-    kw = dict(input_ids=lay.input_ids_RL, attention_mask=lay.attention_mask_R1LL, use_cache=False)
-    kw["position_ids"] = lay.position_ids_RL
+    kw = dict(
+        input_ids=lay.input_ids_RL,
+        attention_mask=lay.attention_mask_R1LL,
+        position_ids=lay.position_ids_RL,
+        use_cache=False,
+    )
     sel_BT = response_mask_BT.bool()
     targets_N = response_ids_BT[sel_BT]
     if plain:
@@ -298,30 +306,16 @@ def lm_head_is_plain(model: PreTrainedModel) -> bool:
     model's own logits: architectures that scale or soft-cap their logits (Granite, Cohere, Gemma 2/3,
     ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits). Call it once
     outside MoE routing capture/replay (the training loop does), or those would record the probe."""
-    cache = model.__dict__.setdefault("_gspo_plain_head", {})
-    if "ok" not in cache:
-        cache["ok"] = _probe_plain_head(model)
-    return cache["ok"]
 
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dev, V = next(model.parameters()).device, model.config.vocab_size
+        p_ids, r_ids = (
+            torch.tensor([[5, 6], [7, 8]], device=dev) % V,
+            torch.tensor([[9, 10], [11, 12]], device=dev) % V,
+        )
+        ones = torch.ones(2, 2, dtype=torch.long, device=dev)
+        lay = make_layout(p_ids, ones, r_ids, ones, "rows")
+        own = _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=False)
+        return own, _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=True)
 
-@torch.no_grad()
-def _probe_plain_head(model: PreTrainedModel) -> bool:
-    dev, V = next(model.parameters()).device, model.config.vocab_size
-    p_ids, p_mask = (
-        torch.tensor([[5, 6], [7, 8]], device=dev) % V,
-        torch.ones(2, 2, dtype=torch.long, device=dev),
-    )
-    r_ids, r_mask = (
-        torch.tensor([[9, 10], [11, 12]], device=dev) % V,
-        torch.ones(2, 2, dtype=torch.long, device=dev),
-    )
-    lay = make_layout(p_ids, p_mask, r_ids, r_mask, "rows")
-    was_training = model.training
-    model.eval()
-    try:
-        a = _logprobs(model, lay, r_ids, r_mask, 1.0, DEFAULT_CHUNK_SIZE, False, plain=True)
-        b = _logprobs(model, lay, r_ids, r_mask, 1.0, DEFAULT_CHUNK_SIZE, False, plain=False)
-    finally:
-        model.train(was_training)
-    tol = 1e-4 if model.dtype in (torch.float32, torch.float64) else 5e-2
-    return bool((a - b).abs().max() <= tol * max(1.0, float(b.abs().max())))
+    return _probe(model, "_gspo_plain_head", "ok", run, tol=1e-4, errors=())

@@ -8,7 +8,7 @@ from itertools import chain
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from gspo.model.forward import position_ids_from_mask, takes_additive_mask
+from gspo.model.forward import additive_mask, position_ids_from_mask, takes_additive_mask
 from gspo.rollout.base import RolloutBatch
 
 
@@ -103,19 +103,16 @@ class HFRolloutEngine:
         src_B = torch.tensor(src, device=device)
         B, (U, P) = len(prompt_ids), ids_UP.shape
         K = P + max_new_tokens  # columns the cache can reach
-        keys_BK = torch.ones((B, K), dtype=torch.bool, device=device)  # which cache columns are real
-        keys_BK[:, :P] = mask_UP.bool()[src_B]
+        real_BK = torch.ones((B, K), dtype=torch.bool, device=device)  # which cache columns are real
+        real_BK[:, :P] = mask_UP.bool()[src_B]
+        # the decode-step masks are slices of one [B, K] mask: additive (4D) where the model takes that
         additive = takes_additive_mask(model)
         if additive:
-            dtype = next(model.parameters()).dtype
-            neg = torch.finfo(dtype).min
-            add_BK = torch.zeros((B, K), dtype=dtype, device=device).masked_fill_(~keys_BK, neg)
-            causal_PP = torch.ones((P, P), dtype=torch.bool, device=device).tril()
-            keep_UPP = causal_PP & mask_UP.bool()[:, None, :]
-            prefill_mask = torch.zeros((U, 1, P, P), dtype=dtype, device=device)
-            prefill_mask.masked_fill_(~keep_UPP[:, None], neg)
+            mask_BK = additive_mask(real_BK, model.dtype)
+            see_UPP = torch.ones((P, P), dtype=torch.bool, device=device).tril() & mask_UP.bool()[:, None, :]
+            prefill_mask = additive_mask(see_UPP[:, None], model.dtype)
         else:
-            prefill_mask = mask_UP
+            mask_BK, prefill_mask = real_BK.long(), mask_UP
         out_ids = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         out_logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
@@ -156,14 +153,12 @@ class HFRolloutEngine:
                 keep = live.nonzero().squeeze(-1)
                 cache.reorder_cache(keep)
                 rows = (torch.arange(B, device=device) if isinstance(rows, slice) else rows)[keep]
-                tok_b, pos, keys_BK = tok_b[keep], pos[keep], keys_BK[keep]
-                if additive:
-                    add_BK = add_BK[keep]
+                tok_b, pos, mask_BK = tok_b[keep], pos[keep], mask_BK[keep]
             pos = pos + 1
             cols = P + t + 1  # the cache holds the prompt and t + 1 generated tokens after this call
             out = model(
                 input_ids=tok_b[:, None],
-                attention_mask=add_BK[:, None, None, :cols] if additive else keys_BK[:, :cols].long(),
+                attention_mask=mask_BK[:, None, None, :cols] if additive else mask_BK[:, :cols],
                 position_ids=pos,
                 use_cache=True,
                 logits_to_keep=1,
