@@ -63,6 +63,30 @@ def test_layouts_give_the_same_logprobs_entropy_and_grads(tiny_moe, batch, layou
     model.zero_grad()
 
 
+def test_small_batches_take_the_plain_lm_head_with_the_same_result(tiny_moe, batch, monkeypatch):
+    """Below PLAIN_HEAD_MAX_LOGITS the LM head runs under plain autograd instead of the chunked kernel:
+    same log-probs, entropies and gradients (the tiny model's batches take the plain path)."""
+    from gspo.model import forward as F
+
+    model, _ = tiny_moe
+    assert batch.response_mask_BT.sum() * model.config.vocab_size <= F.PLAIN_HEAD_MAX_LOGITS
+    out = []
+    for limit in (F.PLAIN_HEAD_MAX_LOGITS, 0):  # plain, then forced chunked (chunks of 7 rows)
+        monkeypatch.setattr(F, "PLAIN_HEAD_MAX_LOGITS", limit)
+        model.zero_grad()
+        lp, ent = response_logprobs(
+            model, batch.prompt_ids_BP, batch.prompt_mask_BP, batch.response_ids_BT,
+            batch.response_mask_BT, temperature=0.8, chunk_size=7, return_entropy=True,
+        )  # fmt: skip
+        (lp * batch.adv_B[:, None]).sum().backward()
+        out.append((lp.detach(), ent, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0][1], out[1][1], atol=1e-5, rtol=0)
+    for g0, g1 in zip(out[0][2], out[1][2], strict=True):
+        torch.testing.assert_close(g0, g1, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+
+
 def test_shared_prefix_layout_closed_form():
     """Two rows share prompt [5, 6] (a third row has prompt [4]): one sequence
     [5, 6, 7, 8, 9] with positions [0, 1, 2, 3, 2], each response seeing the prompt and itself only,

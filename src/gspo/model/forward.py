@@ -29,10 +29,18 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from gspo.model.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_hidden, logprobs_from_logits
+from gspo.model.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    naive_logprobs_from_hidden,
+)
 
 LAYOUTS = ("rows", "packed", "shared_prefix")
 SHARED_PREFIX_MAX_MASK = 1 << 22  # entries of the [U, L, L] mask (16 MiB in float32)
+# up to this many logits (N x V, 4 MiB in float32) plain autograd through the LM head is faster than
+# the chunked kernel, whose fixed per-call cost (~0.2 ms on a CPU) then dominates; memory is immaterial
+PLAIN_HEAD_MAX_LOGITS = 1 << 20
 
 
 def position_ids_from_mask(attention_mask_BL: torch.Tensor) -> torch.Tensor:
@@ -247,8 +255,9 @@ def response_logprobs(
 
     ``layout`` names one of :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors.
     Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
-    positions (chunked, see :func:`logprobs_from_hidden`), never on prompt or padding positions,
-    unless the model post-processes its logits (:func:`lm_head_is_plain`).
+    positions (chunked, see :func:`logprobs_from_hidden`; plain autograd up to
+    :data:`PLAIN_HEAD_MAX_LOGITS`), never on prompt or padding positions, unless the model
+    post-processes its logits (:func:`lm_head_is_plain`).
     """
     from gspo.model.lora import hf_module
 
@@ -286,7 +295,9 @@ def _logprobs(
         hidden = getattr(model, model.base_model_prefix)(**kw).last_hidden_state
         hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
         weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
-        res = logprobs_from_hidden(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy)
+        small = hidden_NH.shape[0] * weight_VH.shape[0] <= PLAIN_HEAD_MAX_LOGITS
+        head = naive_logprobs_from_hidden if small else logprobs_from_hidden
+        res = head(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy)
     else:
         logits = model(**kw).logits
         logits_NV = logits.reshape(-1, logits.shape[-1])[lay.pred_pos]
