@@ -56,9 +56,13 @@ def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) ->
 
 def _approx_kl(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """k3 estimator of KL(pi_old || pi_theta) per token, masked mean (Schulman 2020)."""
-    log_r = _masked_log_ratio(logp_BT, old_logp_BT, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    k3 = torch.expm1(log_r) - log_r  # >= 0, exactly 0 on padding
-    return k3.sum() / mask_BT.sum().clamp(min=1)
+    return _k3(_masked_log_ratio(logp_BT, old_logp_BT, mask_BT), mask_BT.sum(-1))
+
+
+def _k3(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
+    """Mean k3 = e^r - 1 - r over tokens, from a masked log-ratio (0 on padding, where k3 is 0)."""
+    log_r_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return (torch.expm1(log_r_BT) - log_r_BT).sum() / n_tok_B.sum().clamp(min=1)
 
 
 def _ratio_stats(prefix: str, ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
@@ -106,38 +110,41 @@ def gspo_loss(
     dtype = _compute_dtype(logp, old_logp)
     logp, old_logp = logp.to(dtype), old_logp.to(dtype)
     mask_BT = mask.to(dtype)
-    has_tok_B = mask_BT.sum(-1) > 0
+    n_tok_B = mask_BT.sum(-1)
+    has_tok_B = n_tok_B > 0
     # rows without response tokens contribute 0; zeroing A there keeps a NaN A out of the gradient
     adv_B = torch.where(has_tok_B, advantages.to(logp.dtype), 0.0)
-    log_s_B = sequence_log_ratio(logp, old_logp, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)  # shared by the ratio and the KL metric
+    log_s_B = (log_r_BT.sum(-1) / n_tok_B.clamp(min=1)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     s_B = torch.exp(log_s_B)
+    # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
-    obj_B = torch.where(has_tok_B, obj_B, torch.zeros_like(obj_B))
     n = logp.shape[0] if normalizer is None else normalizer
     loss = -obj_B.sum() / n
-    metrics = _sequence_metrics(s_B, adv_B, mask_BT, has_tok_B, eps_low, eps_high)
-    metrics["approx_kl"] = _approx_kl(logp.detach(), old_logp, mask_BT)
+    metrics = _sequence_metrics(s_B, adv_B, n_tok_B, has_tok_B, eps_low, eps_high)
+    metrics["approx_kl"] = _k3(log_r_BT.detach(), n_tok_B)
     return loss, metrics
 
 
 def _sequence_metrics(
-    s_B: Tensor, adv_B: Tensor, mask_BT: Tensor, has_tok_B: Tensor, eps_low: float, eps_high: float
+    s_B: Tensor, adv_B: Tensor, n_tok_B: Tensor, has_tok_B: Tensor, eps_low: float, eps_high: float
 ) -> dict[str, Tensor]:
     """Clip fractions for a sequence-level ratio, per sequence and weighted by tokens."""
     s_B = s_B.detach()
     low_B, high_B = _clip_masks(s_B, adv_B, eps_low, eps_high)
-    low_B, high_B = low_B & has_tok_B, high_B & has_tok_B
-    n_seq = has_tok_B.sum().clamp(min=1).to(mask_BT.dtype)
-    n_tok_B = mask_BT.sum(-1)
-    n_tok = n_tok_B.sum().clamp(min=1)
+    # [low, high] x [sequences, tokens] in one product; rows without tokens weigh 0 in both columns
+    w_B2 = torch.stack([has_tok_B.to(n_tok_B.dtype), n_tok_B], -1)
+    frac_22 = torch.stack([low_B, high_B]).to(w_B2.dtype) @ w_B2 / w_B2.sum(0).clamp(min=1)
+    (seq_low, tok_low), (seq_high, tok_high) = frac_22
+    seq, tok = frac_22.sum(0)
     out = {
-        "clip_frac_seq_low": low_B.sum() / n_seq,
-        "clip_frac_seq_high": high_B.sum() / n_seq,
-        "clip_frac_tok_low": (low_B * n_tok_B).sum() / n_tok,
-        "clip_frac_tok_high": (high_B * n_tok_B).sum() / n_tok,
+        "clip_frac_seq_low": seq_low,
+        "clip_frac_seq_high": seq_high,
+        "clip_frac_tok_low": tok_low,
+        "clip_frac_tok_high": tok_high,
+        "clip_frac_seq": seq,
+        "clip_frac_tok": tok,
     }
-    out["clip_frac_seq"] = out["clip_frac_seq_low"] + out["clip_frac_seq_high"]
-    out["clip_frac_tok"] = out["clip_frac_tok_low"] + out["clip_frac_tok_high"]
     out.update(_ratio_stats("ratio", s_B, has_tok_B))
     return out
 
