@@ -94,3 +94,20 @@ def test_inverse_cdf_sampler_matches_the_distribution():
     freq = counts / counts.sum()
     assert counts[[0, 3, 6]].sum() == 0
     assert (freq - logp.exp()).abs().max() < 0.01
+
+
+def test_completion_texts_match_the_tokenizers_own_decode():
+    """The one-call backend decode gives transformers' strings: final EOS dropped, special tokens
+    skipped, padding ignored; a tokenizer that cleans up spaces takes transformers' own path."""
+    from gspo.model.load import build_char_tokenizer
+    from gspo.train.loop import completion_texts
+
+    tok = build_char_tokenizer()
+    rows = [tok("ab c").input_ids + [tok.eos_token_id], tok("x .y").input_ids, [tok.eos_token_id], []]
+    rows[1] = rows[1][:2] + [tok.bos_token_id] + rows[1][2:]  # a special token inside
+    ids, mask = left_pad([r[::-1] for r in rows], tok.pad_token_id)  # right-padded after flipping back
+    ids, mask = ids.flip(-1), mask.flip(-1)
+    want = ["ab c", "x .y", "", ""]
+    assert completion_texts(tok, ids, mask) == want
+    tok.clean_up_tokenization_spaces = True  # transformers' path: clean-up turns " ." into "."
+    assert completion_texts(tok, ids, mask) == ["ab c", "x.y", "", ""]

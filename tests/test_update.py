@@ -288,3 +288,24 @@ def test_models_that_post_process_logits_get_their_own_logits(arch):
             ref = torch.log_softmax(model(seq).logits[0].float() / 0.9, -1)
         want = ref[len(p) - 1 : len(p) - 1 + n].gather(-1, seq[0, len(p) :, None]).squeeze(-1)
         torch.testing.assert_close(lp[b, :n], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("max_norm", [1e-4, 1e4])
+def test_gradient_clipping_closed_form(tiny_moe, batch, max_norm):
+    """One SGD step (lr 1) moves the parameters by the clipped gradient: by exactly ``max_norm`` when
+    the gradient norm exceeds it, by the reported (unclipped) norm when it does not."""
+    model, _ = tiny_moe
+    m = copy.deepcopy(model)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = Config(
+        prompts_per_step=2, group_size=8, num_minibatches=1, log_volatility=False, max_grad_norm=max_norm
+    ).validate()
+    metrics = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+    step = torch.linalg.vector_norm(
+        torch.stack([(p - b).norm() for p, b in zip(m.parameters(), before, strict=True)])
+    )
+    assert metrics["loss/grad_norm"] > 1e-3  # the advantages make a real gradient
+    want = max_norm if metrics["loss/grad_norm"] > max_norm else metrics["loss/grad_norm"]
+    assert step.item() == pytest.approx(want, rel=1e-4)

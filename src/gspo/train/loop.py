@@ -68,10 +68,17 @@ class RolloutData:
 
 def completion_texts(tokenizer: Any, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> list[str]:
     """Decoded responses without their final EOS (one batched tokenizer call)."""
+    from transformers import PreTrainedTokenizerFast
+
     seqs = []
     for ids, n in zip(ids_BT.tolist(), mask_BT.sum(-1).tolist(), strict=True):
         ids = ids[:n]
         seqs.append(ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids)
+    # a fast tokenizer whose decode is the backend's own, without clean-up: decode the batch in one
+    # backend call (4x faster than transformers' per-sequence loop, same strings)
+    plain = getattr(type(tokenizer), "_decode", None) is PreTrainedTokenizerFast._decode
+    if plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True)
     return tokenizer.batch_decode(seqs, skip_special_tokens=True)
 
 
@@ -196,6 +203,7 @@ def policy_update(
     eps_low, eps_high = cfg.clip_range()
     extra = {"aggregation": cfg.grpo_aggregation} if cfg.algo == "grpo" else {}
     mb_size = data.adv_B.shape[0] // cfg.num_minibatches
+    max_norm = cfg.max_grad_norm or float("inf")
     micro = cfg.micro_batch_size or mb_size
     # mbs[i][j]: micro-batch j of minibatch i; the same tensors serve pi_old, the update and volatility
     mbs = [
@@ -280,16 +288,20 @@ def policy_update(
             parts.append((metrics, (m_BT.sum(-1) > 0).sum(), n_tok))
             loss_sum = loss_sum + loss.detach().float().cpu() * world_size
         # the optimizer's parameters only: frozen ones (LoRA base) must not add stale gradients
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-        if torch.isfinite(gnorm):
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        gnorm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        full = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
+        # one host read for both decisions; clip_grad_norm_ scales by max / (norm + 1e-6) clamped
+        # to 1, i.e. changes the gradients exactly when the second test holds (a no-op multiply else)
+        finite, clip = torch.stack([full.isfinite(), full + 1e-6 > max_norm]).tolist()
+        if finite:
+            if clip:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, gnorm)
             optimizer.step()
             n_updates += 1
         scheduler.step()
         mb_metrics = _combine_micro_batches(parts, token_keys)
-        if hasattr(gnorm, "full_tensor"):  # FSDP2: a replicated DTensor
-            gnorm = gnorm.full_tensor()
-        mb_metrics["loss"], mb_metrics["grad_norm"] = loss_sum, gnorm.detach().float().cpu()
+        mb_metrics["loss"], mb_metrics["grad_norm"] = loss_sum, full.detach().float().cpu()
         for k, v in mb_metrics.items():
             per_mb[k].append(v)
 
