@@ -8,7 +8,12 @@ from itertools import chain
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from gspo.model.forward import additive_mask, position_ids_from_mask, takes_additive_mask
+from gspo.model.forward import (
+    additive_mask,
+    lm_head_is_plain,
+    position_ids_from_mask,
+    takes_additive_mask,
+)
 from gspo.rollout.base import RolloutBatch
 
 
@@ -45,6 +50,9 @@ class HFRolloutEngine:
     a row that emits EOS leaves the batch and the cache; and where it means the same thing
     (:func:`~gspo.model.forward.takes_additive_mask`), the attention mask is built once per call as a 4D additive
     mask and sliced each step, instead of transformers rebuilding it from the 2D mask every step.
+    Where the logits are exactly ``hidden @ W^T`` (:func:`~gspo.model.forward.lm_head_is_plain`), the
+    base model runs and the last position goes through the LM head weight directly, as the trainer's
+    log-probs do (skips the causal-LM wrapper: ~3% of a decode step of a tiny model).
     """
 
     def __init__(
@@ -88,6 +96,18 @@ class HFRolloutEngine:
             sampler_logp_BT=torch.cat([pad(p[2], 0.0) for p in parts]),
         )
 
+    def _last_logits(
+        self, ids_BL: torch.Tensor, mask: torch.Tensor, pos_BL: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """Logits ``[B, V]`` at the last position of ``ids_BL``, appending its keys/values to ``cache``."""
+        model = self.model
+        kw = dict(input_ids=ids_BL, attention_mask=mask, position_ids=pos_BL, use_cache=True)
+        kw[self._cache_kw] = cache
+        if self._plain_head:
+            hidden = getattr(model, model.base_model_prefix)(**kw).last_hidden_state
+            return torch.nn.functional.linear(hidden[:, -1], model.get_output_embeddings().weight)
+        return model(**kw, logits_to_keep=1).logits[:, -1]
+
     def _generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,6 +116,7 @@ class HFRolloutEngine:
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
+        self._plain_head = lm_head_is_plain(model)  # probed once per model, then cached
         # prefix sharing: prefill each distinct prompt once (U rows), then copy its cache to its samples
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
@@ -118,15 +139,7 @@ class HFRolloutEngine:
         out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
         cache = DynamicCache()
         pos_UP = position_ids_from_mask(mask_UP)
-        out = model(
-            input_ids=ids_UP,
-            attention_mask=prefill_mask,
-            position_ids=pos_UP,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kw: cache},
-        )
-        logits_BV = out.logits[:, -1]
+        logits_BV = self._last_logits(ids_UP, prefill_mask, pos_UP, cache)
         if U < B:
             cache.reorder_cache(src_B)
             logits_BV = logits_BV[src_B]
@@ -156,15 +169,8 @@ class HFRolloutEngine:
                 tok_b, pos, mask_BK = tok_b[keep], pos[keep], mask_BK[keep]
             pos = pos + 1
             cols = P + t + 1  # the cache holds the prompt and t + 1 generated tokens after this call
-            out = model(
-                input_ids=tok_b[:, None],
-                attention_mask=mask_BK[:, None, None, :cols] if additive else mask_BK[:, :cols],
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            logits_BV = out.logits[:, -1]
+            step_mask = mask_BK[:, None, None, :cols] if additive else mask_BK[:, :cols]
+            logits_BV = self._last_logits(tok_b[:, None], step_mask, pos, cache)
         model.train(was_training)
         T = max(n_steps, 1)
         return out_ids[:, :T], out_mask[:, :T], out_logp[:, :T]
