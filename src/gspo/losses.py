@@ -51,16 +51,17 @@ def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) ->
     Rows with no response tokens get 0 (ratio 1). Not clamped; callers clamp before ``exp``.
     """
     n_tok_B = mask_BT.sum(-1).to(logp_BT.dtype)
-    return _masked_log_ratio(logp_BT, old_logp_BT, mask_BT).sum(-1) / n_tok_B.clamp(min=1)
+    return _sequence_mean(_masked_log_ratio(logp_BT, old_logp_BT, mask_BT), n_tok_B)
 
 
-def _approx_kl(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """k3 estimator of KL(pi_old || pi_theta) per token, masked mean (Schulman 2020)."""
-    return _k3(_masked_log_ratio(logp_BT, old_logp_BT, mask_BT), mask_BT.sum(-1))
+def _sequence_mean(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
+    """Per-row mean of a masked log-ratio (0 on padding) over its ``n_tok_B`` tokens; 0 for empty rows."""
+    return log_r_BT.sum(-1) / n_tok_B.clamp(min=1)
 
 
 def _k3(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
-    """Mean k3 = e^r - 1 - r over tokens, from a masked log-ratio (0 on padding, where k3 is 0)."""
+    """k3 estimator of KL(pi_old || pi_theta), e^r - 1 - r averaged over tokens (Schulman 2020), from
+    a masked log-ratio (0 on padding, where k3 is 0)."""
     log_r_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return (torch.expm1(log_r_BT) - log_r_BT).sum() / n_tok_B.sum().clamp(min=1)
 
@@ -115,7 +116,7 @@ def gspo_loss(
     # rows without response tokens contribute 0; zeroing A there keeps a NaN A out of the gradient
     adv_B = torch.where(has_tok_B, advantages.to(logp.dtype), 0.0)
     log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)  # shared by the ratio and the KL metric
-    log_s_B = (log_r_BT.sum(-1) / n_tok_B.clamp(min=1)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_s_B = _sequence_mean(log_r_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     s_B = torch.exp(log_s_B)
     # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
@@ -176,7 +177,8 @@ def gspo_token_loss(
     adv_BT = torch.where(mask_BT.bool(), adv_BT, torch.zeros_like(adv_BT))
     n_tok_B = mask_BT.sum(-1)
     has_tok_B = n_tok_B > 0
-    raw_log_s_B = sequence_log_ratio(logp, old_logp, mask_BT).detach()
+    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT).detach()  # the ratio's value and the KL metric
+    raw_log_s_B = _sequence_mean(log_r_BT, n_tok_B)
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # the clamps pass no gradient outside [-MAX, MAX] (sequence) or +-lim (token, see
     # _masked_log_ratio); mirror that so GSPO-token == GSPO there too
@@ -210,7 +212,7 @@ def gspo_token_loss(
     metrics["clip_frac_tok"] = metrics["clip_frac_tok_low"] + metrics["clip_frac_tok_high"]
     metrics["clip_frac_seq"] = metrics["clip_frac_seq_low"] + metrics["clip_frac_seq_high"]
     metrics.update(_ratio_stats("ratio", torch.exp(log_s_B.detach()), has_tok_B))
-    metrics["approx_kl"] = _approx_kl(logp.detach(), old_logp, mask_BT)
+    metrics["approx_kl"] = _k3(log_r_BT, n_tok_B)
     return loss, metrics
 
 
@@ -275,7 +277,7 @@ def grpo_loss(
     metrics.update(_ratio_stats("ratio", w_det_BT, valid_BT))
     s_B = torch.exp(sequence_log_ratio(logp.detach(), old_logp, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     metrics.update(_ratio_stats("seq_ratio", s_B, has_tok_B))
-    metrics["approx_kl"] = _approx_kl(logp.detach(), old_logp, mask_BT)
+    metrics["approx_kl"] = _k3(log_w_BT.detach(), n_tok_B)  # log_w is the clamped masked log-ratio
     return loss, metrics
 
 

@@ -97,13 +97,14 @@ class HFRolloutEngine:
         )
 
     def _last_logits(
-        self, ids_BL: torch.Tensor, mask: torch.Tensor, pos_BL: torch.Tensor, cache: DynamicCache
+        self, ids_BL: torch.Tensor, mask: torch.Tensor, pos_BL: torch.Tensor, cache: DynamicCache, plain: bool
     ) -> torch.Tensor:
-        """Logits ``[B, V]`` at the last position of ``ids_BL``, appending its keys/values to ``cache``."""
+        """Logits ``[B, V]`` at the last position of ``ids_BL``, appending its keys/values to ``cache``;
+        ``plain``: the logits are ``hidden @ W^T`` (:func:`lm_head_is_plain`)."""
         model = self.model
         kw = dict(input_ids=ids_BL, attention_mask=mask, position_ids=pos_BL, use_cache=True)
         kw[self._cache_kw] = cache
-        if self._plain_head:
+        if plain:
             hidden = getattr(model, model.base_model_prefix)(**kw).last_hidden_state
             return torch.nn.functional.linear(hidden[:, -1], model.get_output_embeddings().weight)
         return model(**kw, logits_to_keep=1).logits[:, -1]
@@ -116,7 +117,7 @@ class HFRolloutEngine:
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        self._plain_head = lm_head_is_plain(model)  # probed once per model, then cached
+        plain = lm_head_is_plain(model)  # probed once per model, then cached
         # prefix sharing: prefill each distinct prompt once (U rows), then copy its cache to its samples
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
@@ -139,7 +140,7 @@ class HFRolloutEngine:
         out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
         cache = DynamicCache()
         pos_UP = position_ids_from_mask(mask_UP)
-        logits_BV = self._last_logits(ids_UP, prefill_mask, pos_UP, cache)
+        logits_BV = self._last_logits(ids_UP, prefill_mask, pos_UP, cache, plain)
         if U < B:
             cache.reorder_cache(src_B)
             logits_BV = logits_BV[src_B]
@@ -170,7 +171,7 @@ class HFRolloutEngine:
             pos = pos + 1
             cols = P + t + 1  # the cache holds the prompt and t + 1 generated tokens after this call
             step_mask = mask_BK[:, None, None, :cols] if additive else mask_BK[:, :cols]
-            logits_BV = self._last_logits(tok_b[:, None], step_mask, pos, cache)
+            logits_BV = self._last_logits(tok_b[:, None], step_mask, pos, cache, plain)
         model.train(was_training)
         T = max(n_steps, 1)
         return out_ids[:, :T], out_mask[:, :T], out_logp[:, :T]
