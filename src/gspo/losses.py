@@ -1,14 +1,27 @@
-"""Policy-gradient losses: GSPO, GSPO-token and the GRPO baseline.
+"""Policy-gradient losses: GSPO, GSPO-token, the GRPO baseline, SAPO, CISPO and GMPO.
 
 All functions are pure tensor-in/tensor-out: no config objects, no ``.item()`` host syncs and no
 distributed calls. Shapes: ``B`` sequences, ``T`` response positions (padded). ``mask_BT`` is 1 on
 response tokens and 0 on padding / prompt positions. Each loss returns ``(loss, metrics)`` where
 ``loss`` is a scalar to *minimize* and ``metrics`` maps names to detached 0-dim tensors.
 
-Normalization is explicit: ``normalizer`` is the number of sequences (GSPO, GSPO-token, GRPO
-"seq_mean_token_mean") or tokens (GRPO "token_mean") that the *whole* optimizer step averages over.
-Passing the global count lets gradient accumulation and data-parallel ranks sum their gradients
-into exactly the update a single process would make on the full batch.
+Normalization is explicit: ``normalizer`` is the number of sequences (GSPO, GSPO-token, SAPO, GMPO,
+and the ``"seq_mean_token_mean"`` aggregation of GRPO, SAPO-token and CISPO) or tokens (their
+``"token_mean"`` aggregation) that the *whole* optimizer step averages over. Passing the global count
+lets gradient accumulation and data-parallel ranks sum their gradients into exactly the update a
+single process would make on the full batch.
+
+``weight`` (every loss, optional): a stop-gradient multiplier of each sequence's contribution, ``[B]``
+(e.g. truncated importance-sampling weights or a 0/1 sequence mask from :mod:`gspo.correction`);
+losses that aggregate over tokens also take ``[B, T]`` (one factor per token, applied before the
+per-sequence / per-batch mean, so the denominators ``|y_i|`` and ``normalizer`` do not change).
+``weight=None`` is exactly the unweighted loss. Metrics ignore ``weight``.
+
+Metric keys (so that micro-batch values can be combined without knowing the loss): ``*_min`` /
+``*_max`` are minima / maxima; ``clip_frac_tok*``, ``gate_tok_mean`` and ``approx_kl`` are averages
+over tokens; ``ratio_mean`` is an average over tokens exactly when the loss also returns
+``seq_ratio_mean`` (its ``ratio_*`` are then token ratios; GRPO, SAPO-token, CISPO, GMPO); every other
+key is an average over the sequences that have at least one response token.
 """
 
 from __future__ import annotations
@@ -87,6 +100,95 @@ def _clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> 
     return low, high
 
 
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be 'seq_mean_token_mean' or 'token_mean', got {aggregation!r}")
+
+
+def _token_advantages(advantages: Tensor, valid_BT: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[B]`` or ``[B, T]`` advantages as ``[B, T]`` in ``dtype``, 0 on padding (a NaN there cannot leak)."""
+    adv_BT = advantages.to(dtype)
+    if adv_BT.dim() == 1:
+        adv_BT = adv_BT[:, None].expand(valid_BT.shape)
+    return torch.where(valid_BT, adv_BT, torch.zeros_like(adv_BT))
+
+
+def _sequence_weight(weight: Tensor, has_tok_B: Tensor, dtype: torch.dtype) -> Tensor:
+    """A ``[B]`` stop-gradient per-sequence multiplier, 0 on rows without response tokens."""
+    if weight.dim() != 1 or weight.shape[0] != has_tok_B.shape[0]:
+        raise ValueError(
+            f"weight must have shape [B] = [{has_tok_B.shape[0]}] for a sequence-level loss,"
+            f" got {tuple(weight.shape)}"
+        )
+    w_B = weight.detach().to(dtype)
+    return torch.where(has_tok_B, w_B, torch.zeros_like(w_B))
+
+
+def _token_weight(weight: Tensor, valid_BT: Tensor, dtype: torch.dtype) -> Tensor:
+    """A ``[B]`` (per sequence) or ``[B, T]`` (per token) stop-gradient multiplier as ``[B, T]``, 0 on padding."""
+    w = weight.detach().to(dtype)
+    if w.dim() == 1 and w.shape[0] == valid_BT.shape[0]:
+        w = w[:, None].expand(valid_BT.shape)
+    elif w.shape != valid_BT.shape:
+        raise ValueError(
+            f"weight must have shape [B] or [B, T] = {list(valid_BT.shape)}, got {tuple(w.shape)}"
+        )
+    return torch.where(valid_BT, w, torch.zeros_like(w))
+
+
+def _aggregate(
+    obj_BT: Tensor,
+    mask_BT: Tensor,
+    n_tok_B: Tensor,
+    normalizer: float | Tensor | None,
+    aggregation: str,
+) -> Tensor:
+    """Loss from a per-token objective that is 0 on padding: per-sequence token mean summed over
+    sequences / N (N = B by default), or sum over all tokens / N (N = number of tokens by default)."""
+    if aggregation == "seq_mean_token_mean":
+        n = obj_BT.shape[0] if normalizer is None else normalizer
+        return -(obj_BT.sum(-1) / n_tok_B.clamp(min=1)).sum() / n
+    n = mask_BT.sum().clamp(min=1) if normalizer is None else normalizer
+    return -obj_BT.sum() / n
+
+
+def _token_clip_metrics(
+    low_BT: Tensor, high_BT: Tensor, valid_BT: Tensor, n_tok_B: Tensor, has_tok_B: Tensor
+) -> dict[str, Tensor]:
+    """Fractions of tokens clipped low / high, over all tokens and per sequence (then averaged over
+    sequences), for a loss that clips token by token."""
+    low_BT, high_BT = low_BT & valid_BT, high_BT & valid_BT
+    n_tok = n_tok_B.sum().clamp(min=1)
+    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+    seq_low_B = low_BT.sum(-1) / n_tok_B.clamp(min=1)
+    seq_high_B = high_BT.sum(-1) / n_tok_B.clamp(min=1)
+    out = {
+        "clip_frac_tok_low": low_BT.sum() / n_tok,
+        "clip_frac_tok_high": high_BT.sum() / n_tok,
+        "clip_frac_seq_low": seq_low_B.sum() / n_seq,
+        "clip_frac_seq_high": seq_high_B.sum() / n_seq,
+    }
+    out["clip_frac_tok"] = out["clip_frac_tok_low"] + out["clip_frac_tok_high"]
+    out["clip_frac_seq"] = out["clip_frac_seq_low"] + out["clip_frac_seq_high"]
+    return out
+
+
+def _token_ratio_metrics(
+    log_r_BT: Tensor, valid_BT: Tensor, n_tok_B: Tensor, has_tok_B: Tensor
+) -> dict[str, Tensor]:
+    """Token ratio stats (``ratio_*``), sequence ratio s_i stats (``seq_ratio_*``) and the k3 KL, from
+    the detached masked log-ratio (0 on padding)."""
+    log_w_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    out = _ratio_stats("ratio", torch.exp(log_w_BT), valid_BT)
+    s_B = torch.exp(_sequence_mean(log_r_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    out.update(_ratio_stats("seq_ratio", s_B, has_tok_B))
+    out["approx_kl"] = _k3(log_w_BT, n_tok_B)
+    return out
+
+
 def gspo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -95,6 +197,7 @@ def gspo_loss(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
     normalizer: float | Tensor | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO sequence-level clipped objective (arXiv 2507.18071, eq. 5-7).
 
@@ -107,6 +210,7 @@ def gspo_loss(
         advantages: ``[B]`` sequence advantages.
         mask: ``[B, T]`` 1 for response tokens.
         normalizer: sequences averaged over by the whole optimizer step (default ``B``).
+        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term (TIS weight, 0/1 mask).
     """
     dtype = _compute_dtype(logp, old_logp)
     logp, old_logp = logp.to(dtype), old_logp.to(dtype)
@@ -120,6 +224,8 @@ def gspo_loss(
     s_B = torch.exp(log_s_B)
     # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
+    if weight is not None:
+        obj_B = obj_B * _sequence_weight(weight, has_tok_B, dtype)
     n = logp.shape[0] if normalizer is None else normalizer
     loss = -obj_B.sum() / n
     metrics = _sequence_metrics(s_B, adv_B, n_tok_B, has_tok_B, eps_low, eps_high)
@@ -158,6 +264,7 @@ def gspo_token_loss(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
     normalizer: float | Tensor | None = None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token (paper eq. 13-14): per-token advantages, sequence-level ratio value.
 
@@ -167,6 +274,7 @@ def gspo_token_loss(
 
     Args:
         advantages: ``[B, T]`` per-token advantages (a ``[B]`` tensor is broadcast over tokens).
+        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier (see the module docstring).
     """
     dtype = _compute_dtype(logp, old_logp)
     logp, old_logp = logp.to(dtype), old_logp.to(dtype)
@@ -191,6 +299,8 @@ def gspo_token_loss(
     log_s_BT = log_s_B[:, None] + (safe_logp_BT - safe_logp_BT.detach())
     s_BT = torch.exp(log_s_BT)
     obj_BT = torch.minimum(s_BT * adv_BT, s_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
+    if weight is not None:
+        obj_BT = obj_BT * _token_weight(weight, mask_BT.bool(), dtype)
     obj_B = (obj_BT * mask_BT).sum(-1) / n_tok_B.clamp(min=1)
     n = logp.shape[0] if normalizer is None else normalizer
     loss = -obj_B.sum() / n
@@ -225,6 +335,7 @@ def grpo_loss(
     eps_high: float = 0.27,
     normalizer: float | Tensor | None = None,
     aggregation: str = "seq_mean_token_mean",
+    weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO baseline: per-token ratio w_it = pi_theta/pi_old with per-token clipping.
 
@@ -235,57 +346,328 @@ def grpo_loss(
 
     Args:
         advantages: ``[B]`` or ``[B, T]``.
+        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier, e.g. IcePop's token weights
+            (:func:`gspo.correction.icepop_weights`).
     """
-    if aggregation not in ("seq_mean_token_mean", "token_mean"):
-        raise ValueError(f"aggregation must be 'seq_mean_token_mean' or 'token_mean', got {aggregation!r}")
+    _check_aggregation(aggregation)
     dtype = _compute_dtype(logp, old_logp)
     logp, old_logp = logp.to(dtype), old_logp.to(dtype)
     mask_BT = mask.to(dtype)
     valid_BT = mask_BT.bool()
-    adv_BT = advantages.to(dtype)
-    if adv_BT.dim() == 1:
-        adv_BT = adv_BT[:, None].expand_as(logp)
-    adv_BT = torch.where(valid_BT, adv_BT, torch.zeros_like(adv_BT))
-    log_w_BT = _masked_log_ratio(logp, old_logp, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    w_BT = torch.exp(log_w_BT)
+    adv_BT = _token_advantages(advantages, valid_BT, dtype)
+    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
+    w_BT = torch.exp(log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     obj_BT = torch.minimum(w_BT * adv_BT, w_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT) * mask_BT
+    if weight is not None:
+        obj_BT = obj_BT * _token_weight(weight, valid_BT, dtype)
     n_tok_B = mask_BT.sum(-1)
     has_tok_B = n_tok_B > 0
-    if aggregation == "seq_mean_token_mean":
-        n = logp.shape[0] if normalizer is None else normalizer
-        loss = -(obj_BT.sum(-1) / n_tok_B.clamp(min=1)).sum() / n
-    else:
-        n = mask_BT.sum().clamp(min=1) if normalizer is None else normalizer
-        loss = -obj_BT.sum() / n
+    loss = _aggregate(obj_BT, mask_BT, n_tok_B, normalizer, aggregation)
 
-    w_det_BT = w_BT.detach()
-    low_BT, high_BT = _clip_masks(w_det_BT, adv_BT, eps_low, eps_high)
-    low_BT, high_BT = low_BT & valid_BT, high_BT & valid_BT
-    n_tok = mask_BT.sum().clamp(min=1)
-    n_seq = has_tok_B.sum().clamp(min=1).to(mask_BT.dtype)
-    # token-level clipping: fraction of each sequence's tokens clipped, averaged over sequences
-    seq_low_B = low_BT.sum(-1) / n_tok_B.clamp(min=1)
-    seq_high_B = high_BT.sum(-1) / n_tok_B.clamp(min=1)
-    metrics = {
-        "clip_frac_tok_low": low_BT.sum() / n_tok,
-        "clip_frac_tok_high": high_BT.sum() / n_tok,
-        "clip_frac_seq_low": seq_low_B.sum() / n_seq,
-        "clip_frac_seq_high": seq_high_B.sum() / n_seq,
+    low_BT, high_BT = _clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high)
+    metrics = _token_clip_metrics(low_BT, high_BT, valid_BT, n_tok_B, has_tok_B)
+    metrics.update(_token_ratio_metrics(log_r_BT.detach(), valid_BT, n_tok_B, has_tok_B))
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347)
+
+
+def _check_temperatures(tau_neg: float, tau_pos: float) -> None:
+    if not (tau_neg > 0 and tau_pos > 0):
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_neg={tau_neg!r}, tau_pos={tau_pos!r}")
+
+
+def _temperature(adv: Tensor, tau_neg: float, tau_pos: float) -> Tensor:
+    """tau_pos where A > 0, tau_neg elsewhere (A = 0 contributes 0 whichever is used)."""
+    return torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+
+
+def _soft_gate(log_r: Tensor, tau: Tensor) -> Tensor:
+    """f(r) = (4/tau) sigmoid(tau (r - 1)) from log r, so df/d log r = 4 sigmoid(x) sigmoid(-x) r.
+
+    x = tau * expm1(log r) (exact near r = 1). For x > 0 it is written (4/tau) (1 - sigmoid(-x)): the
+    autograd slope sigmoid(.) (1 - sigmoid(.)) is then taken of the small sigmoid in both tails, so the
+    gradient keeps its relative precision where the gate has decayed.
+    """
+    x = tau * torch.expm1(log_r)
+    c = 4.0 / tau
+    return torch.where(x > 0, c - c * torch.sigmoid(-x), c * torch.sigmoid(x))
+
+
+def _gate_slope(log_r: Tensor, tau: Tensor) -> Tensor:
+    """g = 4 sigmoid(x) sigmoid(-x) in (0, 1]: SAPO's gradient relative to the unclipped one (1 at r = 1)."""
+    x = tau * torch.expm1(log_r)
+    return 4.0 * torch.sigmoid(x) * torch.sigmoid(-x)
+
+
+def _gate_metrics(g_BT: Tensor, valid_BT: Tensor, n_tok_B: Tensor, has_tok_B: Tensor) -> dict[str, Tensor]:
+    """Mean of the gate g over tokens and over sequences (of each sequence's token mean), and its minimum."""
+    g_BT = torch.where(valid_BT, g_BT.detach(), torch.zeros_like(g_BT))
+    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+    one = torch.ones((), dtype=g_BT.dtype, device=g_BT.device)
+    return {
+        "gate_tok_mean": g_BT.sum() / n_tok_B.sum().clamp(min=1),
+        "gate_seq_mean": (g_BT.sum(-1) / n_tok_B.clamp(min=1)).sum() / n_seq,
+        "gate_min": torch.where(valid_BT.any(), torch.where(valid_BT, g_BT, one).amin(), one),
     }
-    metrics["clip_frac_tok"] = metrics["clip_frac_tok_low"] + metrics["clip_frac_tok_high"]
-    metrics["clip_frac_seq"] = metrics["clip_frac_seq_low"] + metrics["clip_frac_seq_high"]
-    metrics.update(_ratio_stats("ratio", w_det_BT, valid_BT))
-    s_B = torch.exp(sequence_log_ratio(logp.detach(), old_logp, mask_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    metrics.update(_ratio_stats("seq_ratio", s_B, has_tok_B))
-    metrics["approx_kl"] = _k3(log_w_BT.detach(), n_tok_B)  # log_w is the clamped masked log-ratio
+
+
+def sapo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 1.05,
+    eps_high: float = 1.0,
+    normalizer: float | Tensor | None = None,
+    weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO's soft gate applied to GSPO's sequence ratio (sequence-level SAPO).
+
+    SAPO (arXiv 2511.20347) replaces the hard clip by f(r) = (4/tau) sigmoid(tau (r - 1)) and maximizes
+    f(r) A; tau = tau_pos for A > 0 and tau_neg for A < 0 (tau_neg > tau_pos damps negative updates
+    faster). Here r is the GSPO sequence ratio s_i = exp(mean_t(logp_it - old_logp_it)):
+
+        loss = -(1/N) sum_i w_i f(s_i) A_i,  N = B by default (sequences).
+
+    d loss / d logp_it = -(1/N) w_i A_i g_i s_i / |y_i| with the gate g_i = 4 sigmoid(x_i) sigmoid(-x_i),
+    x_i = tau (s_i - 1): g = 1 at s_i = 1, so on-policy the gradient is GSPO's (and the plain
+    sequence-level policy gradient); it decays smoothly instead of stopping at a clip edge. The value
+    at s = 1 is (2/tau) A, not A (the paper's f). The paper's own form is token-level:
+    :func:`sapo_token_loss`.
+
+    Args:
+        eps_low: tau_neg, the temperature for A < 0 (paper: 1.05). Not a clip range.
+        eps_high: tau_pos, the temperature for A > 0 (paper: 1.0). Not a clip range.
+        advantages: ``[B]`` sequence advantages.
+        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term.
+
+    Metrics: ``gate_seq_mean`` / ``gate_tok_mean`` (g over sequences / weighted by tokens), ``gate_min``;
+    ``ratio_*`` of s_i; ``approx_kl``.
+    """
+    _check_temperatures(eps_low, eps_high)
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
+    n_tok_B = mask_BT.sum(-1)
+    has_tok_B = n_tok_B > 0
+    adv_B = torch.where(has_tok_B, advantages.to(dtype), 0.0)
+    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
+    log_s_B = _sequence_mean(log_r_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    tau_B = _temperature(adv_B, eps_low, eps_high)
+    obj_B = _soft_gate(log_s_B, tau_B) * adv_B  # rows without tokens: A = 0
+    if weight is not None:
+        obj_B = obj_B * _sequence_weight(weight, has_tok_B, dtype)
+    n = logp.shape[0] if normalizer is None else normalizer
+    loss = -obj_B.sum() / n
+
+    log_s_B = log_s_B.detach()
+    valid_BT = mask_BT.bool()
+    g_BT = _gate_slope(log_s_B, tau_B)[:, None].expand(valid_BT.shape)
+    metrics = _gate_metrics(g_BT, valid_BT, n_tok_B, has_tok_B)
+    metrics.update(_ratio_stats("ratio", torch.exp(log_s_B), has_tok_B))
+    metrics["approx_kl"] = _k3(log_r_BT.detach(), n_tok_B)
+    return loss, metrics
+
+
+def sapo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 1.05,
+    eps_high: float = 1.0,
+    normalizer: float | Tensor | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO as published (arXiv 2511.20347): the soft gate on token ratios.
+
+    r_it = exp(logp_it - old_logp_it), f(r) = (4/tau) sigmoid(tau (r - 1)), tau = tau_pos if A_it > 0
+    else tau_neg; objective per token f(r_it) A_it, aggregated like :func:`grpo_loss`:
+
+        ``"seq_mean_token_mean"`` (the paper, default): -(1/N) sum_i (1/|y_i|) sum_t w_it f(r_it) A_it,
+        N = B by default; ``"token_mean"``: -(1/N) sum_it w_it f(r_it) A_it, N = tokens by default.
+
+    d loss / d logp_it = -(1/N) w_it A_it g_it r_it / |y_i| (``/ N`` for token_mean), g = 4 sigmoid(x)
+    sigmoid(-x), x = tau (r - 1); on-policy g = r = 1, the plain token-level policy gradient (GRPO's).
+
+    Args:
+        eps_low: tau_neg, the temperature for A < 0 (paper: 1.05). Not a clip range.
+        eps_high: tau_pos, the temperature for A > 0 (paper: 1.0). Not a clip range.
+        advantages: ``[B]`` or ``[B, T]``.
+        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
+
+    Metrics: ``gate_tok_mean`` / ``gate_seq_mean`` (g over tokens / per-sequence token mean over
+    sequences), ``gate_min``; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
+    """
+    _check_aggregation(aggregation)
+    _check_temperatures(eps_low, eps_high)
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
+    valid_BT = mask_BT.bool()
+    adv_BT = _token_advantages(advantages, valid_BT, dtype)
+    n_tok_B = mask_BT.sum(-1)
+    has_tok_B = n_tok_B > 0
+    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
+    log_w_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    tau_BT = _temperature(adv_BT, eps_low, eps_high)
+    obj_BT = _soft_gate(log_w_BT, tau_BT) * adv_BT * mask_BT
+    if weight is not None:
+        obj_BT = obj_BT * _token_weight(weight, valid_BT, dtype)
+    loss = _aggregate(obj_BT, mask_BT, n_tok_B, normalizer, aggregation)
+
+    metrics = _gate_metrics(_gate_slope(log_w_BT.detach(), tau_BT), valid_BT, n_tok_B, has_tok_B)
+    metrics.update(_token_ratio_metrics(log_r_BT.detach(), valid_BT, n_tok_B, has_tok_B))
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# CISPO (MiniMax-M1, arXiv 2506.13585)
+
+
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 1.0,
+    eps_high: float = 0.28,
+    normalizer: float | Tensor | None = None,
+    aggregation: str = "token_mean",
+    weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE on every token, weighted by the stop-gradient clipped IS ratio.
+
+    MiniMax-M1 (arXiv 2506.13585, eq. 4-5): J = 1/(sum_i |y_i|) sum_i sum_t sg(r^_it) A_it
+    log pi_theta(y_it), r^_it = clip(r_it, 1 - eps_low, 1 + eps_high), r_it = pi_theta / pi_old. Unlike
+    PPO/GRPO no token loses its gradient: clipping only bounds its weight. This function returns the
+    surrogate with the same gradient whose *value* is the clipped-IS estimate of the objective,
+
+        ``"token_mean"`` (the paper, default): loss = -(1/N) sum_it w_it r^_it A_it, N = tokens by default;
+        ``"seq_mean_token_mean"``: -(1/N) sum_i (1/|y_i|) sum_t w_it r^_it A_it, N = B by default,
+
+    (sg(r^) A * (1 + logp - sg(logp)) instead of sg(r^) A * logp: the value does not depend on the size
+    of log pi and cannot overflow). d loss / d logp_it = -(1/N) w_it r^_it A_it (``/ (N |y_i|)`` for
+    seq_mean_token_mean); on-policy r^ = 1: token-mean REINFORCE, equal to GRPO's on-policy gradient.
+
+    Args:
+        eps_low: lower IS-weight clip 1 - eps_low. Default 1.0, i.e. no lower bound (the paper sets
+            eps_low^IS "to a large value" and only tunes the upper one).
+        eps_high: upper IS-weight clip 1 + eps_high. The paper does not publish its eps_high^IS; the
+            default 0.28 is DAPO's clip-higher value, as used by open re-implementations (ScaleRL and
+            Tinker cap the weight much higher, at 4, i.e. eps_high = 3).
+        advantages: ``[B]`` or ``[B, T]``.
+        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
+
+    Metrics: ``clip_frac_tok_low`` / ``_high``: tokens whose IS weight was raised to the floor / capped
+    at the ceiling (whatever the sign of A; their gradient is kept), per token and (``clip_frac_seq_*``)
+    per sequence; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
+    """
+    _check_aggregation(aggregation)
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
+    valid_BT = mask_BT.bool()
+    adv_BT = _token_advantages(advantages, valid_BT, dtype)
+    n_tok_B = mask_BT.sum(-1)
+    has_tok_B = n_tok_B > 0
+    log_r_BT = _masked_log_ratio(logp.detach(), old_logp, mask_BT)  # the weight is a constant
+    r_BT = torch.exp(log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    w_hat_BT = r_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    safe_logp_BT = torch.where(valid_BT, logp, torch.zeros_like(logp))
+    unit_BT = 1.0 + (safe_logp_BT - safe_logp_BT.detach())  # exactly 1, d/d logp = 1
+    obj_BT = w_hat_BT * adv_BT * unit_BT * mask_BT
+    if weight is not None:
+        obj_BT = obj_BT * _token_weight(weight, valid_BT, dtype)
+    loss = _aggregate(obj_BT, mask_BT, n_tok_B, normalizer, aggregation)
+
+    low_BT, high_BT = r_BT < 1.0 - eps_low, r_BT > 1.0 + eps_high
+    metrics = _token_clip_metrics(low_BT, high_BT, valid_BT, n_tok_B, has_tok_B)
+    metrics.update(_token_ratio_metrics(log_r_BT, valid_BT, n_tok_B, has_tok_B))
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673)
+
+
+def gmpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.4,
+    eps_high: float = 0.4,
+    normalizer: float | Tensor | None = None,
+    weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO: the geometric mean of token-wise clipped token ratios times the sequence advantage.
+
+    arXiv 2507.20673: J = (1/G) sum_i { prod_t |min(r_it A_i, clip(r_it, e^-eps_low, e^eps_high) A_i)| }
+    ^(1/|y_i|) sgn(A_i). In log space, with l_it = logp_it - old_logp_it:
+
+        c_it = min(l_it, eps_high) if A_i > 0,  max(l_it, -eps_low) if A_i < 0  (PPO's pessimistic side),
+        loss = -(1/N) sum_i w_i A_i exp(mean_t c_it),  N = B by default (sequences).
+
+    d loss / d logp_it = -(1/N) w_i A_i S_i / |y_i| on tokens that are not clipped (0 on clipped ones),
+    S_i = exp(mean_t c_it). On-policy S_i = 1: GSPO's value and gradient. Without active clipping
+    S_i = s_i, GSPO's sequence ratio: GMPO differs from GSPO only in clipping tokens (in log space)
+    instead of the sequence ratio.
+
+    Args:
+        eps_low, eps_high: log-space token clip range, r_it in [e^-eps_low, e^eps_high]
+            (paper default (e^-0.4, e^0.4)).
+        advantages: ``[B]`` sequence advantages.
+        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term.
+
+    Metrics: token clip fractions as in GRPO (``clip_frac_tok_high``: A > 0 and l > eps_high;
+    ``_low``: A < 0 and l < -eps_low), per token and per sequence; ``ratio_*`` (tokens),
+    ``seq_ratio_*`` (s_i, unclipped), ``approx_kl``.
+    """
+    dtype = _compute_dtype(logp, old_logp)
+    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
+    mask_BT = mask.to(dtype)
+    valid_BT = mask_BT.bool()
+    n_tok_B = mask_BT.sum(-1)
+    has_tok_B = n_tok_B > 0
+    adv_B = torch.where(has_tok_B, advantages.to(dtype), 0.0)
+    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
+    log_r_det_BT = log_r_BT.detach()
+    high_BT = (adv_B > 0)[:, None] & (log_r_det_BT > eps_high) & valid_BT
+    low_BT = (adv_B < 0)[:, None] & (log_r_det_BT < -eps_low) & valid_BT
+    # the clip bound replaces l where it is the pessimistic side; there is no gradient then
+    c_BT = torch.where(high_BT, eps_high, torch.where(low_BT, -eps_low, log_r_BT))
+    log_S_B = _sequence_mean(c_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    obj_B = adv_B * torch.exp(log_S_B)  # rows without tokens: A = 0
+    if weight is not None:
+        obj_B = obj_B * _sequence_weight(weight, has_tok_B, dtype)
+    n = logp.shape[0] if normalizer is None else normalizer
+    loss = -obj_B.sum() / n
+
+    metrics = _token_clip_metrics(low_BT, high_BT, valid_BT, n_tok_B, has_tok_B)
+    metrics.update(_token_ratio_metrics(log_r_det_BT, valid_BT, n_tok_B, has_tok_B))
     return loss, metrics
 
 
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
-#: name -> (loss function, default eps_low, default eps_high)
+#: name -> (loss function, default eps_low, default eps_high). Normalizer: sequences for gspo,
+#: gspo_token, sapo, gmpo; for grpo, sapo_token, cispo it follows ``aggregation`` (sequences for
+#: "seq_mean_token_mean", tokens for "token_mean"; cispo defaults to "token_mean", the others to
+#: "seq_mean_token_mean").
 LOSSES: dict[str, tuple[LossFn, float, float]] = {
     "gspo": (gspo_loss, 3e-4, 4e-4),
     "gspo_token": (gspo_token_loss, 3e-4, 4e-4),
     "grpo": (grpo_loss, 0.2, 0.27),
+    # eps_low / eps_high are SAPO's temperatures tau_neg / tau_pos (arXiv 2511.20347), not clip ranges
+    "sapo": (sapo_loss, 1.05, 1.0),
+    "sapo_token": (sapo_token_loss, 1.05, 1.0),
+    # IS-weight clip [1 - 1.0, 1 + 0.28]: no lower bound (arXiv 2506.13585); upper: see cispo_loss
+    "cispo": (cispo_loss, 1.0, 0.28),
+    # log-space token clip [-0.4, 0.4], i.e. ratios in (e^-0.4, e^0.4) (arXiv 2507.20673)
+    "gmpo": (gmpo_loss, 0.4, 0.4),
 }
