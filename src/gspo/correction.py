@@ -1,0 +1,217 @@
+"""Train/inference mismatch correction: pure tensor functions.
+
+When the responses come from a rollout engine, the log-probs it reports (``sampler_logp_BT``,
+pi_sampler) differ from the trainer's own log-probs of the same tokens under the same weights
+(``old_logp_BT``, pi_old): other kernels, precision, MoE routing. The losses' ratio is then taken
+against the trainer's pi_old, and these functions correct (or drop) what pi_sampler != pi_old would
+bias, with the per-token log-ratio
+
+    d_it = old_logp_it - sampler_logp_it = log(pi_old / pi_sampler)   (response tokens only)
+
+and its length-normalized sequence mean l_i = (1/|y_i|) sum_t d_it, rho_i = exp(l_i).
+
+All outputs are detached (stop-gradient) and NaN-free: padding positions are set to 0 before any
+arithmetic, so NaN/inf there cannot leak; rows without response tokens have l_i = 0 (rho_i = 1).
+They plug into every loss in :mod:`gspo.losses` through its ``weight`` argument (a per-sequence
+``[B]`` multiplier, or ``[B, T]`` for the losses that aggregate over tokens), or by AND-ing a 0/1
+token mask into ``mask``::
+
+    w_B = sequence_tis_weights(old_logp_BT, sampler_logp_BT, mask_BT, cap=2.0)
+    loss, metrics = loss_fn(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low, eps_high,
+                            normalizer=n, weight=w_B)
+    metrics.update(mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, tis_cap=2.0))
+
+Metric keys: ``*_min`` / ``*_max`` are minima / maxima, keys ending in ``_tok`` are averages over
+response tokens, all others averages over the sequences that have at least one response token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo.losses import MAX_LOG_RATIO, _compute_dtype, _k3, _masked_log_ratio, _ratio_stats, _sequence_mean
+
+Tensor = torch.Tensor
+
+
+def _mismatch(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_BT, l_B, n_tok_B): detached masked per-token log-ratio (0 on padding), its per-row mean (0
+    for empty rows) and the token counts, in at least float32."""
+    dtype = _compute_dtype(old_logp, sampler_logp)
+    old_logp, sampler_logp = old_logp.detach().to(dtype), sampler_logp.detach().to(dtype)
+    mask_BT = mask.detach().to(dtype)
+    d_BT = _masked_log_ratio(old_logp, sampler_logp, mask_BT)
+    n_tok_B = mask_BT.sum(-1)
+    return d_BT, _sequence_mean(d_BT, n_tok_B), n_tok_B
+
+
+def _check_bounds(lo: float, hi: float) -> None:
+    if not (0 <= lo <= hi):
+        raise ValueError(f"need 0 <= lo <= hi, got lo={lo!r}, hi={hi!r}")
+
+
+def _check_cap(cap: float) -> None:
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}")
+
+
+def sequence_tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Sequence-level truncated importance sampling on the length-normalized ratio.
+
+    weight_i = min(rho_i, cap), rho_i = exp((1/|y_i|) sum_t (old_logp_it - sampler_logp_it)) -> ``[B]``,
+    detached; 1 for rows without response tokens. Pass it as a loss's ``weight``: it multiplies that
+    sequence's loss term, hence its gradient, exactly. There is no published default for the
+    length-normalized ratio (it is much closer to 1 than a token ratio); token-level TIS uses cap = 2
+    (see :func:`token_tis_weights`).
+
+    Args:
+        old_logp: ``[B, T]`` the trainer's log-probs of the sampled tokens under pi_old.
+        sampler_logp: ``[B, T]`` the rollout engine's log-probs of the same tokens.
+        mask: ``[B, T]`` 1 on response tokens.
+        cap: truncation C > 0 (``math.inf``: plain sequence-level importance sampling).
+    """
+    _check_cap(cap)
+    _, l_B, _ = _mismatch(old_logp, sampler_logp, mask)
+    return torch.exp(l_B).clamp(max=cap)  # exp may give inf (l > 88 in float32): clamped to cap
+
+
+def sequence_mask(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, lo: float, hi: float) -> Tensor:
+    """Sequence-level masking (rejection) on the length-normalized ratio.
+
+    keep_i = 1 if lo <= rho_i <= hi else 0 -> ``[B]`` 0/1 (float), detached; rows without response
+    tokens have rho_i = 1 and are kept when 1 is in range (they contribute 0 anyway). Pass it as
+    ``weight`` (the dropped sequences still count in the caller's normalizer), alone or multiplied into
+    TIS weights.
+    """
+    _check_bounds(lo, hi)
+    d_BT, l_B, _ = _mismatch(old_logp, sampler_logp, mask)
+    rho_B = torch.exp(l_B)  # inf or 0 at the extremes: compares correctly
+    return ((rho_B >= lo) & (rho_B <= hi)).to(d_BT.dtype)
+
+
+def token_mask(
+    old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, lo: float = 0.5, hi: float = 5.0
+) -> Tensor:
+    """Token-level masking (IcePop, Ring-1T arXiv 2510.18855): keep tokens with lo <= k_it <= hi.
+
+    k_it = pi_old(y_it) / pi_sampler(y_it) = exp(old_logp_it - sampler_logp_it). Returns ``[B, T]`` 0/1
+    (float), 0 on padding, detached. Defaults [0.5, 5] are IcePop's [alpha, beta].
+
+    Two ways to use it with a token-aggregating loss (GRPO, SAPO-token, CISPO, GSPO-token):
+    ``weight=keep_BT`` drops the tokens and keeps the denominators (|y_i|, the normalizer), as in
+    IcePop's objective; ``mask=mask_BT * keep_BT`` removes them from the denominators as well (and,
+    for GSPO / SAPO / GMPO, from the sequence ratio's mean).
+    """
+    _check_bounds(lo, hi)
+    d_BT, _, _ = _mismatch(old_logp, sampler_logp, mask)
+    k_BT = torch.exp(d_BT)
+    return (mask.detach().bool() & (k_BT >= lo) & (k_BT <= hi)).to(d_BT.dtype)
+
+
+def icepop_weights(
+    old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, lo: float = 0.5, hi: float = 5.0
+) -> Tensor:
+    """IcePop's M(k) = k if lo <= k <= hi else 0, per token -> ``[B, T]``, 0 on padding, detached.
+
+    The masked-and-reweighted form of the Ring-1T objective: ``grpo_loss(..., weight=M)`` is
+    -(1/N) sum_i (1/|y_i|) sum_t M(k_it) min(r_it A, clip(r_it) A) with r_it = pi_theta / pi_old.
+    """
+    keep_BT = token_mask(old_logp, sampler_logp, mask, lo, hi)
+    d_BT, _, _ = _mismatch(old_logp, sampler_logp, mask)
+    return torch.where(keep_BT.bool(), torch.exp(d_BT), torch.zeros_like(d_BT))
+
+
+def token_tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
+    """Token-level truncated importance sampling: min(k_it, cap) -> ``[B, T]``, 0 on padding, detached.
+
+    For the token-aggregating losses' ``weight``. cap = 2 is the value of Yao et al. (2025, "Your
+    efficient RL framework secretly brings you off-policy RL training").
+    """
+    _check_cap(cap)
+    d_BT, _, _ = _mismatch(old_logp, sampler_logp, mask)
+    valid_BT = mask.detach().bool()
+    return torch.where(valid_BT, torch.exp(d_BT).clamp(max=cap), torch.zeros_like(d_BT))
+
+
+def mismatch_metrics(
+    old_logp: Tensor,
+    sampler_logp: Tensor,
+    mask: Tensor,
+    *,
+    tis_cap: float | None = None,
+    seq_bounds: tuple[float, float] | None = None,
+    token_bounds: tuple[float, float] | None = None,
+    token_tis_cap: float | None = None,
+) -> dict[str, Tensor]:
+    """Train/inference mismatch statistics -> dict of detached 0-dim tensors.
+
+    With d_it = old_logp_it - sampler_logp_it (tokens sampled from pi_sampler), l_i its per-sequence
+    mean, rho = e^l, k = e^d:
+
+    - ``mismatch_k1_tok``: mean over tokens of -d (k1 estimate of KL(pi_sampler || pi_old) per token);
+      ``mismatch_k3_tok``: mean over tokens of k - 1 - d (k3 estimate, >= 0 termwise).
+    - ``mismatch_k1_seq``: mean over sequences of -l_i (the same per-token KL, averaging each
+      sequence's tokens first); ``mismatch_k3_seq``: mean over sequences of rho_i - 1 - l_i.
+    - ``mismatch_ratio_tok_min`` / ``_max`` (k), ``mismatch_ratio_seq`` / ``_seq_min`` / ``_seq_max`` (rho).
+    - ``tis_cap`` given (:func:`sequence_tis_weights`): ``tis_weight_seq`` (mean weight),
+      ``tis_trunc_frac_seq`` / ``tis_trunc_frac_tok`` (share of sequences with rho_i > cap, and of
+      tokens in them).
+    - ``seq_bounds=(lo, hi)`` (:func:`sequence_mask`): ``seq_mask_frac_seq`` / ``seq_mask_frac_tok``
+      (share of sequences dropped, and of tokens in them).
+    - ``token_bounds=(lo, hi)`` (:func:`token_mask`, :func:`icepop_weights`): ``tok_mask_frac_tok``
+      (share of tokens dropped) and ``tok_mask_frac_seq`` (each sequence's dropped share, averaged).
+    - ``token_tis_cap`` given (:func:`token_tis_weights`): ``tok_tis_trunc_frac_tok`` /
+      ``tok_tis_trunc_frac_seq`` (share of tokens with k > cap; per sequence, averaged).
+
+    Only rows with response tokens count; with none at all every mean is 0 and min/max are 1.
+    """
+    d_BT, l_B, n_tok_B = _mismatch(old_logp, sampler_logp, mask)
+    valid_BT = mask.detach().bool()
+    has_tok_B = n_tok_B > 0
+    n_tok = n_tok_B.sum().clamp(min=1)
+    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+
+    def seq_mean(x_B: Tensor) -> Tensor:
+        return torch.where(has_tok_B, x_B, torch.zeros_like(x_B)).sum() / n_seq
+
+    def tok_frac(bad_BT: Tensor) -> tuple[Tensor, Tensor]:  # (over tokens, per sequence averaged)
+        bad_BT = (bad_BT & valid_BT).to(n_tok_B.dtype)
+        return bad_BT.sum() / n_tok, seq_mean(bad_BT.sum(-1) / n_tok_B.clamp(min=1))
+
+    def seq_frac(bad_B: Tensor) -> tuple[Tensor, Tensor]:  # (over sequences, over tokens)
+        bad_B = (bad_B & has_tok_B).to(n_tok_B.dtype)
+        return bad_B.sum() / n_seq, (bad_B * n_tok_B).sum() / n_tok
+
+    l_clamped_B = l_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    rho_B = torch.exp(l_clamped_B)
+    k_BT = torch.exp(d_BT)
+    out = {
+        "mismatch_k1_tok": -d_BT.sum() / n_tok,
+        "mismatch_k3_tok": _k3(d_BT, n_tok_B),
+        "mismatch_k1_seq": seq_mean(-l_B),
+        "mismatch_k3_seq": seq_mean(torch.expm1(l_clamped_B) - l_clamped_B),
+    }
+    tok = _ratio_stats("r", torch.exp(d_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), valid_BT)
+    out["mismatch_ratio_tok_min"], out["mismatch_ratio_tok_max"] = tok["r_min"], tok["r_max"]
+    seq = _ratio_stats("r", rho_B, has_tok_B)
+    out["mismatch_ratio_seq"] = seq["r_mean"]
+    out["mismatch_ratio_seq_min"], out["mismatch_ratio_seq_max"] = seq["r_min"], seq["r_max"]
+    if tis_cap is not None:
+        _check_cap(tis_cap)
+        out["tis_weight_seq"] = seq_mean(torch.exp(l_B).clamp(max=tis_cap))
+        out["tis_trunc_frac_seq"], out["tis_trunc_frac_tok"] = seq_frac(torch.exp(l_B) > tis_cap)
+    if seq_bounds is not None:
+        lo, hi = seq_bounds
+        _check_bounds(lo, hi)
+        rho_raw_B = torch.exp(l_B)
+        out["seq_mask_frac_seq"], out["seq_mask_frac_tok"] = seq_frac(
+            ~((rho_raw_B >= lo) & (rho_raw_B <= hi))
+        )
+    if token_bounds is not None:
+        lo, hi = token_bounds
+        _check_bounds(lo, hi)
+        out["tok_mask_frac_tok"], out["tok_mask_frac_seq"] = tok_frac(~((k_BT >= lo) & (k_BT <= hi)))
+    if token_tis_cap is not None:
+        _check_cap(token_tis_cap)
+        out["tok_tis_trunc_frac_tok"], out["tok_tis_trunc_frac_seq"] = tok_frac(k_BT > token_tis_cap)
+    return out
