@@ -387,18 +387,19 @@ def _temperature(adv: Tensor, tau_neg: float, tau_pos: float) -> Tensor:
 def _soft_gate(log_r: Tensor, tau: Tensor) -> Tensor:
     """f(r) = (4/tau) sigmoid(tau (r - 1)) from log r, so df/d log r = 4 sigmoid(x) sigmoid(-x) r.
 
-    x = tau * expm1(log r) (exact near r = 1). For x > 0 it is written (4/tau) (1 - sigmoid(-x)): the
-    autograd slope sigmoid(.) (1 - sigmoid(.)) is then taken of the small sigmoid in both tails, so the
-    gradient keeps its relative precision where the gate has decayed.
+    x = tau * (exp(log r) - 1), not expm1 (whose autograd slope expm1 + 1 loses the relative precision
+    of small r). For x > 0 it is written (4/tau) (1 - sigmoid(-x)): the autograd slope
+    sigmoid(.) (1 - sigmoid(.)) is then taken of the small sigmoid, so the gradient keeps its relative
+    precision where the gate has decayed (x >= -tau, so the other tail is never deep).
     """
-    x = tau * torch.expm1(log_r)
+    x = tau * (torch.exp(log_r) - 1.0)
     c = 4.0 / tau
     return torch.where(x > 0, c - c * torch.sigmoid(-x), c * torch.sigmoid(x))
 
 
 def _gate_slope(log_r: Tensor, tau: Tensor) -> Tensor:
     """g = 4 sigmoid(x) sigmoid(-x) in (0, 1]: SAPO's gradient relative to the unclipped one (1 at r = 1)."""
-    x = tau * torch.expm1(log_r)
+    x = tau * (torch.exp(log_r) - 1.0)
     return 4.0 * torch.sigmoid(x) * torch.sigmoid(-x)
 
 
