@@ -558,9 +558,9 @@ def cispo_loss(
     Args:
         eps_low: lower IS-weight clip 1 - eps_low. Default 1.0, i.e. no lower bound (the paper sets
             eps_low^IS "to a large value" and only tunes the upper one).
-        eps_high: upper IS-weight clip 1 + eps_high. The paper does not publish its eps_high^IS; the
-            default 0.28 is DAPO's clip-higher value, as used by open re-implementations (ScaleRL and
-            Tinker cap the weight much higher, at 4, i.e. eps_high = 3).
+        eps_high: upper IS-weight clip 1 + eps_high. The paper does not state its eps_high^IS; the
+            default 0.28 is DAPO's clip-higher value, as in open re-implementations (e.g. Trinity-RFT);
+            Tinker's CISPO caps the weight much higher, at 4 (eps_high = 3).
         advantages: ``[B]`` or ``[B, T]``.
         weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
 
