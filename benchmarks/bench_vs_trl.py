@@ -48,7 +48,10 @@ from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_m
 from gspo.rollout.hf import HFRolloutEngine, left_pad
 from gspo.tasks import build_task
 from gspo.tasks.synthetic import synthetic_examples
-from gspo.train import loop as L
+from gspo.train import batch as BA
+from gspo.train import rollout as RO
+from gspo.train import run as RN
+from gspo.train import update as U
 
 PROMPTS, G, NEW_TOKENS, MINIBATCHES = 8, 8, 8, 4
 LR, BETAS = 3e-4, (0.9, 0.99)
@@ -93,7 +96,7 @@ class Setup:
         self.tok = build_char_tokenizer()
         self.task = build_task("reverse", "exact_match", 0, 8)
         self.examples = synthetic_examples("reverse", PROMPTS * n_rollouts, 0)
-        self.prompt_ids = L.encode_prompts(self.tok, self.examples, _cfg())
+        self.prompt_ids = RO.encode_prompts(self.tok, self.examples, _cfg())
 
     def batch(self, r: int) -> tuple[list[Any], list[list[int]]]:
         s = slice(r * PROMPTS, (r + 1) * PROMPTS)
@@ -188,7 +191,7 @@ def trl_run(kind: str, su: Setup, n: int, between: Callable[[int], None]) -> lis
 
 def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     model = _model(kind, su.tok)
-    opt, sched = L.make_optimizer(model, cfg)  # what ``gspo train`` uses (fused AdamW, warmup 0)
+    opt, sched = RN.make_optimizer(model, cfg)  # what ``gspo train`` uses (fused AdamW, warmup 0)
     engine = HFRolloutEngine(
         model, su.tok.eos_token_id, su.tok.pad_token_id, torch.Generator().manual_seed(0)
     )
@@ -202,8 +205,8 @@ def gspo_stepper(kind: str, su: Setup, cfg: Config) -> Stepper:
     def step(r: int) -> dict[str, tuple[float, float]]:
         ex, ids = su.batch(r)
         t0 = _now()
-        data, _ = L.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
-        L.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
+        data, _ = RO.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
+        U.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
         return {"": _since(t0)}
 
     return step
@@ -214,7 +217,7 @@ def floor_stepper(kind: str, su: Setup) -> Stepper:
     4 x (``response_logprobs`` in gspo's layout, trivial loss, backward, AdamW step)."""
     cfg = _cfg()
     model, opt, _, engine = _gspo_state(kind, su, cfg)
-    layout = L._layout(model, cfg)
+    layout = U.choose_layout(model, cfg)
 
     def step(r: int) -> dict[str, tuple[float, float]]:
         _, ids = su.batch(r)
@@ -223,11 +226,11 @@ def floor_stepper(kind: str, su: Setup) -> Stepper:
         rb = engine.generate(rep, NEW_TOKENS, 1.0)
         t_gen = _since(t0)
         p_ids, p_mask = left_pad(rep, su.tok.pad_token_id)
-        data = L.RolloutData(
+        data = BA.RolloutData(
             p_ids, p_mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, torch.zeros(len(rep))
         )
         mb = len(rep) // MINIBATCHES
-        mbs = [data.slice(slice(i * mb, (i + 1) * mb)) for i in range(MINIBATCHES)]
+        mbs = [data.rows(slice(i * mb, (i + 1) * mb)) for i in range(MINIBATCHES)]
         model.train()
         t0 = _now()
         for m in mbs:
@@ -326,24 +329,24 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
         finally:
             depth["vol"] -= 1
 
-    orig_vol = L._volatility
-    loss_fn, lo, hi = L.LOSSES[cfg.algo]
+    orig_vol = U.measure_volatility
+    loss_fn, lo, hi = U.LOSSES[cfg.algo]
     patches = [
         (engine, "generate", timed("generate", engine.generate)),
-        (L, "safe_rewards", timed("rewards", L.safe_rewards)),
-        (L, "group_advantages", timed("advantages", L.group_advantages)),
-        (L, "micro_batches", timed("slicing/trim", L.micro_batches)),
-        (L, "_forward", timed(fwd_key, L._forward)),
-        (L, "_volatility", timed("volatility", vol)),
+        (RO, "safe_rewards", timed("rewards", RO.safe_rewards)),
+        (RO, "group_advantages", timed("advantages", RO.group_advantages)),
+        (U, "split_minibatches", timed("slicing/trim/layout", U.split_minibatches)),
+        (U, "forward", timed(fwd_key, U.forward)),
+        (U, "measure_volatility", timed("volatility", vol)),
         (torch.Tensor, "backward", timed("train bwd", torch.Tensor.backward)),
-        (torch.nn.utils, "clip_grad_norm_", timed("grad clip", torch.nn.utils.clip_grad_norm_)),
+        (torch.nn.utils, "get_total_norm", timed("grad clip", torch.nn.utils.get_total_norm)),
         (opt, "step", timed("optimizer step", opt.step)),
     ]
     totals = defaultdict(float)
     with contextlib.ExitStack() as st:
         for obj, name, val in patches:
             st.enter_context(_patched(obj, name, val))
-        L.LOSSES[cfg.algo] = (timed("loss fn", loss_fn), lo, hi)
+        U.LOSSES[cfg.algo] = (timed("loss fn", loss_fn), lo, hi)
         try:
             for r in range(n):
                 if r == 1:  # drop warm-up
@@ -351,14 +354,14 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
                     totals.clear()
                 ex, ids = su.batch(r)
                 t0 = time.process_time()
-                data, _ = L.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
+                data, _ = RO.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
                 t1 = time.process_time()
-                L.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
+                U.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
                 t2 = time.process_time()
                 totals["collect_rollout"] += t1 - t0
                 totals["policy_update"] += t2 - t1
         finally:
-            L.LOSSES[cfg.algo] = (loss_fn, lo, hi)
+            U.LOSSES[cfg.algo] = (loss_fn, lo, hi)
     k = n - 1
     out = {name: v / k for name, v in acc.items()}
     gen_side = out.get("generate", 0) + out.get("rewards", 0) + out.get("advantages", 0)
@@ -378,8 +381,8 @@ def torch_op_profile(kind: str, su: Setup, n: int, rows: int) -> str:
 
     def step(r: int) -> None:
         ex, ids = su.batch(r)
-        data, _ = L.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
-        L.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
+        data, _ = RO.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
+        U.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
 
     step(0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -34,9 +34,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from gspo.config import Config
+    from gspo.model.forward import PolicyLogprobs
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
     from gspo.train import distributed as D
-    from gspo.train.loop import RolloutData, policy_update
+    from gspo.train.batch import RolloutData
+    from gspo.train.update import policy_update
 
     blob = torch.load(args.data, weights_only=False)
     data: RolloutData = blob["data"]
@@ -49,7 +51,7 @@ def main() -> None:
         rank, world = ctx.rank, ctx.world_size
         rows = local_rows(data.adv_B.shape[0], cfg.num_minibatches, rank, world)
         local = RolloutData(*(getattr(data, f)[rows] for f in RolloutData.__dataclass_fields__))
-        model = D.wrap(build_tiny_moe(vocab, seed=0), cfg, ctx)
+        model = D.wrap(PolicyLogprobs(build_tiny_moe(vocab, seed=0)), cfg, ctx)
         rollout = D.rollout_model(model, ctx)
         opt = make_optimizer(run["opt"], model.parameters(), run["lr"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

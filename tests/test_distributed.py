@@ -14,7 +14,8 @@ import torch
 
 from gspo.config import Config
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
-from gspo.train.loop import RolloutData, policy_update
+from gspo.train.batch import RolloutData
+from gspo.train.update import policy_update
 
 pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
@@ -40,6 +41,20 @@ RUNS = [
     }
     for par in ("fsdp", "ddp")
     for opt in ("adamw", "sgd")
+] + [
+    {  # a token-level aggregation: the normalizer counts the tokens of both ranks
+        "name": f"{par}-sgd-grpo-token_mean",
+        "opt": "sgd",
+        "lr": 0.1,
+        "cfg": {
+            **BASE_CFG,
+            "parallel": par,
+            "max_grad_norm": 0.0,
+            "algo": "grpo",
+            "aggregation": "token_mean",
+        },
+    }
+    for par in ("fsdp", "ddp")
 ]
 
 
@@ -164,7 +179,8 @@ def test_two_process_update_equals_single_process(distributed, run):
     assert got["rollout_tied"]
     assert got["opt_diff"] == 0.0  # the full optimizer state survives a save/load round trip
     if run["opt"] == "adamw":  # (plain SGD keeps no state)
-        assert got["opt_keys"] == sorted(n for n, _ in ref.named_parameters())
+        # the trainer's forward module holds the HF model as ``.model``
+        assert got["opt_keys"] == sorted("model." + n for n, _ in ref.named_parameters())
 
 
 def test_optimizer_state_converts_between_process_counts():

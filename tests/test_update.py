@@ -8,7 +8,8 @@ import torch
 from gspo.config import Config
 from gspo.model.forward import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, left_pad
-from gspo.train.loop import RolloutData, policy_update
+from gspo.train.batch import RolloutData
+from gspo.train.update import policy_update
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +151,11 @@ def test_micro_batching_and_packing_do_not_change_the_update(tiny_moe, batch, kw
 
 
 def _count_forwards(model, data, **kw):
-    from gspo.train.loop import _layout
+    from gspo.train.update import choose_layout
 
     m = copy.deepcopy(model)
     cfg = Config(prompts_per_step=2, group_size=8, **kw).validate()
-    _layout(m, cfg)  # the one-time layout probe of a model is not part of an update
+    choose_layout(m, cfg)  # the one-time layout probe of a model is not part of an update
     calls = []
     base = getattr(m, m.base_model_prefix)
     h = base.register_forward_pre_hook(lambda *a: calls.append(1))
@@ -174,10 +175,11 @@ def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
     # auto: the HF engine in float32 is the trainer itself, so its log-probs are pi_old
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False, old_logp="rollout") == 4
-    # volatility needs pi_old's routing of minibatch 2 and reads the new routing off its training pass
-    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 1 + 4
-    # replay needs pi_old's routing of minibatches 2-4; the free routing of minibatch 2 its own pass
-    assert _count_forwards(model, batch, num_minibatches=4, routing_replay=True) == 3 + 1 + 4
+    # volatility: pi_old's routing of minibatch 2, and one look at it after the first optimizer step
+    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 1 + 4 + 1
+    # replay needs pi_old's routing of minibatches 2-4 (and volatility the same one look)
+    assert _count_forwards(model, batch, num_minibatches=4, routing_replay=True) == 3 + 4 + 1
+    assert _count_forwards(model, batch, num_minibatches=1, old_logp="rollout") == 1 + 1
 
 
 def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):
@@ -214,7 +216,7 @@ def test_prefix_sharing_on_needs_a_model_that_takes_4d_masks():
     error naming the field; ``auto`` falls back to per-row sequences."""
     from gspo.errors import GspoError
     from gspo.model.load import load_model_and_tokenizer
-    from gspo.train.loop import _layout
+    from gspo.train.update import choose_layout as _layout
 
     model, _ = load_model_and_tokenizer("embedded:tiny-dense")
     assert _layout(model, Config(prefix_sharing="auto").validate()) == "shared_prefix"
@@ -232,7 +234,7 @@ def test_other_architectures_get_a_layout_that_is_exact(arch):
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from gspo.model.forward import shared_prefix_is_exact, takes_additive_mask
-    from gspo.train.loop import _layout
+    from gspo.train.update import choose_layout as _layout
 
     torch.manual_seed(0)
     if arch == "gpt2":

@@ -1,7 +1,40 @@
-"""gspo: Group Sequence Policy Optimization for RL post-training of causal LMs."""
+"""gspo: Group Sequence Policy Optimization for RL post-training of causal LMs.
+
+``gspo.train(gspo.Config(steps=50))`` makes the same run as ``gspo train --steps 50``.
+"""
 
 from gspo.advantages import group_advantages
-from gspo.losses import LOSSES, grpo_loss, gspo_loss, gspo_token_loss
+from gspo.config import Config
+from gspo.losses import (
+    LOSSES,
+    cispo_loss,
+    gmpo_loss,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    sapo_loss,
+    sapo_token_loss,
+)
 
-__all__ = ["LOSSES", "group_advantages", "grpo_loss", "gspo_loss", "gspo_token_loss"]
+
+def train(cfg: Config):  # noqa: ANN201 (imported lazily: `import gspo` stays light)
+    """Run RL post-training as configured; returns a :class:`gspo.train.loop.TrainResult`."""
+    from gspo.train.loop import train as _train
+
+    return _train(cfg)
+
+
+__all__ = [
+    "LOSSES",
+    "Config",
+    "cispo_loss",
+    "gmpo_loss",
+    "group_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "sapo_loss",
+    "sapo_token_loss",
+    "train",
+]
 __version__ = "0.1.0"

@@ -123,15 +123,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return _launch_torchrun(cfg.nproc)
     from gspo.train.loop import train
 
-    summary = train(cfg)
+    res = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
-        init, final = summary.get("initial_accuracy"), summary.get("final_accuracy")
+        init, final = res.initial_accuracy, res.final_accuracy
         if init is not None and final is not None:
             print(f"held-out accuracy: {init:.3f} -> {final:.3f} ({100 * (final - init):+.1f} points)")
-        print(
-            f"run folder: {summary['run_dir']}  (final model: {summary.get('final_dir')}, "
-            f"curves: {summary.get('plot')})"
-        )
+        print(f"run folder: {res.run_dir}  (final model: {res.final_dir}, curves: {res.plot})")
     return 0
 
 
@@ -164,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         print(
-            f"\ngspo: interrupted; {e or 'the last checkpoint is kept (continue with --resume)'}",
+            f"\ngspo: interrupted; {str(e) or 'the last checkpoint is kept (continue with --resume)'}",
             file=sys.stderr,
         )
         return 130

@@ -41,7 +41,8 @@ def _warm_start_once(base: Config, seed: int, out: Path) -> str | None:
 
     from gspo.model.load import load_model_and_tokenizer, save_pretrained
     from gspo.tasks import build_task
-    from gspo.train.loop import encode_prompts, warm_start
+    from gspo.train.rollout import encode_prompts
+    from gspo.train.sft import warm_start
 
     transformers.utils.logging.disable_progress_bar()
     folder = out / f"warm-start-s{seed}"

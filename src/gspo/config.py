@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -85,8 +86,11 @@ class Config:
     """Lower clip range (default per algo: gspo 3e-4, grpo 0.2)."""
     eps_high: float | None = None
     """Upper clip range (default per algo: gspo 4e-4, grpo 0.27)."""
-    grpo_aggregation: str = "seq_mean_token_mean"
-    """GRPO loss aggregation: ``seq_mean_token_mean`` (GRPO paper) or ``token_mean`` (DAPO)."""
+    aggregation: str | None = None
+    """Token aggregation of the token-level losses (grpo, sapo_token, cispo): ``seq_mean_token_mean``
+    (per-sequence token mean, then mean over sequences: GRPO paper) or ``token_mean`` (sum over all
+    tokens of the optimizer step / their count: DAPO, CISPO). Default: the loss's own (grpo and
+    sapo_token: seq_mean_token_mean; cispo: token_mean)."""
     adv_scale: str = "group"
     """Advantage scaling: ``group`` std, ``batch`` std, or ``none`` (center only)."""
     old_logp: str = "auto"
@@ -184,7 +188,7 @@ class Config:
             "old_logp": ("auto", "recompute", "rollout"),
             "reward_on_error": ("error", "zero"),
             "dtype": ("float32", "bfloat16", "float16"),
-            "grpo_aggregation": ("seq_mean_token_mean", "token_mean"),
+            "aggregation": (None, "seq_mean_token_mean", "token_mean"),
             "rollout_engine": ("hf", "vllm"),
             "parallel": ("fsdp", "ddp"),
             "packing": ("auto", "on", "off"),
@@ -192,7 +196,7 @@ class Config:
         }
         for f, allowed in choices.items():
             if getattr(self, f) not in allowed:
-                raise bad(f, f"must be one of {', '.join(allowed)}")
+                raise bad(f, f"must be one of {', '.join(str(a) for a in allowed if a is not None)}")
         positive = [
             "steps",
             "prompts_per_step",
@@ -219,15 +223,27 @@ class Config:
         ]:
             if getattr(self, f) < 0:
                 raise bad(f, "must be >= 0")
-        for f in ["lr", "sft_lr"]:
+        for f in dataclasses.fields(self):  # inf or nan passes every comparison below: refuse it first
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad(f.name, "must be a finite number")
+        for f in ["lr", "sft_lr", "temperature", "lora_alpha"]:
             if not getattr(self, f) > 0:
                 raise bad(f, "must be > 0")
-        if not self.temperature > 0:
-            raise bad("temperature", "must be > 0")
+        for f in ["weight_decay", "max_grad_norm"]:
+            if getattr(self, f) < 0:
+                raise bad(f, "must be >= 0")
+        for f in ["adam_beta1", "adam_beta2"]:
+            if not 0 <= getattr(self, f) < 1:
+                raise bad(f, "must be in [0, 1)")
         for f in ["eps_low", "eps_high"]:
             v = getattr(self, f)
-            if v is not None and not 0 <= v < 1:
-                raise bad(f, "must be in [0, 1)")
+            if v is not None and v < 0:
+                raise bad(f, "must be >= 0")
+        if self.eps_low is not None and self.algo in ("gspo", "gspo_token", "grpo") and self.eps_low > 1:
+            raise bad("eps_low", f"must be <= 1 for {self.algo} (the ratio's lower clip is 1 - eps_low)")
+        if self.prompts_per_step % self.nproc:
+            raise bad("prompts_per_step", f"must divide by nproc={self.nproc} (each rank samples its share)")
         if (self.prompts_per_step * self.group_size) % (self.num_minibatches * self.nproc):
             raise bad(
                 "num_minibatches",

@@ -24,7 +24,7 @@ def evaluate_checkpoint(
     from gspo.model.load import load_model_and_tokenizer
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.tasks import build_task
-    from gspo.train.loop import encode_prompts, evaluate
+    from gspo.train.rollout import encode_prompts, evaluate
 
     if not Path(path).is_dir():
         raise GspoError(f"checkpoint folder not found: {path}")

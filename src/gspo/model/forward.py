@@ -23,10 +23,12 @@ tokens, prompt then response, with position ids counting from 0 at its first pro
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from gspo.model.logprobs import (
@@ -55,6 +57,19 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+def attn_implementation(model: PreTrainedModel) -> str:
+    """The attention kernel the model runs (``sdpa``, ``eager``, ``flash_attention_2``, ...).
+
+    transformers exposes it only as ``config._attn_implementation`` (the name its own docs use); this
+    is the one place gspo reads it, and ``tests/test_update.py`` pins that it follows
+    ``set_attn_implementation``."""
+    return getattr(model.config, "_attn_implementation", None) or ""
+
+
+# probe results per model object: (probe name, key) -> bool; entries go with the model
+_PROBES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], bool]] = weakref.WeakKeyDictionary()
+
+
 def _probe(
     model: PreTrainedModel,
     name: str,
@@ -65,7 +80,8 @@ def _probe(
 ) -> bool:
     """Cached once per model (under ``name``/``key``): ``run()`` in eval mode gives ``(ref, got)`` that
     must agree within ``tol`` relative to ``ref`` (5e-2 for half precision); a raised ``errors`` is a no."""
-    cache = model.__dict__.setdefault(name, {})
+    cache = _PROBES.setdefault(model, {})
+    key = (name, key)
     if key not in cache:
         was_training = model.training
         model.eval()
@@ -88,7 +104,7 @@ def takes_additive_mask(model: PreTrainedModel) -> bool:
     and a probe (two tiny left-padded rows, both ways, once per model and attention implementation)
     agrees. The probe catches what the config does not tell, e.g. ALiBi biases built from the 2D mask."""
     cfg = model.config
-    impl = getattr(cfg, "_attn_implementation", None)
+    impl = attn_implementation(model)
     if impl not in ("sdpa", "eager"):
         return False
     types = getattr(cfg, "layer_types", None)
@@ -109,7 +125,7 @@ def takes_additive_mask(model: PreTrainedModel) -> bool:
         ]
         return logits[0], logits[1]
 
-    return _probe(model, "_gspo_additive_mask_ok", impl, run, tol=1e-3)
+    return _probe(model, "additive_mask", impl, run, tol=1e-3)
 
 
 def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
@@ -129,7 +145,7 @@ def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
         rows = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
         return rows, response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="shared_prefix")
 
-    return _probe(model, "_gspo_shared_prefix_ok", model.config._attn_implementation, run, tol=1e-3)
+    return _probe(model, "shared_prefix", attn_implementation(model), run, tol=1e-3)
 
 
 @dataclass
@@ -271,6 +287,38 @@ def response_logprobs(
     )
 
 
+class PolicyLogprobs(nn.Module):
+    """The trainer's forward as a module: ``Layout`` + responses -> response log-probs (+ entropy).
+
+    Data-parallel wrappers (DDP, FSDP2's root unit) hook a module's own ``forward``; the training
+    loop calls this module, so they wrap the computation it actually runs (base model, then the LM
+    head at response positions only) through public forwards, with no hooks moved by hand.
+    ``self.model`` is the Hugging Face causal LM (or its PEFT wrapper), so parameter names carry a
+    ``model.`` prefix.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        lay: Layout,
+        response_ids_BT: torch.Tensor,
+        response_mask_BT: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        return_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from gspo.model.lora import hf_module
+
+        hf = hf_module(self.model)
+        plain = lm_head_is_plain(hf)
+        return _logprobs(
+            hf, lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, plain
+        )
+
+
 def _logprobs(
     model: PreTrainedModel,
     lay: Layout,
@@ -311,6 +359,13 @@ def _logprobs(
     return logp_BT, ent_BT
 
 
+def probe(model: PreTrainedModel) -> None:
+    """Run (and cache) every probe of this model now: before sharding or routing capture, which the
+    probes' own plain forwards must not meet."""
+    lm_head_is_plain(model)
+    shared_prefix_is_exact(model)
+
+
 def lm_head_is_plain(model: PreTrainedModel) -> bool:
     """True when the causal LM's logits are exactly ``hidden @ W^T`` of its output embeddings, so the
     chunked LM head may replace them. Checked once per model by a probe on two tiny rows against the
@@ -329,4 +384,4 @@ def lm_head_is_plain(model: PreTrainedModel) -> bool:
         own = _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=False)
         return own, _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=True)
 
-    return _probe(model, "_gspo_plain_head", "ok", run, tol=1e-4, errors=())
+    return _probe(model, "plain_head", "", run, tol=1e-4, errors=())

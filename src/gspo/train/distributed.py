@@ -4,26 +4,23 @@ The loop calls only the functions here, so one process and N processes run the s
 ``WORLD_SIZE`` unset or 1 every function is a no-op; under ``torchrun`` (``WORLD_SIZE > 1``) they set up
 the process group (gloo on CPU, NCCL on CUDA), wrap the model (FSDP2 or DDP), and gather / reduce.
 
-The loop computes log-probs as ``base(...)`` (``model.model``) followed by the LM head weight used
-directly (no full-vocabulary logits on prompt positions), so the wrapper's *root* forward is never
-called. Both wrappers are therefore hooked on the base model:
+What gets wrapped is the trainer's forward module, :class:`~gspo.model.forward.PolicyLogprobs`
+(base model, then the LM head at response positions only), so both wrappers see the forward the
+loop really calls, through public APIs only:
 
-* FSDP2: ``fully_shard`` each decoder layer, then the root (the HF module, which keeps the LM head and,
-  with ``tie_word_embeddings``, the shared embedding in one group); the root's forward hooks are moved
-  from the HF module to its base model, so they run on the loop's ``base(...)`` call.
-* DDP: a :class:`DistributedDataParallel` whose pre/post-forward bookkeeping runs as hooks on the base
-  model (attribute access falls through to the HF module, so ``model.config`` etc. keep working).
+* FSDP2: ``fully_shard`` each decoder layer, then the :class:`PolicyLogprobs` root (which holds the
+  embeddings, final norm and LM head -- tied or not -- in one group).
+* DDP: ``DistributedDataParallel(policy)``.
 
 Each rank samples its own prompts and stops at EOS, so its generation forwards differ from the other
-ranks'; nothing collective may run inside generation. DDP samples from ``model.module`` (a full
-replica). FSDP samples from an unsharded copy made before sharding, refreshed after every update by
-:func:`sync_rollout_model` (collective). That copy costs one extra full model per rank.
+ranks'; nothing collective may run inside generation. DDP samples from the HF module inside the
+wrapper (a full replica). FSDP samples from an unsharded copy made before sharding, refreshed after
+every update by :func:`sync_rollout_model` (collective). That copy costs one extra full model per rank.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gspo.config import Config
+from gspo.model.forward import PolicyLogprobs
 
 
 @dataclass
@@ -77,49 +75,13 @@ def setup(cfg: Config) -> DistContext:
 # wrapping
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The HF base model (``model.model``) the loop runs; the module itself if it has none."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    return base if isinstance(base, nn.Module) else model
+PREFIX = "model."  # PolicyLogprobs holds the HF module as ``.model``
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks transformers itself never splits (``_no_split_modules``)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = list(getattr(_base(model), "layers", []))
-    return layers
-
-
-class _BaseHookedDDP(nn.parallel.DistributedDataParallel):
-    """DDP whose forward bookkeeping runs around the HF *base* model's forward (what the loop calls);
-    unknown attributes fall through to the wrapped HF module (``base_model_prefix``, ``config``, ...)."""
-
-    def __init__(self, module: nn.Module, **kw: Any) -> None:
-        super().__init__(module, **kw)
-        base = _base(module)
-        base.register_forward_pre_hook(self._base_pre_forward, with_kwargs=True, prepend=True)
-        base.register_forward_hook(self._base_post_forward)
-
-    def _base_pre_forward(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not torch.is_grad_enabled():  # pi_old / generation forwards: nothing to synchronise
-            return args, kwargs
-        return self._pre_forward(*args, **kwargs)
-
-    def _base_post_forward(self, _mod: nn.Module, _args: tuple, output: Any) -> Any:
-        return self._post_forward(output) if torch.is_grad_enabled() else output
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # the hooks on the base model do DDP's work
-        return self.module(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module" or "module" not in self.__dict__.get("_modules", {}):
-                raise
-            return getattr(self._modules["module"], name)
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
@@ -127,55 +89,45 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
         dist.broadcast(t.data, src=0)
 
 
-def _fsdp(model: nn.Module, ctx: DistContext) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    base = _base(model)
-    if base is not model:  # the loop calls base(...) directly: run the root's hooks around it
-        state = model._get_fsdp_state()
-        state._pre_forward_hook_handle.remove()
-        state._post_forward_hook_handle.remove()
-        state._pre_forward_hook_handle = base.register_forward_pre_hook(
-            state._pre_forward, prepend=True, with_kwargs=True
-        )
-        state._post_forward_hook_handle = base.register_forward_hook(state._post_forward, prepend=False)
-    return model
-
-
-def wrap(model: Any, cfg: Config, ctx: DistContext) -> Any:
-    """Data-parallel wrapper (FSDP2 or DDP) when world_size > 1; the model itself otherwise."""
+def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
+    """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself."""
     if not _distributed(ctx):
-        return model
-    _broadcast_from_rank0(model)  # identical replicas whatever happened before (init, warm start)
+        return policy
+    from gspo.model.forward import probe
+    from gspo.model.lora import hf_module
+
+    probe(hf_module(policy.model))  # the probes' plain forwards cannot run on sharded weights
+    _broadcast_from_rank0(policy)  # identical replicas whatever happened before (init, warm start)
     if cfg.parallel == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # buffers (rotary tables) never change; syncing them is a collective inside every forward
-        params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
-        no_sync = (
-            {"forward_sync_buffers": False}
-            if "forward_sync_buffers" in params
-            else {"broadcast_buffers": False}
-        )
-        return _BaseHookedDDP(model, device_ids=ids, **no_sync)
-    ctx.rollout_copy = copy.deepcopy(model).requires_grad_(False)  # tying survives deepcopy
-    return _fsdp(model, ctx)
+        return nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ctx.rollout_copy = copy.deepcopy(policy.model).requires_grad_(False)  # tying survives deepcopy
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for layer in _decoder_layers(policy.model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    return policy
 
 
-def unwrap(model: Any) -> Any:
-    """The plain HF module inside a DDP wrapper (FSDP2 modules are the HF module itself)."""
+def unwrap(model: nn.Module) -> PolicyLogprobs:
+    """The :class:`PolicyLogprobs` inside a DDP wrapper (an FSDP2 module is the module itself)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def rollout_model(model: Any, ctx: DistContext) -> Any:
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face causal LM (or its PEFT wrapper) the trainer trains."""
+    return unwrap(model).model
+
+
+def rollout_model(model: nn.Module, ctx: DistContext) -> nn.Module:
     """The module the rollout engine samples from: one without collectives in its forward."""
     if ctx.rollout_copy is not None:
         return ctx.rollout_copy
-    return unwrap(model)
+    return hf_model(model)
 
 
 def _reshard(model: nn.Module) -> None:
@@ -190,14 +142,14 @@ def _reshard(model: nn.Module) -> None:
 @torch.no_grad()
 def sync_rollout_model(model: Any, rollout: Any, ctx: DistContext) -> None:
     """Copy updated weights into the rollout module when it is a separate copy (collective)."""
-    if rollout is None or rollout is unwrap(model):
+    if rollout is None or rollout is hf_model(model):
         return None
     from torch.distributed.tensor import DTensor
 
     _reshard(model)
     dst = dict(rollout.named_parameters())
-    for name, p in model.named_parameters():
-        dst[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+    for name, p in unwrap(model).named_parameters():
+        dst[name.removeprefix(PREFIX)].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
     return None
 
 
@@ -208,7 +160,8 @@ def _is_fsdp(model: Any) -> bool:
 
 
 def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | None:
-    """Unsharded model state on rank 0 (collective; every rank must call). None: use the module's own."""
+    """Unsharded HF-named model state on rank 0 (collective; every rank must call). None: use the
+    module's own."""
     if not _distributed(ctx):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -216,7 +169,7 @@ def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | N
     if _is_fsdp(model):
         _reshard(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return sd if ctx.rank == 0 else None
+    return {k.removeprefix(PREFIX): v for k, v in sd.items()} if ctx.rank == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,6 +238,24 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def global_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over ranks (``t`` itself in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when ``flag`` is true on any (collective)."""
+    if not _distributed(ctx):
+        return flag
+    t = torch.tensor([float(flag)], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def mean_metrics(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:

@@ -77,28 +77,40 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 class Progress:
-    """One self-updating status line on a terminal; a plain line every ``every`` steps otherwise."""
+    """A tqdm bar on a terminal; without one (job logs, CI) tqdm's same status text as one plain line
+    every ``every`` steps, so logs stay readable."""
 
-    def __init__(self, total: int, label: str, enabled: bool = True, every: int = 10) -> None:
-        self.total, self.label, self.enabled, self.every = total, label, enabled, every
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.time()
+    def __init__(
+        self, total: int, label: str, enabled: bool = True, initial: int = 0, every: int = 10
+    ) -> None:
+        from tqdm.auto import tqdm
+
+        self.enabled, self.every, self.tty = enabled, every, sys.stderr.isatty()
+        self.bar = tqdm(
+            total=total,
+            desc=label,
+            initial=initial,
+            disable=not (enabled and self.tty),
+            file=sys.stderr,
+            dynamic_ncols=True,
+            leave=True,
+        )
+        self.label, self.total, self.t0 = label, total, time.time()
 
     def update(self, done: int, info: str = "") -> None:
         if not self.enabled:
             return
-        el = time.time() - self.t0
-        eta = el / max(done, 1) * (self.total - done)
-        width = 24
-        bar = "#" * int(width * done / max(self.total, 1))
-        line = f"{self.label} [{bar:<{width}}] {done}/{self.total} {el:5.0f}s eta {eta:4.0f}s {info}"
         if self.tty:
-            sys.stderr.write("\r" + line[:160].ljust(160))
-            if done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+            self.bar.set_postfix_str(info, refresh=False)
+            self.bar.update(done - self.bar.n)
         elif done % self.every == 0 or done >= self.total:
+            line = self.bar.format_meter(
+                done, self.total, time.time() - self.t0, prefix=self.label, postfix=info
+            )
             print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 PLOT_PANELS = [

@@ -1,0 +1,99 @@
+"""What flows through an RL step: a rollout batch, and the micro-batches the update cuts it into."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from gspo.model.forward import Layout, make_layout
+from gspo.model.routing import Routing
+
+
+@dataclass
+class RolloutData:
+    """One rollout batch on this rank: ``B = prompts x G`` rows, the G rows of a group contiguous."""
+
+    prompt_ids_BP: torch.Tensor  # [B, P] left-padded prompt tokens
+    prompt_mask_BP: torch.Tensor  # [B, P] 1 on real prompt tokens
+    response_ids_BT: torch.Tensor  # [B, T] right-padded response tokens (final EOS included)
+    response_mask_BT: torch.Tensor  # [B, T] 1 on response tokens
+    sampler_logp_BT: torch.Tensor  # [B, T] log pi_sampler of each sampled token (0 on padding)
+    adv_B: torch.Tensor  # [B] group-normalized advantage of each response
+
+    def rows(self, idx: slice | torch.Tensor) -> RolloutData:
+        """The rows ``idx`` (a slice or an index tensor), trimmed to their own longest prompt/response."""
+        return RolloutData(*(getattr(self, f.name)[idx] for f in fields(self))).trim()
+
+    def trim(self) -> RolloutData:
+        """Drop prompt columns that are padding in every row (left) and response columns (right)."""
+        keep_p = self.prompt_mask_BP.any(0).nonzero()
+        keep_t = self.response_mask_BT.any(0).nonzero()
+        p0 = int(keep_p[0]) if len(keep_p) else self.prompt_mask_BP.shape[1] - 1
+        t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
+        return RolloutData(
+            self.prompt_ids_BP[:, p0:],
+            self.prompt_mask_BP[:, p0:],
+            self.response_ids_BT[:, :t1],
+            self.response_mask_BT[:, :t1],
+            self.sampler_logp_BT[:, :t1],
+            self.adv_B,
+        )
+
+    def to(self, device: torch.device | str) -> RolloutData:
+        return RolloutData(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def __len__(self) -> int:
+        return self.adv_B.shape[0]
+
+
+@dataclass
+class MicroBatch:
+    """The rows of one forward/backward and everything the loss needs for them.
+
+    ``old_logp_BT`` and ``old_routing`` are pi_old's, filled in by ``update.attach_pi_old`` before
+    any optimizer step, or -- for the first minibatch, still on-policy -- from its own first forward.
+    """
+
+    data: RolloutData
+    layout: Layout  # model inputs, built once for every forward of these rows
+    old_logp_BT: torch.Tensor | None = None  # trainer's pi_old log-probs [B, T] (None: not computed)
+    old_routing: Routing | None = None  # pi_old's experts per MoE layer (R2 replay, volatility)
+    replay: Routing | None = None  # experts forced in the training forward (None: the router chooses)
+
+    @property
+    def mask_BT(self) -> torch.Tensor:
+        return self.data.response_mask_BT
+
+    @property
+    def n_tokens(self) -> torch.Tensor:
+        return self.mask_BT.sum()
+
+    @property
+    def n_sequences(self) -> torch.Tensor:
+        return (self.mask_BT.sum(-1) > 0).sum()
+
+
+def split_minibatches(
+    data: RolloutData, n_minibatches: int, micro_size: int, layout: str, mask_dtype: torch.dtype
+) -> list[list[MicroBatch]]:
+    """``n_minibatches`` contiguous slices of ``data`` (the paper's minibatches), each cut into
+    micro-batches of at most ``micro_size`` rows of similar length (length bucketing, so little
+    compute goes to padding), each with its model inputs laid out as ``layout``."""
+    size = len(data) // n_minibatches
+    out = []
+    for i in range(n_minibatches):
+        mb = data.rows(slice(i * size, (i + 1) * size))
+        if micro_size >= size:
+            parts = [mb]
+        else:
+            order = torch.argsort(mb.prompt_mask_BP.sum(-1) + mb.response_mask_BT.sum(-1), stable=True)
+            parts = [mb.rows(order[j : j + micro_size]) for j in range(0, size, micro_size)]
+        out.append([MicroBatch(p, _layout_of(p, layout, mask_dtype)) for p in parts])
+    return out
+
+
+def _layout_of(d: RolloutData, layout: str, mask_dtype: torch.dtype) -> Layout:
+    return make_layout(
+        d.prompt_ids_BP, d.prompt_mask_BP, d.response_ids_BT, d.response_mask_BT, layout, mask_dtype
+    )

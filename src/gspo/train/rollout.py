@@ -1,0 +1,126 @@
+"""Rollout side of an RL step: prompts -> G responses each -> rewards -> group advantages.
+
+Also the held-out evaluation (greedy decoding, the same reward), which uses the same engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from gspo.advantages import group_advantages
+from gspo.config import Config
+from gspo.errors import GspoError
+from gspo.rollout.base import RolloutEngine
+from gspo.rollout.hf import left_pad
+from gspo.tasks import Task
+from gspo.tasks.datasets import Example
+from gspo.tasks.rewards import safe_rewards
+from gspo.train.batch import RolloutData
+
+
+def completion_texts(tokenizer: Any, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> list[str]:
+    """Decoded responses without their final EOS (one batched tokenizer call)."""
+    from transformers import PreTrainedTokenizerFast
+
+    seqs = []
+    for ids, n in zip(ids_BT.tolist(), mask_BT.sum(-1).tolist(), strict=True):
+        ids = ids[:n]
+        seqs.append(ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids)
+    # exactly transformers' fast tokenizer (no subclass that could change decoding) without clean-up:
+    # decode the batch in one backend call (4x faster than its per-sequence loop, same strings)
+    plain = type(tokenizer) is PreTrainedTokenizerFast
+    if plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=True)
+
+
+def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list[list[int]]:
+    """Token ids per prompt (chat template if asked); too-long prompts are an error naming the prompt."""
+    from gspo.tasks.datasets import apply_chat_template
+
+    out = []
+    for ex in examples:
+        text = (
+            apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if cfg.chat_template else ex.prompt
+        )
+        ids = tokenizer(text, add_special_tokens=not cfg.chat_template).input_ids
+        if not ids:
+            raise GspoError(f"prompt is empty after tokenization: {ex.prompt[:60]!r}")
+        if len(ids) > cfg.max_prompt_tokens:
+            raise GspoError(
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: "
+                f"{ex.prompt[:60]!r}"
+            )
+        out.append(ids)
+    return out
+
+
+def collect_rollout(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Task,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    cfg: Config,
+) -> tuple[RolloutData, dict[str, float]]:
+    """G samples per prompt, rewards, group advantages -> RolloutData (groups contiguous)."""
+    G = cfg.group_size
+    rep_ids = [p for p in prompt_ids for _ in range(G)]
+    t0 = time.time()
+    rb = engine.generate(rep_ids, cfg.max_new_tokens, cfg.temperature)
+    t_gen = time.time() - t0
+    completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
+    prompts = [e.prompt for e in examples for _ in range(G)]
+    answers = [e.answer for e in examples for _ in range(G)]
+    rewards, n_bad = safe_rewards(
+        task.reward, prompts, completions, answers, on_error=cfg.reward_on_error, name=task.reward_name
+    )
+    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(examples), G)
+    adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
+    p_ids, p_mask = left_pad(rep_ids, tokenizer.pad_token_id)
+    lengths = rb.response_mask_BT.sum(-1).float()
+    eos = (rb.response_ids_BT == tokenizer.eos_token_id).any(-1).float()
+    metrics = {
+        "rollout/reward_mean": float(rewards_NG.mean()),
+        "rollout/reward_std": float(rewards_NG.std(correction=0)),
+        "rollout/solved_groups": float((rewards_NG.std(1, correction=0) == 0).float().mean()),
+        "rollout/response_len": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": float(1 - eos.mean()),
+        "rollout/empty_completions": float(sum(1 for c in completions if not c.strip())),
+        "rollout/reward_errors": float(n_bad),
+        "time/generate_s": t_gen,
+    }
+    data = RolloutData(
+        p_ids,
+        p_mask,
+        rb.response_ids_BT.cpu(),
+        rb.response_mask_BT.cpu(),
+        rb.sampler_logp_BT.float().cpu(),
+        adv_B,
+    )
+    return data, metrics
+
+
+@torch.no_grad()
+def evaluate(
+    engine: RolloutEngine, tokenizer: Any, task: Task, prompt_ids: list[list[int]], cfg: Config
+) -> dict[str, float]:
+    """Greedy decoding on the held-out set: mean reward and accuracy (reward >= 1)."""
+    rb = engine.generate(prompt_ids, cfg.max_new_tokens, 1.0, greedy=True)
+    completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
+    ex = task.eval
+    rewards, _ = safe_rewards(
+        task.reward,
+        [e.prompt for e in ex],
+        completions,
+        [e.answer for e in ex],
+        on_error=cfg.reward_on_error,
+        name=task.reward_name,
+    )
+    r = np.asarray(rewards, dtype=np.float64)
+    return {"eval/reward_mean": float(r.mean()), "eval/accuracy": float((r >= 1.0 - 1e-9).mean())}

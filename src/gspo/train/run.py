@@ -1,0 +1,309 @@
+"""A training run: everything ``train()`` needs, opened (fresh or resumed) and saved in one place.
+
+:meth:`Run.open` loads the model, tokenizer and task, resumes from the newest checkpoint or warm-starts,
+applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engine and the logger.
+:meth:`Run.save` writes an atomic checkpoint (HF weights + everything exact resume needs).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gspo.config import Config, save_yaml
+from gspo.errors import GspoError
+from gspo.model.forward import PolicyLogprobs
+from gspo.model.load import load_model_and_tokenizer, save_pretrained
+from gspo.rollout.base import RolloutEngine
+from gspo.tasks import Task, build_task
+from gspo.train import checkpoint as ckpt
+from gspo.train import distributed as dist_utils
+from gspo.train.logger import MetricsLogger, read_metrics
+from gspo.train.rollout import encode_prompts, evaluate
+from gspo.train.update import choose_layout
+
+# fields a resumed run may change: they steer the run, not the math of what it trains
+RESUMABLE_CHANGES = {"resume", "steps", "eval_every", "save_every", "progress", "threads", "wandb", "nproc"}
+
+
+@dataclass
+class Run:
+    cfg: Config
+    dctx: dist_utils.DistContext
+    policy: nn.Module  # the trainer's forward (PolicyLogprobs, DDP/FSDP-wrapped when distributed)
+    tokenizer: Any
+    task: Task
+    train_ids: list[list[int]]  # token ids of every training prompt
+    eval_ids: list[list[int]]  # ... and of every held-out prompt
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: RolloutEngine
+    sampler: nn.Module  # the module the engine samples from (shares weights, or a synced copy)
+    sample_gen: torch.Generator  # this rank's sampling randomness (checkpointed)
+    is_moe: bool
+    logger: MetricsLogger | None  # rank 0 only
+    step: int = 0  # last finished RL step
+    data_pos: int = 0  # prompts consumed (epoch-wise shuffled order)
+    last_saved: int = -1
+    updating: bool = False  # inside the policy update of a step (weights may have changed)
+    initial: dict[str, Any] = field(default_factory=dict)  # held-out metrics before RL
+
+    @property
+    def rank(self) -> int:
+        return self.dctx.rank
+
+    @property
+    def world(self) -> int:
+        return self.dctx.world_size
+
+    @property
+    def hf(self) -> nn.Module:
+        """The Hugging Face model being trained (its PEFT wrapper with LoRA)."""
+        return dist_utils.hf_model(self.policy)
+
+    # --------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, cfg: Config) -> Run:
+        """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest checkpoint."""
+        from gspo.model.routing import is_moe
+        from gspo.train.sft import warm_start
+
+        dctx = dist_utils.setup(cfg)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        resume_from, state = _check_run_dir(cfg, dctx.rank)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)
+        model.to(dctx.device)
+        task, train_ids, eval_ids = _load_task(cfg, model, tokenizer)
+        moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
+        choose_layout(PolicyLogprobs(model), cfg)  # a layout the model cannot take fails now
+        progress = cfg.progress and dctx.rank == 0
+        if resume_from is not None:
+            _load_weights(model, cfg, resume_from)
+        elif cfg.sft_steps:
+            warm_start(model, tokenizer, task.train, train_ids, cfg, dctx.device, progress)
+        model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
+        policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx)
+        optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
+        sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
+        sampler = dist_utils.rollout_model(policy, dctx)
+        run = cls(
+            cfg, dctx, policy, tokenizer, task, train_ids, eval_ids, optimizer, scheduler,
+            make_engine(cfg, sampler, tokenizer, sample_gen), sampler, sample_gen, moe, None,
+        )  # fmt: skip
+        if state is not None:
+            run._restore(state)
+        run.logger = (
+            MetricsLogger(cfg.run_dir, run.step if state else None, cfg.wandb, cfg.to_dict())
+            if dctx.rank == 0
+            else None
+        )
+        if state is None:
+            run.initial = run.evaluate()
+            run.log(0, run.initial)
+            run.save()
+        elif dctx.rank == 0:
+            run.initial = state.get("initial") or read_metrics(cfg.run_dir / "metrics.jsonl")[0]
+        return run
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        dist_utils.load_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"], self.dctx)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = self.last_saved = state["step"]
+        self.data_pos = state["data_pos"]
+        gens = state["sample_gen"]
+        if self.rank < len(gens):  # a rank the saved run did not have keeps its fresh seed
+            self.sample_gen.set_state(gens[self.rank])
+        ckpt.set_rng_state(state["rng"])
+
+    # --------------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy accuracy (rank 0; the other ranks return nothing)."""
+        if self.rank != 0:
+            return {}
+        return evaluate(self.engine, self.tokenizer, self.task, self.eval_ids, self.cfg)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    def save(self) -> None:
+        """Checkpoint the last finished step (collective: every rank calls it)."""
+        _check_finite(self.policy, self.step, self.last_saved)
+        gens = dist_utils.gather_objects(self.sample_gen.get_state(), self.dctx)
+        full_sd = dist_utils.full_state_dict(self.policy, self.dctx)
+        opt_sd = dist_utils.optimizer_state_dict(self.policy, self.optimizer, self.dctx)
+        if self.rank == 0:
+            state = {
+                "optimizer": opt_sd,
+                "scheduler": self.scheduler.state_dict(),
+                "step": self.step,
+                "data_pos": self.data_pos,
+                "sample_gen": gens,
+                "rng": ckpt.rng_state(),
+                "config": self.cfg.to_dict(),
+                "initial": self.initial,
+            }
+            ckpt.save_checkpoint(
+                self.cfg.run_dir, self.step, lambda p: save_hf(self.hf, self.tokenizer, p, full_sd), state
+            )
+        self.last_saved = self.step
+
+    def maybe_save(self) -> None:
+        every, step = self.cfg.save_every, self.step
+        if step == self.cfg.steps or (every and step % every == 0):
+            self.save()
+
+    def sync_sampler(self) -> None:
+        """After an update: the sampler's weights become the trainer's."""
+        dist_utils.sync_rollout_model(self.policy, self.sampler, self.dctx)
+        self.engine.sync_weights()
+
+
+# ------------------------------------------------------------------------------------------------
+# the pieces of Run.open
+
+
+def _check_run_dir(cfg: Config, rank: int) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to resume from and its state (None, None for a fresh run); refuses to overwrite
+    an existing run, and refuses a resume that would change what the run trains."""
+    run_dir = cfg.run_dir
+    latest = ckpt.latest_checkpoint(run_dir)
+    if cfg.resume and latest is None:
+        raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints")
+    if not cfg.resume and latest is not None:
+        raise GspoError(
+            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or "
+            "--name to start a new run"
+        )
+    state = ckpt.load_trainer_state(latest) if latest is not None else None
+    if state is not None:
+        saved = state["config"]
+        changed = [
+            k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+        ]
+        if changed:
+            k = changed[0]
+            raise GspoError(
+                f"--resume: config field '{k}' differs from the run being resumed ({saved[k]!r} -> "
+                f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
+                "a new run with --name"
+            )
+    if rank == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise GspoError(f"config field 'output_dir': cannot create {run_dir}: {e.strerror}") from None
+        save_yaml(cfg, run_dir / "config.yaml")  # after a resume only RESUMABLE_CHANGES can differ
+    return latest, state
+
+
+def _load_task(
+    cfg: Config, model: nn.Module, tokenizer: Any
+) -> tuple[Task, list[list[int]], list[list[int]]]:
+    task = build_task(
+        cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field
+    )
+    ctx_len = getattr(model.config, "max_position_embeddings", None)
+    if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
+        raise GspoError(
+            f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
+            f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}"
+        )
+    return task, encode_prompts(tokenizer, task.train, cfg), encode_prompts(tokenizer, task.eval, cfg)
+
+
+def _load_weights(model: nn.Module, cfg: Config, resume_from: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
+    weights_dir = cfg.run_dir / "checkpoints" / "lora-base" if cfg.lora_rank else resume_from
+    saved = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(saved.state_dict())
+
+
+def _apply_lora(
+    model: nn.Module, tokenizer: Any, cfg: Config, dctx: dist_utils.DistContext, resume_from: Path | None
+) -> nn.Module:
+    if not cfg.lora_rank:
+        return model
+    from gspo.model.lora import apply_lora
+
+    if dctx.world_size > 1:
+        raise GspoError("config field 'lora_rank': LoRA runs in one process for now (use nproc 1)")
+    if resume_from is None:  # the frozen base, saved once; checkpoints then hold only adapters
+        save_pretrained(model, tokenizer, cfg.run_dir / "checkpoints" / "lora-base")
+    model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    if resume_from is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(
+            model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors"))
+        )
+    return model
+
+
+def _check_finite(policy: nn.Module, step: int, last_saved: int) -> None:
+    """Refuse to checkpoint non-finite weights (a diverged run keeps its last good checkpoint)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
+        where = f"the last good checkpoint is step {last_saved}" if last_saved >= 0 else "nothing was saved"
+        raise GspoError(
+            f"weights are not finite after step {step} (lr too high?); {where} (lower 'lr' / 'sft_lr')"
+        )
+
+
+def save_hf(
+    model: Any, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """HF folder loadable by ``from_pretrained``; with LoRA the adapters are merged in and also kept
+    on their own under ``adapter/`` (for resuming and for PEFT users)."""
+    from gspo.model.lora import is_peft, merged_copy
+
+    if is_peft(model):
+        save_pretrained(merged_copy(model), tokenizer, path)
+        model.save_pretrained(Path(path) / "adapter")
+        return
+    if state_dict is not None:
+        model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+    else:
+        save_pretrained(model, tokenizer, path)
+
+
+def make_optimizer(
+    model: nn.Module, cfg: Config, world_size: int = 1
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the trainable parameters and a linear-warmup LR schedule."""
+    # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        fused=world_size == 1,
+    )
+    warm = max(cfg.warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    return optimizer, scheduler
+
+
+def make_engine(cfg: Config, model: nn.Module, tokenizer: Any, generator: torch.Generator) -> RolloutEngine:
+    """Rollout engine by name; vLLM is imported only when selected."""
+    if cfg.rollout_engine == "vllm":
+        from gspo.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer)
+    from gspo.rollout.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)

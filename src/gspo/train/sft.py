@@ -1,0 +1,56 @@
+"""Supervised warm start: a few steps of next-token loss on (prompt, answer + EOS) before RL."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from gspo.config import Config
+from gspo.model.forward import response_logprobs
+from gspo.rollout.hf import left_pad
+from gspo.tasks.datasets import Example
+from gspo.train.logger import Progress
+
+
+def warm_start(
+    model: Any,
+    tokenizer: Any,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    cfg: Config,
+    device: torch.device,
+    progress: bool,
+) -> float:
+    """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss."""
+    rng = random.Random(cfg.seed + 7)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    bar = Progress(cfg.sft_steps, "warm start", enabled=progress)
+    answers = [
+        tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples
+    ]
+    loss_v = float("nan")
+    model.train()
+    for step in range(cfg.sft_steps):
+        idx = [rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)]
+        p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id, device)
+        resp = [answers[i] for i in idx]
+        T = max(map(len, resp))
+        r_ids = torch.full((len(idx), T), tokenizer.pad_token_id, dtype=torch.long)
+        r_mask = torch.zeros((len(idx), T), dtype=torch.long)
+        for k, a in enumerate(resp):
+            r_ids[k, : len(a)], r_mask[k, : len(a)] = torch.tensor(a), 1
+        r_ids, r_mask = r_ids.to(device), r_mask.to(device)
+        logp = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, 1.0, cfg.logp_chunk_size)
+        loss = -(logp * r_mask).sum() / r_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 10 == 0 or step == cfg.sft_steps - 1:
+            loss_v = float(loss.detach())
+        bar.update(step + 1, f"nll {loss_v:.3f}")
+    bar.close()
+    opt.zero_grad(set_to_none=True)  # no warm-start gradient may outlive it (e.g. on a LoRA-frozen base)
+    return loss_v

@@ -1,0 +1,116 @@
+"""The gradient of every optimizer step of ``policy_update`` is the gradient of the loss on that whole
+minibatch, computed directly with the loss's own default normalizer: for every algorithm and
+aggregation, in one pass and with micro-batches. (tests/test_distributed.py adds 2 ranks.)
+
+This pins the loop's normalizer: a unit-correct loss divided by the wrong count (sequences instead
+of tokens for ``token_mean``) scales this gradient and fails here.
+"""
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+from gspo.config import Config
+from gspo.losses import LOSSES
+from gspo.model.forward import response_logprobs
+from gspo.rollout.hf import HFRolloutEngine, left_pad
+from gspo.train.batch import RolloutData
+from gspo.train.update import policy_update
+
+
+def _cases():
+    for algo, (fn, _, _) in LOSSES.items():
+        if "aggregation" in inspect.signature(fn).parameters:
+            yield algo, "seq_mean_token_mean"
+            yield algo, "token_mean"
+        else:
+            yield algo, None
+
+
+CASES = list(_cases())
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_moe):
+    model, tok = tiny_moe
+    prompts = [tok(f"rev:{n}=").input_ids for n in [1, 12, 123, 1234, 12345, 123456, 1234567, 98] * 2]
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
+    rb = eng.generate(prompts, 10, temperature=1.0)
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    adv = torch.linspace(-1.5, 1.5, 16)[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+    # a sampler slightly off the trainer, so that pi_old = recompute differs from the sampler's numbers
+    sampler = rb.sampler_logp_BT + 0.01 * rb.response_mask_BT
+    return RolloutData(ids, mask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv)
+
+
+class _Recorder(torch.optim.SGD):
+    """SGD that keeps (parameters, gradients) as they are at each step."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.seen = []
+
+    def step(self, closure=None):
+        ps = [p for g in self.param_groups for p in g["params"]]
+        self.seen.append(
+            ([p.detach().clone() for p in ps], [p.grad.clone() if p.grad is not None else None for p in ps])
+        )
+        return super().step(closure)
+
+
+def _direct_grads(model, params, rows: RolloutData, old_logp_BT, algo, agg, cfg):
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, v in zip(m.parameters(), params, strict=True):
+            p.copy_(v)
+    lp = response_logprobs(
+        m,
+        rows.prompt_ids_BP,
+        rows.prompt_mask_BP,
+        rows.response_ids_BT,
+        rows.response_mask_BT,
+        cfg.temperature,
+    )
+    fn = LOSSES[algo][0]
+    kw = {"aggregation": agg} if agg else {}
+    loss, _ = fn(lp, old_logp_BT, rows.adv_B, rows.response_mask_BT, *cfg.clip_range(), **kw)
+    loss.backward()
+    return [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("micro", [0, 3])
+@pytest.mark.parametrize(("algo", "agg"), CASES, ids=[f"{a}-{g}" if g else a for a, g in CASES])
+def test_update_step_gradient_is_the_whole_minibatch_loss_gradient(tiny_moe, batch, algo, agg, micro):
+    model, _ = tiny_moe
+    kw = {"aggregation": agg} if agg else {}
+    cfg = Config(
+        prompts_per_step=2, group_size=8, num_minibatches=2, micro_batch_size=micro, algo=algo,
+        old_logp="recompute", max_grad_norm=0, log_volatility=False, temperature=0.9, **kw,
+    ).validate()  # fmt: skip
+    m = copy.deepcopy(model)
+    opt = _Recorder(m.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+    assert len(opt.seen) == 2
+    init = [p.detach().clone() for p in model.parameters()]
+    for i, (params, grads) in enumerate(opt.seen):
+        rows = batch.rows(slice(8 * i, 8 * (i + 1)))
+        with torch.no_grad():  # pi_old: the policy before the update
+            old = response_logprobs(
+                model,
+                rows.prompt_ids_BP,
+                rows.prompt_mask_BP,
+                rows.response_ids_BT,
+                rows.response_mask_BT,
+                0.9,
+            )
+        want = _direct_grads(model, params if i else init, rows, old, algo, agg, cfg)
+        scale = max(float(g.abs().max()) for g in want if g is not None)
+        assert scale > 0, "the case makes no gradient: it could not fail"
+        for g_got, g_want in zip(grads, want, strict=True):
+            if g_want is None:
+                assert g_got is None or float(g_got.abs().max()) == 0.0
+                continue
+            torch.testing.assert_close(g_got, g_want, atol=2e-6 * max(scale, 1.0), rtol=1e-4)
