@@ -128,6 +128,13 @@ def test_one_line_summary_of_vllm_errors():
     assert gv._one_line(ValueError(msg)) == "AuxOutput needs X; set Y."
     assert gv._one_line(RuntimeError("first\nsecond")) == "first"
     assert gv._one_line(RuntimeError("")) == "RuntimeError"
+    long = gv._one_line(
+        ValueError(
+            "Model architectures ['X'] are not supported for now. Supported architectures: " + "a" * 900
+        )
+    )
+    assert long == "Model architectures ['X'] are not supported for now."
+    assert len(gv._one_line(RuntimeError("b" * 900))) == 300
 
 
 def test_selecting_vllm_without_it_installed_is_one_line_error(tiny_moe):

@@ -71,14 +71,17 @@ _CPU_RELOAD_FIX_VERSIONS = ("0.32.",)
 _CPU_ROUTING_CAPTURE_VERSIONS = ("0.32.",)
 
 
-def _one_line(e: BaseException) -> str:
+def _one_line(e: BaseException, max_len: int = 300) -> str:
     """The most informative single line of an exception message (pydantic's 'Value error, ...' line
     for vLLM's config validation errors, else the first non-empty line)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
     for ln in lines:
         if ln.startswith("Value error,"):
-            return re.sub(r"\s*\[type=.*$", "", ln[len("Value error,") :].strip())
-    return lines[0] if lines else type(e).__name__
+            line = re.sub(r"\s*\[type=.*$", "", ln[len("Value error,") :].strip())
+            break
+    line = line.split(" Supported architectures:")[0]  # vLLM appends a dict of ~400 names
+    return line if len(line) <= max_len else line[: max_len - 3] + "..."
 
 
 def _import_vllm() -> Any:
@@ -701,6 +704,24 @@ class VLLMRolloutEngine:
                 f"(> {atol:g}); the in-memory weight sync does not work with this vLLM/model"
             )
         return diff
+
+    def close(self) -> None:
+        """Shut vLLM down and free its memory. vLLM keeps its (torch.distributed) parallel state per
+        process, so a process must close one engine before it makes another."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        with contextlib.suppress(Exception):
+            if core is not None:
+                core.shutdown()
+        del llm, core
+        import gc
+
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        gc.collect()
+        cleanup_dist_env_and_memory()
 
     # -- GPU memory ----------------------------------------------------------------------------
 
