@@ -311,3 +311,15 @@ def test_gradient_clipping_closed_form(tiny_moe, batch, max_norm):
     assert metrics["loss/grad_norm"] > 1e-3  # the advantages make a real gradient
     want = max_norm if metrics["loss/grad_norm"] > max_norm else metrics["loss/grad_norm"]
     assert step.item() == pytest.approx(want, rel=1e-4)
+
+
+def test_attn_implementation_is_read_where_transformers_sets_it():
+    """gspo reads the attention kernel in one place, from a field transformers keeps private
+    (``config._attn_implementation``); this fails if transformers moves it."""
+    from gspo.model.forward import attn_implementation
+    from gspo.model.load import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("embedded:tiny-dense")
+    for impl in ("eager", "sdpa"):
+        model.set_attn_implementation(impl)
+        assert attn_implementation(model) == impl

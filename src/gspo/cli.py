@@ -75,12 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a saved model (HF folder) on a task's held-out set.",
     )
     e.add_argument("checkpoint", help="HF model folder (e.g. runs/NAME/final)")
-    e.add_argument("--task", default="reverse", help="task name or dataset path [default: reverse]")
-    e.add_argument("--reward", default="exact_match", help="reward spec [default: exact_match]")
-    e.add_argument("--eval-size", type=int, default=200, help="held-out examples [default: 200]")
-    e.add_argument("--max-new-tokens", type=int, default=12, help="generation limit [default: 12]")
-    e.add_argument("--seed", type=int, default=0, help="seed the held-out split is drawn with [default: 0]")
-    e.add_argument("--chat-template", action="store_true", help="wrap prompts with the chat template")
+    from gspo.evaluate import EVAL_FIELDS
+
+    _add_config_flags(e, skip=tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS))
     return parser
 
 
@@ -108,8 +105,40 @@ def _launch_torchrun(nproc: int) -> int:
         "gspo",
         *args,
     ]
+    from gspo.train.distributed import die_with_parent
+
     env = dict(os.environ, GSPO_LAUNCHED="1")
-    return subprocess.call(cmd, env=env)
+    # own session: a terminal Ctrl-C reaches this launcher only, which passes one SIGTERM on (torchrun
+    # hands it to every rank: they checkpoint the finished step and stop); torchrun gets SIGTERM too
+    # if this process dies, even by kill -9 (and the ranks when torchrun dies)
+    proc = subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent
+    )
+    first = _relay_stderr(proc)
+    if first is not None and first.startswith("gspo: error:"):
+        return 2
+    return 130 if first is not None else proc.returncode
+
+
+def _relay_stderr(proc: subprocess.Popen) -> str | None:
+    """Copy the ranks' and torchrun's stderr to ours until a rank's one-line ``gspo:`` error or
+    interrupt message, which is shown once; torchrun's report of the failed ranks that follows it is
+    dropped. Returns that line (None if there was none)."""
+    import signal
+
+    first: str | None = None
+    while True:
+        try:
+            for line in proc.stderr:
+                if first is None and line.startswith(("gspo: error:", "gspo: interrupted")):
+                    first = line
+                    sys.stderr.write(line)
+                elif first is None:
+                    sys.stderr.write(line)
+            proc.wait()
+            return first
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -143,11 +172,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from gspo.evaluate import evaluate_checkpoint
+    from gspo.evaluate import EVAL_FIELDS, evaluate_checkpoint
 
-    out = evaluate_checkpoint(
-        ns.checkpoint, ns.task, ns.reward, ns.eval_size, ns.max_new_tokens, ns.seed, ns.chat_template
-    )
+    skip = tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS)
+    out = evaluate_checkpoint(ns.checkpoint, _overrides(ns, skip))
     print(json.dumps(out))
     return 0
 

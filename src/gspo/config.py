@@ -242,6 +242,11 @@ class Config:
                 raise bad(f, "must be >= 0")
         if self.eps_low is not None and self.algo in ("gspo", "gspo_token", "grpo") and self.eps_low > 1:
             raise bad("eps_low", f"must be <= 1 for {self.algo} (the ratio's lower clip is 1 - eps_low)")
+        if self.group_size < 2:
+            raise bad(
+                "group_size",
+                "must be >= 2: a group of one response always has advantage 0 (nothing to learn)",
+            )
         if self.prompts_per_step % self.nproc:
             raise bad("prompts_per_step", f"must divide by nproc={self.nproc} (each rank samples its share)")
         if (self.prompts_per_step * self.group_size) % (self.num_minibatches * self.nproc):

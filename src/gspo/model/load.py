@@ -129,15 +129,29 @@ def load_model_and_tokenizer(
         tokenizer = build_char_tokenizer()
         model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
         return model, tokenizer
+    for field, path in (("model", spec), ("tokenizer", tokenizer_spec)):
+        if path is not None and _looks_local(path) and not Path(path).expanduser().is_dir():
+            raise GspoError(f"config field '{field}': model folder not found: {path}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_spec or spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 (OSError, ValueError, safetensors' own error for a bad file...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GspoError(f"config field 'model': cannot load {spec!r}: {first}") from None
+        raise GspoError(f"config field 'model': cannot load {spec!r}: {type(e).__name__}: {first}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def _looks_local(spec: str) -> bool:
+    """A folder path rather than a hub id (``org/name``): absolute, relative with ``.``/``~``, more than
+    one ``/``, or a first component that exists here."""
+    return (
+        spec.startswith(("/", ".", "~"))
+        or spec.count("/") > 1
+        or ("/" in spec and Path(spec.split("/")[0]).exists())
+        or Path(spec).exists()
+    )
 
 
 def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> None:

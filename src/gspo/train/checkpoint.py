@@ -54,12 +54,16 @@ def save_checkpoint(
     final = root / f"step-{step:06d}"
     tmp = root / f"step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(tmp)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    for f in (p for p in tmp.rglob("*") if p.is_file()):
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        tmp.mkdir()
+        save_model(tmp)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        for f in (p for p in tmp.rglob("*") if p.is_file()):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:  # a full disk, Ctrl-C: no half checkpoint left behind (``latest`` is untouched)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gspo.config import Config
+from gspo.errors import GspoError
 from gspo.model.forward import PolicyLogprobs
 
 
@@ -46,7 +47,29 @@ class DistContext:
 def _device(cfg: Config, local_rank: int) -> torch.device:
     if cfg.device == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(cfg.device)
+    try:
+        dev = torch.device(cfg.device)
+    except RuntimeError:
+        raise GspoError(f"config field 'device': not a torch device: {cfg.device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GspoError("config field 'device': CUDA is not available on this machine (use 'auto' or 'cpu')")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise GspoError(
+            f"config field 'device': {cfg.device} does not exist ({torch.cuda.device_count()} GPUs)"
+        )
+    return dev
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent process dies (a ``kill -9``-ed launcher must not leave
+    ranks training on): the loop's handler then checkpoints the finished step and stops."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _distributed(ctx: DistContext) -> bool:
@@ -59,6 +82,7 @@ def setup(cfg: Config) -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(cfg, local_rank)
     if world > 1:
+        die_with_parent()  # the torchrun agent
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif cfg.threads == 0:

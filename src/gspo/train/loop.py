@@ -51,7 +51,7 @@ def train(cfg: Config) -> TrainResult:
     transformers.utils.logging.set_verbosity_error()
     cfg = cfg.validate()
     with _deferred_signals() as stop:
-        run = Run.open(cfg)
+        run = Run.open(cfg, should_stop=lambda: stop.requested)
         bar = Progress(cfg.steps, cfg.algo, enabled=cfg.progress and run.rank == 0, initial=run.step)
         skipped = 0
         while run.step < cfg.steps:

@@ -8,6 +8,7 @@ applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engin
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,9 @@ class Run:
 
     # --------------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, cfg: Config) -> Run:
-        """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest checkpoint."""
+    def open(cls, cfg: Config, should_stop: Callable[[], bool] = lambda: False) -> Run:
+        """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest checkpoint.
+        ``should_stop`` is polled by the warm start (Ctrl-C / SIGTERM)."""
         from gspo.model.routing import is_moe
         from gspo.train.sft import warm_start
 
@@ -85,12 +87,16 @@ class Run:
         model.to(dctx.device)
         task, train_ids, eval_ids = _load_task(cfg, model, tokenizer)
         moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
+        if cfg.routing_replay and not moe:
+            raise GspoError(
+                f"config field 'routing_replay': {cfg.model} is not a MoE model (no routers to replay)"
+            )
         choose_layout(PolicyLogprobs(model), cfg)  # a layout the model cannot take fails now
         progress = cfg.progress and dctx.rank == 0
         if resume_from is not None:
             _load_weights(model, cfg, resume_from)
         elif cfg.sft_steps:
-            warm_start(model, tokenizer, task.train, train_ids, cfg, dctx.device, progress)
+            warm_start(model, tokenizer, task.train, train_ids, cfg, dctx.device, progress, should_stop)
         model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
         policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx)
         optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
@@ -153,9 +159,16 @@ class Run:
                 "config": self.cfg.to_dict(),
                 "initial": self.initial,
             }
-            ckpt.save_checkpoint(
-                self.cfg.run_dir, self.step, lambda p: save_hf(self.hf, self.tokenizer, p, full_sd), state
-            )
+            try:
+                ckpt.save_checkpoint(
+                    self.cfg.run_dir, self.step, lambda p: save_hf(self.hf, self.tokenizer, p, full_sd), state
+                )
+            except OSError as e:  # e.g. a full disk
+                kept = f"step {self.last_saved}" if self.last_saved >= 0 else "none"
+                raise GspoError(
+                    f"cannot write checkpoint step {self.step} under {self.cfg.run_dir}/checkpoints: "
+                    f"{e.strerror or e}; the last complete checkpoint is kept ({kept})"
+                ) from None
         self.last_saved = self.step
 
     def maybe_save(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,8 +23,11 @@ def warm_start(
     cfg: Config,
     device: torch.device,
     progress: bool,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> float:
-    """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss."""
+    """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss.
+    ``should_stop()`` true (a Ctrl-C / SIGTERM) ends it with KeyboardInterrupt: a partial warm start is
+    not a state a run can resume from."""
     rng = random.Random(cfg.seed + 7)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     bar = Progress(cfg.sft_steps, "warm start", enabled=progress)
@@ -33,6 +37,12 @@ def warm_start(
     loss_v = float("nan")
     model.train()
     for step in range(cfg.sft_steps):
+        if should_stop():
+            bar.close()
+            raise KeyboardInterrupt(
+                f"stopped during the warm start (step {step} of {cfg.sft_steps}); no RL step had finished, "
+                "so nothing was saved: run the same command again to start over"
+            )
         idx = [rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)]
         p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id, device)
         resp = [answers[i] for i in idx]

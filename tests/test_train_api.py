@@ -1,0 +1,60 @@
+"""The Python API (``from gspo import Config, train``) end to end: what it writes is what it trained,
+every logged number is finite, and RL on the default task really raises held-out accuracy."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gspo import Config, train
+
+TINY = dict(
+    steps=4, sft_steps=60, eval_size=16, prompts_per_step=8, group_size=4, max_new_tokens=10,
+    eval_every=2, save_every=2, threads=1, progress=False,
+)  # fmt: skip
+
+
+def _state(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def test_api_run_saves_the_weights_it_trained_and_logs_finite_metrics(tmp_path):
+    res = train(Config(output_dir=str(tmp_path), name="api", **TINY))
+    assert res.run_dir == tmp_path / "api" and res.final_dir == tmp_path / "api" / "final"
+    trained = {k: v.detach() for k, v in res.model.state_dict().items()}
+    init = _state(tmp_path / "api" / "checkpoints" / "step-000002")
+    for path in (res.final_dir, tmp_path / "api" / "checkpoints" / "step-000004"):
+        saved = _state(path)
+        assert saved.keys() == trained.keys()
+        for k, v in trained.items():
+            torch.testing.assert_close(saved[k], v, atol=0, rtol=0, msg=k)
+    # the run moved the weights between the two checkpoints (the comparison above could fail)
+    assert max(float((init[k] - v).abs().max()) for k, v in trained.items()) > 0
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for r in rows[1:]:
+        bad = {k: v for k, v in r.items() if not (isinstance(v, int | float) and math.isfinite(v))}
+        assert not bad, bad  # a non-finite value is logged as null
+        assert 0 <= r["loss/clip_frac_tok"] <= 1 and 0 <= r["moe/volatility"] <= 1
+        assert r["loss/ratio_min"] <= r["loss/ratio_mean"] <= r["loss/ratio_max"]
+        assert r["loss/skipped_updates"] == 0 and r["loss/grad_norm"] >= 0
+    assert any(r["loss/grad_norm"] > 0 for r in rows[1:])
+    assert rows[-1]["eval/accuracy"] == res.final_accuracy
+    assert rows[0]["eval/accuracy"] == res.initial_accuracy
+
+
+@pytest.mark.slow
+def test_rl_raises_held_out_accuracy(tmp_path):
+    """A scaled-down default run (seed 0, ~25 s on one core): a shorter warm start leaves the policy at
+    partial accuracy (measured 0.10) and 200 GSPO steps of 16 prompts raise held-out greedy accuracy by
+    at least 12 points (measured 0.10 -> 0.31)."""
+    cfg = Config(
+        output_dir=str(tmp_path), name="learn", steps=200, sft_steps=150, prompts_per_step=16, eval_size=100,
+        eval_every=0, save_every=0, threads=1, progress=False,
+    )  # fmt: skip
+    res = train(cfg)
+    assert 0.02 <= res.initial_accuracy <= 0.6, res.initial_accuracy  # partial: RL has room and signal
+    assert res.final_accuracy - res.initial_accuracy >= 0.12, (res.initial_accuracy, res.final_accuracy)
