@@ -435,7 +435,8 @@ def _head_dim(config: Any) -> int | None:
 class VLLMRolloutEngine:
     """Rollouts with vLLM; the trainer's weights are pushed in by :meth:`sync_weights`.
 
-    Make it with :meth:`from_trainer`. ``last_sync_s`` is the wall time of the last weight push.
+    Make it with :meth:`from_trainer`. ``last_sync_s`` is the wall time of the last weight push,
+    ``last_sync_parts`` its parts (streaming + vLLM's reload, the CPU repack workaround, cache reset).
     """
 
     def __init__(
@@ -465,6 +466,7 @@ class VLLMRolloutEngine:
         self._asleep = False
         self._cpu_fixes = cpu_fixes
         self.last_sync_s = 0.0
+        self.last_sync_parts: dict[str, float] = {}
 
     @property
     def return_routing(self) -> bool:
@@ -668,10 +670,17 @@ class VLLMRolloutEngine:
             self.llm.collective_rpc(
                 "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
             )
+            t1 = time.perf_counter()
             if self._cpu_fixes:
                 self.llm.apply_model(_cpu_post_reload_fixes)
+        t2 = time.perf_counter()
         self.llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
         self.last_sync_s = time.perf_counter() - t0
+        self.last_sync_parts = {
+            "stream_reload_s": t1 - t0,
+            "cpu_fixes_s": t2 - t1,
+            "reset_s": t0 + self.last_sync_s - t2,
+        }
 
     def check_logprobs(self, probe: Sequence[int] | None = None, atol: float | None = None) -> float:
         """Max abs difference between vLLM's and the trainer's next-token log-probs along ``probe``
