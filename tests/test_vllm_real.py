@@ -208,6 +208,12 @@ class TestDense(_Checks):
         rows = [tuple(r) for r in a.response_ids_BT[:4].tolist()]
         assert len(set(rows)) > 1
         greedy = engine.generate(prompts, MAX_NEW, 1.0, greedy=True)
+        model = eng[0]
+        ids, m = left_pad(prompts, engine.pad_token_id)
+        with torch.no_grad():
+            lp = response_logprobs(model, ids, m, greedy.response_ids_BT, greedy.response_mask_BT)
+        mask = greedy.response_mask_BT.bool()
+        assert float((lp - greedy.sampler_logp_BT)[mask].abs().max()) < TOL  # greedy: T = 1 log-probs
         assert all(
             tuple(r) == tuple(greedy.response_ids_BT[0].tolist()) for r in greedy.response_ids_BT[:4].tolist()
         )

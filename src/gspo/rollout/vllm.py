@@ -491,7 +491,8 @@ class VLLMRolloutEngine:
         the config has that field). ``sleep_mode``: vLLM sleep mode (default: on GPU). ``check_sync``:
         after the first weight push, compare vLLM's log-probs of a short probe sequence with the
         trainer's and raise if they disagree (catches a weight sync that silently fails).
-        ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``).
+        ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_model_len``, default ``cfg.max_prompt_tokens +
+        cfg.max_new_tokens`` capped by the model's context; ``enforce_eager``, default True on CPU).
         """
         vllm = _import_vllm()
         from gspo.model.lora import is_peft
@@ -541,6 +542,15 @@ class VLLMRolloutEngine:
             load_format="dummy",  # real weights come from the in-memory push right below
             generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
         )
+        max_len = getattr(cfg, "max_prompt_tokens", None), getattr(cfg, "max_new_tokens", None)
+        if all(isinstance(v, int) and v > 0 for v in max_len):
+            # the longest sequence a rollout makes; a model's full context would need a larger KV cache
+            ctx_len = getattr(
+                getattr(model.config, "get_text_config", lambda: model.config)(),
+                "max_position_embeddings",
+                None,
+            )
+            kwargs["max_model_len"] = min(sum(max_len), ctx_len or sum(max_len))
         if on_cpu:
             # eager: torch.compile costs ~20 s at start, and the routing capture's Python hooks must
             # run at every forward (vLLM drops Dynamo's guards, so hooks bound after compiling are ignored)
