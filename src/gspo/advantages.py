@@ -74,3 +74,17 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1
         denom = std + torch.full_like(unit, eps) / unit
     # denom == 0 only when the std is 0 (all centered rewards are 0): avoid 0/0 when eps == 0
     return centered_NG / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def overlong_penalty(len_B: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to the reward:
+
+        0                                  if |y| <= max_len - buffer
+        factor * ((max_len - buffer) - |y|) / buffer    inside the last ``buffer`` tokens
+        -factor                            if |y| >= max_len (the response was cut off)
+
+    ``buffer = 0`` disables it (all zeros)."""
+    if buffer <= 0:
+        return torch.zeros_like(len_B, dtype=torch.float32)
+    over_B = (len_B.float() - (max_len - buffer)).clamp(min=0, max=buffer)
+    return -factor * over_B / buffer

@@ -98,6 +98,22 @@ class Config:
     sampler's log-probs, the paper's infrastructure simplification), or ``auto``: ``rollout`` when
     the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
     ``recompute``."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no gradient under group-normalized advantages) and
+    draw more prompts until the batch is full (DAPO); see ``dynamic_sampling_max_rounds``."""
+    dynamic_sampling_max_rounds: int = 4
+    """Extra sampling rounds dynamic sampling may draw per step; a batch still short after them is
+    filled with dropped groups (zero advantage: no gradient, counted in ``rollout/filtered_groups``)."""
+    overlong_filter: bool = False
+    """Give responses cut off at ``max_new_tokens`` (no EOS) zero advantage: out of the loss (DAPO)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: responses within the last N tokens before ``max_new_tokens`` get a
+    reward penalty growing linearly to ``overlong_penalty`` (0 disables)."""
+    overlong_penalty: float = 1.0
+    """Largest soft overlong penalty (reward units), reached at ``max_new_tokens``."""
+    keep_dropout: bool = False
+    """Keep the model's dropout on in training forwards. Off by default (as TRL): sampling runs in
+    eval mode, so dropout alone would move ratios out of GSPO's 3e-4 clip range."""
     routing_replay: bool = False
     """MoE only: force pi_old's experts in pi_theta's forward (Routing Replay; needed by GRPO)."""
     log_volatility: bool = True
@@ -220,6 +236,9 @@ class Config:
             "save_every",
             "threads",
             "lora_rank",
+            "dynamic_sampling_max_rounds",
+            "overlong_buffer",
+            "overlong_penalty",
         ]:
             if getattr(self, f) < 0:
                 raise bad(f, "must be >= 0")
@@ -242,6 +261,8 @@ class Config:
                 raise bad(f, "must be >= 0")
         if self.eps_low is not None and self.algo in ("gspo", "gspo_token", "grpo") and self.eps_low > 1:
             raise bad("eps_low", f"must be <= 1 for {self.algo} (the ratio's lower clip is 1 - eps_low)")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise bad("overlong_buffer", f"must be <= max_new_tokens={self.max_new_tokens}")
         if self.group_size < 2:
             raise bad(
                 "group_size",

@@ -20,10 +20,34 @@ class RolloutData:
     response_mask_BT: torch.Tensor  # [B, T] 1 on response tokens
     sampler_logp_BT: torch.Tensor  # [B, T] log pi_sampler of each sampled token (0 on padding)
     adv_B: torch.Tensor  # [B] group-normalized advantage of each response
+    reward_B: torch.Tensor | None = None  # [B] the reward each advantage came from
 
     def rows(self, idx: slice | torch.Tensor) -> RolloutData:
         """The rows ``idx`` (a slice or an index tensor), trimmed to their own longest prompt/response."""
-        return RolloutData(*(getattr(self, f.name)[idx] for f in fields(self))).trim()
+        return RolloutData(*(_take(getattr(self, f.name), idx) for f in fields(self))).trim()
+
+    @staticmethod
+    def cat(parts: list[RolloutData]) -> RolloutData:
+        """Rows of all ``parts`` in order (prompts left-padded, responses right-padded to one width)."""
+        P = max(d.prompt_ids_BP.shape[1] for d in parts)
+        T = max(d.response_ids_BT.shape[1] for d in parts)
+
+        def left(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (P - x.shape[1], 0))
+
+        def right(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+        rewards = [d.reward_B for d in parts]
+        return RolloutData(
+            torch.cat([left(d.prompt_ids_BP) for d in parts]),
+            torch.cat([left(d.prompt_mask_BP) for d in parts]),
+            torch.cat([right(d.response_ids_BT) for d in parts]),
+            torch.cat([right(d.response_mask_BT) for d in parts]),
+            torch.cat([right(d.sampler_logp_BT) for d in parts]),
+            torch.cat([d.adv_B for d in parts]),
+            None if any(r is None for r in rewards) else torch.cat(rewards),
+        )
 
     def trim(self) -> RolloutData:
         """Drop prompt columns that are padding in every row (left) and response columns (right)."""
@@ -38,13 +62,21 @@ class RolloutData:
             self.response_mask_BT[:, :t1],
             self.sampler_logp_BT[:, :t1],
             self.adv_B,
+            self.reward_B,
         )
 
     def to(self, device: torch.device | str) -> RolloutData:
-        return RolloutData(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return RolloutData(*(_take(getattr(self, f.name), None, device) for f in fields(self)))
 
     def __len__(self) -> int:
         return self.adv_B.shape[0]
+
+
+def _take(x: torch.Tensor | None, idx: slice | torch.Tensor | None, device: torch.device | str | None = None):
+    if x is None:
+        return None
+    x = x if idx is None else x[idx]
+    return x if device is None else x.to(device)
 
 
 @dataclass

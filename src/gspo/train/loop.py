@@ -22,6 +22,7 @@ from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example
 from gspo.train import distributed as dist_utils
+from gspo.train.batch import RolloutData
 from gspo.train.logger import Progress, plot_metrics, read_metrics
 from gspo.train.rollout import collect_rollout
 from gspo.train.run import Run, save_hf
@@ -76,8 +77,7 @@ def train(cfg: Config) -> TrainResult:
 def rl_step(run: Run) -> dict[str, float]:
     """One RL step on this rank: sample, score, update, sync the sampler. Returns its metrics."""
     cfg, t0 = run.cfg, time.time()
-    examples, prompt_ids = next_prompts(run)
-    data, metrics = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
+    data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
     metrics |= policy_update(
@@ -88,6 +88,40 @@ def rl_step(run: Run) -> dict[str, float]:
     metrics["time/update_s"], metrics["time/step_s"] = time.time() - t1, time.time() - t0
     metrics["lr"] = run.scheduler.get_last_lr()[0]
     return metrics
+
+
+def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
+    """The next prompts, G responses each, their rewards and group advantages.
+
+    With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no gradient: they are
+    dropped and more prompts drawn, every rank the same number of rounds (so all consume the same
+    prompts and resume stays exact); a batch still short after the last round is filled with dropped
+    groups (zero advantage)."""
+    cfg = run.cfg
+    examples, prompt_ids = next_prompts(run)
+    data, metrics = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
+    if not cfg.dynamic_sampling:
+        return data, metrics
+    G, want = cfg.group_size, len(examples)
+    kept: list[RolloutData] = []
+    dropped: list[RolloutData] = []
+    rounds, n_dropped = 1, 0
+    while True:
+        informative_N = data.reward_B.view(-1, G).std(1, correction=0) > 0
+        for g, ok in enumerate(informative_N.tolist()):
+            (kept if ok else dropped).append(data.rows(slice(g * G, (g + 1) * G)))
+        n_dropped += int((~informative_N).sum())
+        short = len(kept) < want
+        if not dist_utils.any_rank(short, run.dctx) or rounds > cfg.dynamic_sampling_max_rounds:
+            break
+        rounds += 1
+        examples, prompt_ids = next_prompts(run)
+        data, more = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
+        metrics["time/generate_s"] += more["time/generate_s"]
+    metrics["rollout/filtered_groups"] = float(n_dropped)
+    metrics["rollout/filled_groups"] = float(max(0, want - len(kept)))
+    metrics["rollout/sampling_rounds"] = float(rounds)
+    return RolloutData.cat((kept + dropped)[:want]), metrics
 
 
 def next_prompts(run: Run) -> tuple[list[Example], list[list[int]]]:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gspo.advantages import group_advantages
+from gspo.advantages import group_advantages, overlong_penalty
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.rollout.base import RolloutEngine
@@ -79,11 +79,14 @@ def collect_rollout(
     rewards, n_bad = safe_rewards(
         task.reward, prompts, completions, answers, on_error=cfg.reward_on_error, name=task.reward_name
     )
-    rewards_NG = torch.tensor(rewards, dtype=torch.float32).view(len(examples), G)
-    adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
-    p_ids, p_mask = left_pad(rep_ids, tokenizer.pad_token_id)
     lengths = rb.response_mask_BT.sum(-1).float()
     eos = (rb.response_ids_BT == tokenizer.eos_token_id).any(-1).float()
+    penalty_B = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    rewards_NG = (torch.tensor(rewards, dtype=torch.float32) + penalty_B).view(len(examples), G)
+    adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
+    if cfg.overlong_filter:  # a cut-off response says nothing about its (unseen) ending
+        adv_B = torch.where(eos.bool(), adv_B, 0.0)
+    p_ids, p_mask = left_pad(rep_ids, tokenizer.pad_token_id)
     metrics = {
         "rollout/reward_mean": float(rewards_NG.mean()),
         "rollout/reward_std": float(rewards_NG.std(correction=0)),
@@ -93,6 +96,7 @@ def collect_rollout(
         "rollout/truncated_frac": float(1 - eos.mean()),
         "rollout/empty_completions": float(sum(1 for c in completions if not c.strip())),
         "rollout/reward_errors": float(n_bad),
+        "rollout/overlong_penalty": float(penalty_B.mean()),
         "time/generate_s": t_gen,
     }
     data = RolloutData(
@@ -102,6 +106,7 @@ def collect_rollout(
         rb.response_mask_BT.cpu(),
         rb.sampler_logp_BT.float().cpu(),
         adv_B,
+        rewards_NG.view(-1),
     )
     return data, metrics
 

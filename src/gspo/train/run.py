@@ -85,6 +85,8 @@ class Run:
         np.random.seed(cfg.seed)
         model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)
         model.to(dctx.device)
+        if not cfg.keep_dropout:
+            disable_dropout(model)
         task, train_ids, eval_ids = _load_task(cfg, model, tokenizer)
         moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
         if cfg.routing_replay and not moe:
@@ -264,6 +266,17 @@ def _apply_lora(
             model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors"))
         )
     return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout probability 0 everywhere: ``nn.Dropout`` modules and the attention modules' own
+    ``attention_dropout`` / ``dropout`` rates (transformers applies those functionally in training)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for attr in ("attention_dropout", "attn_dropout", "dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
 
 
 def _check_finite(policy: nn.Module, step: int, last_saved: int) -> None:

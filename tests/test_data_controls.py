@@ -1,0 +1,107 @@
+"""Dynamic sampling, overlong handling and dropout: closed forms and behaviour through the public path."""
+
+import torch
+
+from gspo import Config, train
+from gspo.advantages import overlong_penalty
+from gspo.train.batch import RolloutData
+
+
+def test_overlong_penalty_closed_form():
+    """DAPO eq. 13 with L_max = 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at 10."""
+    got = overlong_penalty(torch.tensor([1, 6, 7, 9, 10]), max_len=10, buffer=4, factor=1.0)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.75, -1.0]
+    assert overlong_penalty(torch.tensor([10]), 10, 4, factor=0.5).tolist() == [-0.5]
+    assert overlong_penalty(torch.tensor([10]), 10, 0).tolist() == [0.0]
+
+
+def test_rollout_data_cat_pads_and_keeps_rows():
+    a = RolloutData(
+        torch.tensor([[0, 5]]), torch.tensor([[0, 1]]), torch.tensor([[7]]), torch.tensor([[1]]),
+        torch.tensor([[-0.5]]), torch.tensor([1.0]), torch.tensor([1.0]),
+    )  # fmt: skip
+    b = RolloutData(
+        torch.tensor([[4, 5, 6]]), torch.tensor([[1, 1, 1]]), torch.tensor([[8, 9]]), torch.tensor([[1, 1]]),
+        torch.tensor([[-0.1, -0.2]]), torch.tensor([-1.0]), torch.tensor([0.0]),
+    )  # fmt: skip
+    c = RolloutData.cat([a, b])
+    assert c.prompt_ids_BP.tolist() == [[0, 0, 5], [4, 5, 6]] and c.prompt_mask_BP.tolist() == [
+        [0, 0, 1],
+        [1, 1, 1],
+    ]
+    assert c.response_ids_BT.tolist() == [[7, 0], [8, 9]] and c.response_mask_BT.tolist() == [[1, 0], [1, 1]]
+    assert c.adv_B.tolist() == [1.0, -1.0] and c.reward_B.tolist() == [1.0, 0.0]
+
+
+TINY = dict(
+    steps=3, sft_steps=40, eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=10, eval_every=0,
+    threads=1, progress=False,
+)  # fmt: skip
+
+
+def _rows(run_dir):
+    import json
+
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+
+
+def test_dynamic_sampling_drops_uninformative_groups_and_resumes_exactly(tmp_path):
+    """Every step of a run with dynamic sampling filters groups (a weak policy solves none of many),
+    draws more rounds, and a run resumed from step 2 ends with the uninterrupted run's weights."""
+    cfg = dict(TINY, dynamic_sampling=True, dynamic_sampling_max_rounds=2, output_dir=str(tmp_path))
+    full = train(Config(name="full", **cfg))
+    rows = _rows(full.run_dir)
+    assert all(r["rollout/sampling_rounds"] >= 1 for r in rows)
+    assert sum(r["rollout/filtered_groups"] for r in rows) > 0
+    for r in rows:  # rounds stop once the batch is full, or after the last one, filling the rest
+        assert r["rollout/sampling_rounds"] <= 3
+        assert r["rollout/filled_groups"] == 0 or r["rollout/sampling_rounds"] == 3
+    part = train(Config(name="part", **{**cfg, "steps": 2}))
+    assert part.final_dir is not None
+    resumed = train(Config(name="part", resume=True, **cfg))
+    for (k, v), w in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+
+
+def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
+    """The soft penalty enters the rewards (so cut-off responses get advantages of their own), and the
+    filter then gives every cut-off response (no EOS) advantage 0 while the others keep theirs."""
+    from gspo.rollout.hf import HFRolloutEngine
+    from gspo.tasks import build_task
+    from gspo.train.rollout import collect_rollout, encode_prompts
+
+    model, tok = tiny_moe
+    task = build_task("reverse", "exact_match", 0, 8)
+    out = {}
+    for filt in (False, True):
+        cfg = Config(max_new_tokens=3, overlong_buffer=2, overlong_filter=filt, group_size=8).validate()
+        eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+        ex = task.train[:8]
+        data, m = collect_rollout(eng, tok, task, ex, encode_prompts(tok, ex, cfg), cfg)
+        cut_B = ~(data.response_ids_BT == tok.eos_token_id).any(-1)
+        out[filt] = (data, cut_B, m)
+    data, cut_B, m = out[False]
+    assert 0 < cut_B.float().mean() < 1 and m["rollout/overlong_penalty"] < 0
+    assert (data.reward_B[cut_B] <= -1.0).all()  # 3 tokens without EOS: the full penalty
+    assert data.adv_B[cut_B].abs().sum() > 0
+    data_f, cut_f, _ = out[True]
+    assert torch.equal(cut_f, cut_B)  # same seed, same samples
+    assert (data_f.adv_B[cut_f] == 0).all()
+    torch.testing.assert_close(data_f.adv_B[~cut_f], data.adv_B[~cut_B])
+
+
+def test_dropout_is_off_in_training_unless_kept():
+    """A GPT-2 with dropout 0.5 everywhere: two training-mode forwards agree once dropout is disabled."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gspo.train.run import disable_dropout
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=20, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5
+    )
+    model = GPT2LMHeadModel(cfg).train()
+    ids = torch.arange(8)[None]
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout really is on
+    disable_dropout(model)
+    torch.testing.assert_close(model(ids).logits, model(ids).logits, atol=0, rtol=0)
