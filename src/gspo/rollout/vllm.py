@@ -501,11 +501,12 @@ class VLLMRolloutEngine:
             raise GspoError(
                 "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
             )
-        envs = __import__("vllm.envs", fromlist=["envs"])
+        import vllm.envs as envs
+
         if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             raise GspoError(
-                "config field 'rollout_engine': gspo runs vLLM in its own process; unset "
-                "VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 0)"
+                "config field 'rollout_engine': gspo runs vLLM inside the trainer's process (weights and "
+                "routing pass by reference); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
             )
         on_cpu = _is_cpu_platform()
         name = getattr(cfg, "model", None) or type(model).__name__
