@@ -50,10 +50,16 @@ def main() -> None:
         ctx = D.setup(cfg)
         rank, world = ctx.rank, ctx.world_size
         rows = local_rows(data.adv_B.shape[0], cfg.num_minibatches, rank, world)
-        local = RolloutData(*(getattr(data, f)[rows] for f in RolloutData.__dataclass_fields__))
-        model = D.wrap(PolicyLogprobs(build_tiny_moe(vocab, seed=0)), cfg, ctx)
+        local = data.rows(rows)
+        hf = build_tiny_moe(vocab, seed=0)
+        if cfg.lora_rank:
+            from gspo.model.lora import apply_lora
+
+            hf = apply_lora(hf, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        model = D.wrap(PolicyLogprobs(hf), cfg, ctx)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         rollout = D.rollout_model(model, ctx)
-        opt = make_optimizer(run["opt"], model.parameters(), run["lr"])
+        opt = make_optimizer(run["opt"], trainable, run["lr"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         metrics = D.mean_metrics(policy_update(model, opt, sched, local, cfg, world, is_moe=True), ctx)
         D.sync_rollout_model(model, rollout, ctx)

@@ -31,31 +31,43 @@ BASE_CFG = {
     "routing_replay": True,
     "threads": 1,
 }
-RUNS = [
-    {
-        "name": f"{par}-{opt}",
-        "opt": opt,
-        "lr": 0.1 if opt == "sgd" else 1e-4,
-        # no clipping for SGD (clipping would also normalise the gradient scale away)
-        "cfg": {**BASE_CFG, "parallel": par, **({"max_grad_norm": 0.0} if opt == "sgd" else {})},
-    }
-    for par in ("fsdp", "ddp")
-    for opt in ("adamw", "sgd")
-] + [
-    {  # a token-level aggregation: the normalizer counts the tokens of both ranks
-        "name": f"{par}-sgd-grpo-token_mean",
-        "opt": "sgd",
-        "lr": 0.1,
-        "cfg": {
-            **BASE_CFG,
-            "parallel": par,
-            "max_grad_norm": 0.0,
-            "algo": "grpo",
-            "aggregation": "token_mean",
-        },
-    }
-    for par in ("fsdp", "ddp")
-]
+RUNS = (
+    [
+        {
+            "name": f"{par}-{opt}",
+            "opt": opt,
+            "lr": 0.1 if opt == "sgd" else 1e-4,
+            # no clipping for SGD (clipping would also normalise the gradient scale away)
+            "cfg": {**BASE_CFG, "parallel": par, **({"max_grad_norm": 0.0} if opt == "sgd" else {})},
+        }
+        for par in ("fsdp", "ddp")
+        for opt in ("adamw", "sgd")
+    ]
+    + [
+        {  # a token-level aggregation: the normalizer counts the tokens of both ranks
+            "name": f"{par}-sgd-grpo-token_mean",
+            "opt": "sgd",
+            "lr": 0.1,
+            "cfg": {
+                **BASE_CFG,
+                "parallel": par,
+                "max_grad_norm": 0.0,
+                "algo": "grpo",
+                "aggregation": "token_mean",
+            },
+        }
+        for par in ("fsdp", "ddp")
+    ]
+    + [
+        {  # LoRA: frozen base, adapters trained (and their gradients averaged over ranks)
+            "name": f"{par}-adamw-lora",
+            "opt": "adamw",
+            "lr": 1e-3,
+            "cfg": {**BASE_CFG, "parallel": par, "lora_rank": 4},
+        }
+        for par in ("fsdp", "ddp")
+    ]
+)
 
 
 def synthetic_rollout(vocab: int, seed: int = 0) -> RolloutData:
@@ -78,7 +90,11 @@ def _single(run: dict, data: RolloutData, vocab: int):
 
     cfg = Config(**run["cfg"]).validate()
     model = build_tiny_moe(vocab, seed=0)
-    opt = make_optimizer(run["opt"], model.parameters(), run["lr"])
+    if cfg.lora_rank:
+        from gspo.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    opt = make_optimizer(run["opt"], [p for p in model.parameters() if p.requires_grad], run["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = policy_update(model, opt, sched, data, cfg, 1, is_moe=True)
     return model, metrics
@@ -165,7 +181,7 @@ def test_two_process_update_equals_single_process(distributed, run):
     ref, ref_m = _single(run, data, vocab)
     ref_sd = ref.state_dict()
     moved = 0.0
-    init = build_tiny_moe(vocab, seed=0).state_dict()
+    init = _single({**run, "lr": 0.0}, data, vocab)[0].state_dict()
     for name, p in got["params"].items():
         torch.testing.assert_close(p, ref_sd[name], atol=1e-6, rtol=0, msg=name)
         moved = max(moved, float((ref_sd[name] - init[name]).abs().max()))
@@ -180,7 +196,7 @@ def test_two_process_update_equals_single_process(distributed, run):
     assert got["opt_diff"] == 0.0  # the full optimizer state survives a save/load round trip
     if run["opt"] == "adamw":  # (plain SGD keeps no state)
         # the trainer's forward module holds the HF model as ``.model``
-        assert got["opt_keys"] == sorted("model." + n for n, _ in ref.named_parameters())
+        assert got["opt_keys"] == sorted("model." + n for n, p in ref.named_parameters() if p.requires_grad)
 
 
 def test_optimizer_state_converts_between_process_counts():

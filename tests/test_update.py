@@ -40,7 +40,7 @@ def test_layouts_give_the_same_logprobs_entropy_and_grads(tiny_moe, batch, layou
     log-probs, entropies and gradients."""
     model, _ = tiny_moe
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
-    b = RolloutData(*(getattr(batch, f)[perm] for f in RolloutData.__dataclass_fields__))
+    b = batch.rows(perm)
     out = []
     for lay in ("rows", layout):
         model.zero_grad()

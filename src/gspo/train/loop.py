@@ -183,10 +183,10 @@ def _finish(run: Run) -> TrainResult:
     """Final HF folder, curves and summary."""
     cfg = run.cfg
     result = TrainResult(cfg.run_dir, run.hf)
-    final_sd = dist_utils.full_state_dict(run.policy, run.dctx)  # collective; None in one process
+    model, final_sd = run.savable()  # collective
     if run.rank == 0:
         result.final_dir = cfg.run_dir / "final"
-        save_hf(run.hf, run.tokenizer, result.final_dir, final_sd)
+        save_hf(model, run.tokenizer, result.final_dir, final_sd)
         rows = read_metrics(cfg.run_dir / "metrics.jsonl")
         result.plot = cfg.run_dir / "curves.png"
         plot_metrics(rows, result.plot, title=f"{cfg.algo} on {cfg.task} ({cfg.model})")

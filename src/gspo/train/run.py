@@ -148,7 +148,7 @@ class Run:
         """Checkpoint the last finished step (collective: every rank calls it)."""
         _check_finite(self.policy, self.step, self.last_saved)
         gens = dist_utils.gather_objects(self.sample_gen.get_state(), self.dctx)
-        full_sd = dist_utils.full_state_dict(self.policy, self.dctx)
+        model, full_sd = self.savable()
         opt_sd = dist_utils.optimizer_state_dict(self.policy, self.optimizer, self.dctx)
         if self.rank == 0:
             state = {
@@ -163,7 +163,7 @@ class Run:
             }
             try:
                 ckpt.save_checkpoint(
-                    self.cfg.run_dir, self.step, lambda p: save_hf(self.hf, self.tokenizer, p, full_sd), state
+                    self.cfg.run_dir, self.step, lambda p: save_hf(model, self.tokenizer, p, full_sd), state
                 )
             except OSError as e:  # e.g. a full disk
                 kept = f"step {self.last_saved}" if self.last_saved >= 0 else "none"
@@ -172,6 +172,16 @@ class Run:
                     f"{e.strerror or e}; the last complete checkpoint is kept ({kept})"
                 ) from None
         self.last_saved = self.step
+
+    def savable(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+        """What rank 0 writes as the HF folder (collective): the trained module, with the full state
+        dict gathered from the shards when distributed. With LoRA on N ranks, the sampler's full copy
+        (synced after every update), which PEFT can merge and save as it is."""
+        from gspo.model.lora import is_peft
+
+        if is_peft(self.hf) and self.world > 1:
+            return self.sampler, None
+        return self.hf, dist_utils.full_state_dict(self.policy, self.dctx)
 
     def maybe_save(self) -> None:
         every, step = self.cfg.save_every, self.step
@@ -253,9 +263,7 @@ def _apply_lora(
         return model
     from gspo.model.lora import apply_lora
 
-    if dctx.world_size > 1:
-        raise GspoError("config field 'lora_rank': LoRA runs in one process for now (use nproc 1)")
-    if resume_from is None:  # the frozen base, saved once; checkpoints then hold only adapters
+    if resume_from is None and dctx.rank == 0:  # the frozen base, saved once; checkpoints then hold adapters
         save_pretrained(model, tokenizer, cfg.run_dir / "checkpoints" / "lora-base")
     model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     if resume_from is not None:
