@@ -114,3 +114,52 @@ def test_update_step_gradient_is_the_whole_minibatch_loss_gradient(tiny_moe, bat
                 assert g_got is None or float(g_got.abs().max()) == 0.0
                 continue
             torch.testing.assert_close(g_got, g_want, atol=2e-6 * max(scale, 1.0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["seq_tis", "seq_mask", "token_mask"])
+@pytest.mark.parametrize("algo", ["gspo", "grpo"])
+def test_mismatch_correction_enters_the_update_as_the_pure_functions_say(tiny_moe, batch, kind, algo):
+    """With a sampler far from the trainer (per-row offsets: rho_i from 0.4 to 2.7, so some sequences
+    are truncated, some dropped), the first step's gradient is the whole-minibatch loss gradient
+    with gspo.correction's weight (or token mask) applied directly."""
+    from gspo import correction as C
+
+    model, _ = tiny_moe
+    off_B = torch.linspace(-0.9, 1.0, 16)[:, None] * batch.response_mask_BT
+    far = batch.rows(slice(None))
+    far.sampler_logp_BT = batch.sampler_logp_BT - 0.01 * batch.response_mask_BT - off_B
+    cfg = Config(
+        prompts_per_step=2, group_size=8, num_minibatches=1, algo=algo, old_logp="recompute",
+        max_grad_norm=0, log_volatility=False, temperature=0.9, mismatch_correction=kind,
+    ).validate()  # fmt: skip
+    m = copy.deepcopy(model)
+    opt = _Recorder(m.parameters(), lr=0.05)
+    metrics = policy_update(
+        m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), far, cfg, 1, is_moe=True
+    )
+    rows = far.rows(slice(None))
+    with torch.no_grad():
+        old = response_logprobs(
+            model, rows.prompt_ids_BP, rows.prompt_mask_BP, rows.response_ids_BT, rows.response_mask_BT, 0.9
+        )
+    mask = rows.response_mask_BT
+    weight = None
+    if kind == "seq_tis":
+        weight = C.sequence_tis_weights(old, rows.sampler_logp_BT, mask, cfg.mismatch_cap)
+        assert 0 < metrics["mismatch/tis_trunc_frac_seq"] < 1
+    elif kind == "seq_mask":
+        weight = C.sequence_mask(old, rows.sampler_logp_BT, mask, 0.5, 2.0)
+        assert 0 < metrics["mismatch/seq_mask_frac_seq"] < 1
+    else:
+        mask = mask * C.token_mask(old, rows.sampler_logp_BT, mask, 0.5, 5.0).long()
+        assert 0 < metrics["mismatch/tok_mask_frac_tok"] < 1
+    mm = copy.deepcopy(model)
+    lp = response_logprobs(
+        mm, rows.prompt_ids_BP, rows.prompt_mask_BP, rows.response_ids_BT, rows.response_mask_BT, 0.9
+    )
+    loss, _ = LOSSES[algo][0](lp, old, rows.adv_B, mask, *cfg.clip_range(), weight=weight)
+    loss.backward()
+    ((_, grads),) = opt.seen
+    for g_got, p in zip(grads, mm.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(g_got, p.grad, atol=2e-6, rtol=1e-4)

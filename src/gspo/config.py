@@ -98,6 +98,21 @@ class Config:
     sampler's log-probs, the paper's infrastructure simplification), or ``auto``: ``rollout`` when
     the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
     ``recompute``."""
+    routing_replay_source: str = "pi_old"
+    """Which experts Routing Replay forces: ``pi_old`` (R2: the trainer's own pi_old forward) or
+    ``rollout`` (R3: the experts the rollout engine routed each token to; vLLM engine)."""
+    mismatch_correction: str = "none"
+    """Train/inference mismatch correction, from the trainer's pi_old vs the sampler's log-probs:
+    ``seq_tis`` (weight each sequence by min(rho_i, mismatch_cap), rho_i the length-normalized ratio
+    pi_old/pi_sampler), ``seq_mask`` (drop sequences with rho_i outside [mismatch_low,
+    mismatch_high]), ``token_mask`` (IcePop: drop tokens whose ratio is outside the band; for GRPO),
+    or ``none``."""
+    mismatch_cap: float = 2.0
+    """``seq_tis``: the largest sequence weight C."""
+    mismatch_low: float = 0.5
+    """``seq_mask`` / ``token_mask``: lowest ratio pi_old/pi_sampler kept."""
+    mismatch_high: float | None = None
+    """``seq_mask`` / ``token_mask``: highest ratio kept (default 2 for sequences, 5 for tokens: IcePop)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no gradient under group-normalized advantages) and
     draw more prompts until the batch is full (DAPO); see ``dynamic_sampling_max_rounds``."""
@@ -205,6 +220,8 @@ class Config:
             "reward_on_error": ("error", "zero"),
             "dtype": ("float32", "bfloat16", "float16"),
             "aggregation": (None, "seq_mean_token_mean", "token_mean"),
+            "routing_replay_source": ("pi_old", "rollout"),
+            "mismatch_correction": ("none", "seq_tis", "seq_mask", "token_mask"),
             "rollout_engine": ("hf", "vllm"),
             "parallel": ("fsdp", "ddp"),
             "packing": ("auto", "on", "off"),
@@ -263,6 +280,21 @@ class Config:
             raise bad("eps_low", f"must be <= 1 for {self.algo} (the ratio's lower clip is 1 - eps_low)")
         if self.overlong_buffer > self.max_new_tokens:
             raise bad("overlong_buffer", f"must be <= max_new_tokens={self.max_new_tokens}")
+        if self.routing_replay_source == "rollout" and self.rollout_engine != "vllm":
+            raise bad(
+                "routing_replay_source",
+                "'rollout' (R3) needs rollout_engine vllm (the HF engine is the trainer)",
+            )
+        if self.routing_replay_source == "rollout" and not self.routing_replay:
+            raise bad("routing_replay_source", "'rollout' (R3) applies with routing_replay on")
+        if self.mismatch_cap < 1:
+            raise bad("mismatch_cap", "must be >= 1")
+        high = self.mismatch_high_resolved()
+        if not 0 <= self.mismatch_low < 1 < high:
+            raise bad(
+                "mismatch_low",
+                f"the band [mismatch_low, mismatch_high] = [{self.mismatch_low}, {high}] must hold 1",
+            )
         if self.group_size < 2:
             raise bad(
                 "group_size",
@@ -295,6 +327,11 @@ class Config:
             return self.old_logp
         same_numerics = self.rollout_engine == "hf" and self.dtype == "float32"
         return "rollout" if same_numerics else "recompute"
+
+    def mismatch_high_resolved(self) -> float:
+        if self.mismatch_high is not None:
+            return self.mismatch_high
+        return 5.0 if self.mismatch_correction == "token_mask" else 2.0
 
     def clip_range(self) -> tuple[float, float]:
         from gspo.losses import LOSSES

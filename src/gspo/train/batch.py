@@ -21,6 +21,9 @@ class RolloutData:
     sampler_logp_BT: torch.Tensor  # [B, T] log pi_sampler of each sampled token (0 on padding)
     adv_B: torch.Tensor  # [B] group-normalized advantage of each response
     reward_B: torch.Tensor | None = None  # [B] the reward each advantage came from
+    # R3: experts the sampler routed each real token to, per MoE layer: [B, L, k] with row i's real
+    # tokens (prompt, then response) from column 0, as the ``rows`` layout lays them out
+    sampler_routing: dict[str, torch.Tensor] | None = None
 
     def rows(self, idx: slice | torch.Tensor) -> RolloutData:
         """The rows ``idx`` (a slice or an index tensor), trimmed to their own longest prompt/response."""
@@ -39,6 +42,20 @@ class RolloutData:
             return torch.nn.functional.pad(x, (0, T - x.shape[1]))
 
         rewards = [d.reward_B for d in parts]
+        routing = None
+        if all(d.sampler_routing is not None for d in parts):
+            L = max(v.shape[1] for d in parts for v in d.sampler_routing.values())
+            routing = {
+                k: torch.cat(
+                    [
+                        torch.nn.functional.pad(
+                            d.sampler_routing[k], (0, 0, 0, L - d.sampler_routing[k].shape[1])
+                        )
+                        for d in parts
+                    ]
+                )
+                for k in parts[0].sampler_routing
+            }
         return RolloutData(
             torch.cat([left(d.prompt_ids_BP) for d in parts]),
             torch.cat([left(d.prompt_mask_BP) for d in parts]),
@@ -47,6 +64,7 @@ class RolloutData:
             torch.cat([right(d.sampler_logp_BT) for d in parts]),
             torch.cat([d.adv_B for d in parts]),
             None if any(r is None for r in rewards) else torch.cat(rewards),
+            routing,
         )
 
     def trim(self) -> RolloutData:
@@ -63,6 +81,7 @@ class RolloutData:
             self.sampler_logp_BT[:, :t1],
             self.adv_B,
             self.reward_B,
+            self.sampler_routing,
         )
 
     def to(self, device: torch.device | str) -> RolloutData:
@@ -72,9 +91,12 @@ class RolloutData:
         return self.adv_B.shape[0]
 
 
-def _take(x: torch.Tensor | None, idx: slice | torch.Tensor | None, device: torch.device | str | None = None):
+def _take(x, idx: slice | torch.Tensor | None, device: torch.device | str | None = None):  # noqa: ANN001, ANN202
+    """Rows ``idx`` of a tensor, or of each tensor of a dict (routing), moved to ``device``."""
     if x is None:
         return None
+    if isinstance(x, dict):
+        return {k: _take(v, idx, device) for k, v in x.items()}
     x = x if idx is None else x[idx]
     return x if device is None else x.to(device)
 

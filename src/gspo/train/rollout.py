@@ -14,7 +14,7 @@ import torch
 from gspo.advantages import group_advantages, overlong_penalty
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.rollout.base import RolloutEngine
+from gspo.rollout.base import RolloutBatch, RolloutEngine
 from gspo.rollout.hf import left_pad
 from gspo.tasks import Task
 from gspo.tasks.datasets import Example
@@ -107,8 +107,18 @@ def collect_rollout(
         rb.sampler_logp_BT.float().cpu(),
         adv_B,
         rewards_NG.view(-1),
+        _sampler_routing(rb),
     )
     return data, metrics
+
+
+def _sampler_routing(rb: RolloutBatch) -> dict[str, torch.Tensor] | None:
+    """R3 data of an engine that reports the experts it routed (vLLM), in the ``rows`` layout."""
+    if getattr(rb, "routed_experts", None) is None:
+        return None
+    from gspo.rollout.vllm import routing_rows_layout
+
+    return routing_rows_layout(rb)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gspo import correction as C
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.losses import LOSSES
@@ -55,6 +56,26 @@ METRICS: dict[str, str] = {
     "mismatch/token_abs_logp_diff": SEQUENCE,
     "mismatch/seq_abs_logp_diff": SEQUENCE,
 }
+# gspo.correction.mismatch_metrics (with --mismatch-correction)
+_MISMATCH = {
+    "mismatch_k1_tok": TOKEN,
+    "mismatch_k3_tok": TOKEN,
+    "mismatch_k1_seq": SEQUENCE,
+    "mismatch_k3_seq": SEQUENCE,
+    "mismatch_ratio_tok_min": MIN,
+    "mismatch_ratio_tok_max": MAX,
+    "mismatch_ratio_seq": SEQUENCE,
+    "mismatch_ratio_seq_min": MIN,
+    "mismatch_ratio_seq_max": MAX,
+    "tis_weight_seq": SEQUENCE,
+    "tis_trunc_frac_seq": SEQUENCE,
+    "tis_trunc_frac_tok": TOKEN,
+    "seq_mask_frac_seq": SEQUENCE,
+    "seq_mask_frac_tok": TOKEN,
+    "tok_mask_frac_tok": TOKEN,
+    "tok_mask_frac_seq": SEQUENCE,
+}
+METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
 # losses whose own ratio is per token: their ``ratio_mean`` is a token mean
 TOKEN_RATIO_LOSSES = {"grpo", "sapo_token", "cispo", "gmpo"}
 _LOSS_METRIC_PREFIX = "loss/"
@@ -97,6 +118,8 @@ def choose_layout(policy: nn.Module, cfg: Config) -> str:
     hf = hf_module(dist_utils.hf_model(as_policy(policy)))
     lm_head_is_plain(hf)
     impl = attn_implementation(hf)
+    if cfg.routing_replay and cfg.routing_replay_source == "rollout":
+        return "rows"  # R3's routing comes per row (gspo.rollout.vllm.routing_rows_layout)
     if cfg.packing == "on" or (cfg.packing == "auto" and impl.startswith("flash")):
         return "packed"
     if cfg.prefix_sharing == "off":
@@ -144,16 +167,25 @@ def attach_pi_old(policy: nn.Module, minibatches: list[list[MicroBatch]], cfg: C
     """
     recompute = cfg.resolved_old_logp() == "recompute"
     replay = is_moe and cfg.routing_replay
+    r3 = replay and cfg.routing_replay_source == "rollout"
+    trainer_old = recompute or cfg.mismatch_correction != "none"  # the correction compares the two
     vol_i = volatility_minibatch(cfg, is_moe)
     with torch.no_grad():
         for i, mbs in enumerate(minibatches):
-            want_routing = (replay and i > 0) or i == vol_i
-            if i == 0 or not (recompute or want_routing):
-                continue
+            own_routing = i == vol_i or (replay and not r3 and i > 0)  # pi_old's own choice of experts
             for mb in mbs:
-                f = forward(policy, mb, cfg, capture=want_routing)
-                mb.old_logp_BT, mb.old_routing = f.logp_BT, f.routing
-                mb.replay = f.routing if replay else None
+                if r3:  # the sampler's experts, forced in every forward of these rows
+                    L = mb.layout.input_ids_RL.shape[1]
+                    mb.replay = {k: v[:, :L] for k, v in mb.data.sampler_routing.items()}
+                if r3 and own_routing:  # (the replayed forwards below cannot show it)
+                    mb.old_routing = forward(policy, mb, cfg, capture=True).routing
+                if i == 0 or not (trainer_old or (own_routing and not r3)):
+                    continue  # minibatch 0: its own first forward is pi_old
+                f = forward(policy, mb, cfg, replay=mb.replay if r3 else None, capture=own_routing and not r3)
+                mb.old_logp_BT = f.logp_BT
+                if own_routing and not r3:
+                    mb.old_routing = f.routing
+                    mb.replay = f.routing if replay else None
 
 
 @torch.no_grad()
@@ -204,16 +236,21 @@ def _train_micro_batch(
     capture: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward, loss and backward of one micro-batch -> (its loss, its metrics)."""
-    f = forward(policy, mb, cfg, entropy=True, replay=mb.replay, capture=capture)
+    f = forward(policy, mb, cfg, entropy=True, replay=mb.replay, capture=capture and mb.replay is None)
     if first:  # minibatch 0: no update has happened yet, so this forward is pi_old
-        mb.old_logp_BT, mb.old_routing = f.logp_BT.detach(), f.routing
+        mb.old_logp_BT = f.logp_BT.detach()
+        mb.old_routing = f.routing if f.routing is not None else mb.old_routing
     old_logp = mb.data.sampler_logp_BT if cfg.resolved_old_logp() == "rollout" else mb.old_logp_BT
+    weight, loss_mask_BT, corr_metrics = mismatch_correction(
+        mb.old_logp_BT, mb.data.sampler_logp_BT, mb.mask_BT, cfg
+    )
     eps_low, eps_high = cfg.clip_range()
     loss, loss_metrics = LOSSES[cfg.algo][0](
-        f.logp_BT, old_logp, mb.data.adv_B, mb.mask_BT, eps_low, eps_high, normalizer, **_loss_kwargs(cfg)
-    )
+        f.logp_BT, old_logp, mb.data.adv_B, loss_mask_BT, eps_low, eps_high, normalizer,
+        **_loss_kwargs(cfg), weight=weight,
+    )  # fmt: skip
     (loss * world_size).backward()
-    metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in loss_metrics.items()}
+    metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in loss_metrics.items()} | corr_metrics
     m_BT = mb.mask_BT
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
     if mb.old_logp_BT is not None:  # train/inference mismatch, wherever the trainer's pi_old is known
@@ -223,6 +260,28 @@ def _train_micro_batch(
         metrics["mismatch/token_abs_logp_diff"] = (d_BT.abs().sum(-1) / n_B).sum() / n_seq
         metrics["mismatch/seq_abs_logp_diff"] = (d_BT.sum(-1) / n_B).abs().sum() / n_seq
     return loss.detach() * world_size, metrics
+
+
+def mismatch_correction(
+    old_logp_BT: torch.Tensor | None, sampler_logp_BT: torch.Tensor, mask_BT: torch.Tensor, cfg: Config
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """The configured train/inference mismatch correction (:mod:`gspo.correction`) ->
+    (per-sequence loss weight or None, the loss's token mask, metrics)."""
+    if cfg.mismatch_correction == "none" or old_logp_BT is None:
+        return None, mask_BT, {}
+    lo, hi = cfg.mismatch_low, cfg.mismatch_high_resolved()
+    kind = cfg.mismatch_correction
+    weight, loss_mask_BT = None, mask_BT
+    if kind == "seq_tis":
+        weight = C.sequence_tis_weights(old_logp_BT, sampler_logp_BT, mask_BT, cfg.mismatch_cap)
+        stats = C.mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, tis_cap=cfg.mismatch_cap)
+    elif kind == "seq_mask":
+        weight = C.sequence_mask(old_logp_BT, sampler_logp_BT, mask_BT, lo, hi)
+        stats = C.mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, seq_bounds=(lo, hi))
+    else:  # token_mask (IcePop): masked tokens leave the loss, as padding does
+        loss_mask_BT = mask_BT * C.token_mask(old_logp_BT, sampler_logp_BT, mask_BT, lo, hi).to(mask_BT.dtype)
+        stats = C.mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, token_bounds=(lo, hi))
+    return weight, loss_mask_BT, {f"mismatch/{k}": v for k, v in stats.items()}
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
