@@ -146,6 +146,10 @@ class Config:
     """Generation limit per response."""
     temperature: float = 1.0
     """Sampling temperature (also applied to the trainer's log-probs)."""
+    rollout_dtype: str | None = None
+    """Weights dtype of the sampler (default: ``dtype``). ``bfloat16`` with a float32 trainer samples
+    from a bf16 copy (HF engine) or a bf16 vLLM: the paper's precision mismatch between inference and
+    training, whose log-probs ``old_logp=rollout`` then takes as pi_old."""
     rollout_engine: str = "hf"
     """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
 
@@ -219,6 +223,7 @@ class Config:
             "old_logp": ("auto", "recompute", "rollout"),
             "reward_on_error": ("error", "zero"),
             "dtype": ("float32", "bfloat16", "float16"),
+            "rollout_dtype": (None, "float32", "bfloat16", "float16"),
             "aggregation": (None, "seq_mean_token_mean", "token_mean"),
             "routing_replay_source": ("pi_old", "rollout"),
             "mismatch_correction": ("none", "seq_tis", "seq_mask", "token_mask"),
@@ -325,7 +330,11 @@ class Config:
         """``recompute`` or ``rollout`` (``auto`` resolved)."""
         if self.old_logp != "auto":
             return self.old_logp
-        same_numerics = self.rollout_engine == "hf" and self.dtype == "float32"
+        same_numerics = (
+            self.rollout_engine == "hf"
+            and self.dtype == "float32"
+            and self.rollout_dtype in (None, "float32")
+        )
         return "rollout" if same_numerics else "recompute"
 
     def mismatch_high_resolved(self) -> float:

@@ -37,3 +37,8 @@ class RolloutEngine(Protocol):
     def sync_weights(self) -> None:
         """Push the trainer's current weights into the engine (no-op when it shares the module)."""
         ...
+
+    def sleep(self) -> None:
+        """Release the engine's accelerator memory for the policy update (vLLM sleep mode on GPU; a
+        no-op elsewhere). ``sync_weights`` and ``generate`` wake it."""
+        ...

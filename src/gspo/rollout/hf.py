@@ -77,6 +77,9 @@ class HFRolloutEngine:
     def sync_weights(self) -> None:
         return None
 
+    def sleep(self) -> None:  # shares the trainer's memory: nothing to release
+        return None
+
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
     ) -> RolloutBatch:

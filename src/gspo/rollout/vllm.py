@@ -533,7 +533,11 @@ class VLLMRolloutEngine:
             raise GspoError(
                 f"vLLM {version} on CPU: gspo's routed-experts capture supports {_CPU_ROUTING_CAPTURE_VERSIONS}"
             )
-        dtype = getattr(cfg, "dtype", None) or str(model.dtype).removeprefix("torch.")
+        dtype = (
+            getattr(cfg, "rollout_dtype", None)
+            or getattr(cfg, "dtype", None)
+            or str(model.dtype).removeprefix("torch.")
+        )
         kwargs: dict[str, Any] = dict(
             dtype=dtype,
             seed=int(getattr(cfg, "seed", 0)),

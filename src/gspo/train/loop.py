@@ -80,6 +80,7 @@ def rl_step(run: Run) -> dict[str, float]:
     data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
+    run.engine.sleep()  # vLLM on a GPU gives its memory to the update
     metrics |= policy_update(
         run.policy, run.optimizer, run.scheduler, data.to(run.dctx.device), cfg, run.world, run.is_moe
     )

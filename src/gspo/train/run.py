@@ -7,6 +7,7 @@ applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engin
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ class Run:
         optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
         sampler = dist_utils.rollout_model(policy, dctx)
+        if cfg.rollout_engine == "hf" and cfg.rollout_dtype not in (None, cfg.dtype):
+            # a copy in the sampler's precision; sync_sampler copies (and casts) the weights after updates
+            dtype = getattr(torch, cfg.rollout_dtype)
+            sampler = copy.deepcopy(sampler).requires_grad_(False).to(dtype)
         run = cls(
             cfg, dctx, policy, tokenizer, task, train_ids, eval_ids, optimizer, scheduler,
             make_engine(cfg, sampler, tokenizer, sample_gen), sampler, sample_gen, moe, None,
