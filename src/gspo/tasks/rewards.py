@@ -193,22 +193,38 @@ def extract_code(completion: str) -> str:
     return completion
 
 
-def make_code_reward(timeout_s: float = 5.0, memory_mb: int = 512, workers: int | None = None) -> RewardFn:
-    """Reward running ``extract_code(completion) + answer`` (the answer holds the test code, e.g.
-    asserts) in :func:`gspo.tasks.sandbox.run_untrusted`: 1.0 if it exits 0 in time, else 0.0.
-    Programs run in parallel threads (each one a subprocess), ``workers`` default: CPU count."""
+def make_code_reward(
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    workers: int | None = None,
+    require_fs_isolation: bool | None = None,
+) -> RewardFn:
+    """Reward running ``extract_code(completion)`` and then the answer's tests (asserts) in
+    :func:`gspo.tasks.sandbox.run_untrusted`: 1.0 only when the sandbox harness reports, on a channel
+    the program cannot forge, that every test ran and passed (an early ``sys.exit(0)``, a lying
+    ``__eq__``, patched builtins and the like score 0), else 0.0. Programs run in parallel threads
+    (each one a subprocess), ``workers`` default: CPU count. ``require_fs_isolation``: see
+    :func:`~gspo.tasks.sandbox.run_untrusted` (default: refuse to run without Landlock)."""
     from gspo.tasks.sandbox import run_untrusted
 
-    def run(program: str) -> float:
-        return 1.0 if run_untrusted(program, timeout_s=timeout_s, memory_mb=memory_mb).ok else 0.0
+    def run(pair: tuple[str, str]) -> float:
+        code, tests = pair
+        result = run_untrusted(
+            code,
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            tests=tests,
+            require_fs_isolation=require_fs_isolation,
+        )
+        return 1.0 if result.passed else 0.0
 
     def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-        programs = [f"{extract_code(c)}\n\n{a}\n" for c, a in zip(completions, answers, strict=True)]
-        n = min(len(programs), workers or os.cpu_count() or 1)
+        pairs = [(extract_code(c), a) for c, a in zip(completions, answers, strict=True)]
+        n = min(len(pairs), workers or os.cpu_count() or 1)
         if n <= 1:
-            return [run(p) for p in programs]
+            return [run(p) for p in pairs]
         with ThreadPoolExecutor(n, thread_name_prefix="gspo-sandbox") as pool:
-            return list(pool.map(run, programs))
+            return list(pool.map(run, pairs))
 
     return _named(reward, "code_execution_reward")
 
