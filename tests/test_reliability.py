@@ -174,3 +174,20 @@ def test_eval_reads_the_runs_own_task_settings_and_flags_override(tmp_path):
     r = _gspo("eval", str(tmp_path / "r" / "final"), "--eval-size", "4", "--task", "add")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["task"] == "add" and out["n"] == 4
+
+
+def test_prompts_the_tokenizer_cannot_read_warn_or_refuse(capsys):
+    from gspo.config import Config
+    from gspo.errors import GspoError
+    from gspo.model.load import build_char_tokenizer
+    from gspo.tasks.datasets import Example
+    from gspo.train.rollout import encode_prompts
+
+    tok = build_char_tokenizer()
+    encode_prompts(tok, [Example("rev:12=", "21"), Example("rev:\u00c4\u00d6=", "x")], Config())
+    assert (
+        "gspo: warning: 1 of 2 prompts hold characters the tokenizer maps to its unknown"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(GspoError, match="only unknown tokens"):
+        encode_prompts(tok, [Example("\u00c4\u00d6", "x")], Config())

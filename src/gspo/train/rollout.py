@@ -13,7 +13,7 @@ import torch
 
 from gspo.advantages import group_advantages, overlong_penalty
 from gspo.config import Config
-from gspo.errors import GspoError
+from gspo.errors import GspoError, warn
 from gspo.rollout.base import RolloutBatch, RolloutEngine
 from gspo.rollout.hf import left_pad
 from gspo.tasks import Task
@@ -43,6 +43,8 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list
     from gspo.tasks.datasets import apply_chat_template
 
     out = []
+    unk = getattr(tokenizer, "unk_token_id", None)
+    with_unk: list[str] = []
     for ex in examples:
         text = (
             apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if cfg.chat_template else ex.prompt
@@ -55,7 +57,16 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list
                 f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: "
                 f"{ex.prompt[:60]!r}"
             )
+        if unk is not None and unk in ids:
+            if all(t == unk or t in tokenizer.all_special_ids for t in ids):
+                raise GspoError(f"prompt is only unknown tokens for this tokenizer: {str(ex.prompt)[:60]!r}")
+            with_unk.append(str(ex.prompt))
         out.append(ids)
+    if with_unk:
+        warn(
+            f"{len(with_unk)} of {len(examples)} prompts hold characters the tokenizer maps to its unknown "
+            f"token, which the policy cannot see (e.g. {with_unk[0][:60]!r})"
+        )
     return out
 
 
