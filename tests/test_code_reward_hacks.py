@@ -13,7 +13,11 @@ import pytest
 from gspo.tasks import sandbox
 from gspo.tasks.rewards import make_code_reward
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX only")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX only"),
+    # without Landlock the code reward refuses to run (and a child could read the harness via /proc)
+    pytest.mark.skipif(sandbox.landlock_abi() == 0, reason="kernel without Landlock"),
+]
 
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) != 14\n"
 WRONG = "def add(a, b):\n    return 0\n"
@@ -198,7 +202,7 @@ ATTACKS = {
         "        if '__gspo_cmp__' in f.f_globals:\n"
         "            dict.__setitem__(f.f_globals, '__gspo_cmp__', lambda *a: True)\n"
         "        f = f.f_back\n"
-        "try:\n    signal.signal(signal.SIGALRM, h)\nexcept OSError:\n    pass\n"
+        "try:\n    signal.signal(signal.SIGALRM, h)\nexcept ValueError:\n    pass\n"
         "signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)\n"
     ),
     "signal_via_fresh_module": WRONG.replace("return 0", "return 5 if (a, b) == (2, 3) else 0")
@@ -219,7 +223,7 @@ ATTACKS = {
         "try:\n    del sys.modules['_signal']\n    import _signal\n    _signal.signal(14, h)\n"
         "except Exception:\n    pass\nsignal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)\n"
     ),
-    "code_object_surgery": WRONG + "c = (lambda: 1).__code__.replace(co_consts=(2,))\n",
+    "code_object_surgery": WRONG + "c = (lambda: 1).__code__.replace(co_consts=(2,))\n",  # harmless alone
     "replace___code__": WRONG + "def f():\n    pass\nf.__code__ = (lambda: 1).__code__\n",
     "thread_keeps_running": (
         WRONG
@@ -326,6 +330,11 @@ HONEST = {
         "def add(a, b):\n    return a + b\n"
     ),
     "exceptions_caught": "def add(a, b):\n    try:\n        1 / 0\n    except ZeroDivisionError:\n        pass\n    return a + b\n",
+    "asyncio_and_late_imports": (
+        "import asyncio, threading, typing, enum, inspect, types\nColor = enum.Enum('Color', 'RED GREEN')\n"
+        "P = typing.NamedTuple('P', [('x', int)])\nasync def _add(a, b):\n    await asyncio.sleep(0)\n"
+        "    return a + b\ndef add(a, b):\n    return asyncio.run(_add(a, b))\n"
+    ),
 }
 
 HONEST_SUITES = [

@@ -133,8 +133,12 @@ def test_extract_code(completion, expected):
     assert extract_code(completion) == expected
 
 
-def test_code_execution_reward_end_to_end():
+def test_code_execution_reward_end_to_end(monkeypatch):
     """Code reward: passing asserts 1; failing assert, syntax error, infinite loop, network use 0."""
+    from gspo.tasks import sandbox
+
+    if sandbox.landlock_abi() == 0:  # the other layers still apply; the refusal is tested elsewhere
+        monkeypatch.setattr(sandbox, "REQUIRE_FS_ISOLATION", False)
     fn = make_code_reward(timeout_s=1.5, workers=4)
     tests = "assert add(2, 3) == 5\n"
     completions = [

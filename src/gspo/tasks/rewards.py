@@ -245,6 +245,9 @@ def _load_builtin(name: str) -> RewardFn | None:
     if name == "boxed":
         return boxed_match
     if name == "code":
+        from gspo.tasks.sandbox import check_filesystem_isolation
+
+        check_filesystem_isolation()  # no Landlock: fail at startup, not at the first reward call
         return code_execution_reward
     if name.startswith("format:"):
         if not name[len("format:") :]:

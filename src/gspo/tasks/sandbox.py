@@ -47,8 +47,7 @@ on the interpreter's evaluation stack (invisible to Python code, even to ``gc``)
 (``sys.exit(0)``, ``os._exit(0)``, signals, ``atexit``), any output and any write to any descriptor by
 the program scores nothing. Before the program runs the harness installs an audit hook (PEP 578;
 Python code cannot remove it) that refuses frame and GC introspection (``sys._getframe``,
-``tb_frame``, ``gi_frame``, ``gc.get_objects``...), tracing, ctypes, code-object construction and
-``/proc``, and disables Python-level signal handlers (a handler receives the interrupted frame). The
+``tb_frame``, ``gi_frame``, ``gc.get_objects``...), tracing, ctypes and ``/proc``, and disables Python-level signal handlers (a handler receives the interrupted frame). The
 tests run in their own namespace: the solution's top-level names as they were when it finished,
 pristine builtins (``all``, ``len``, ``__import__``... even if the solution shadows or patches them)
 and copies of the modules the tests import taken before the solution ran; so redefining test names or
@@ -665,7 +664,8 @@ def test_import(name, globals=None, locals=None, fromlist=(), level=0, _px=PROXI
     return _orig(name, globals, locals, fromlist, level)
 
 
-def no_signals(*args, _E=OSError):
+def no_signals(*args, _E=ValueError):
+    """signal.signal: ValueError, what CPython raises off the main thread (asyncio.run copes)."""
     raise _E("gspo sandbox: signal handlers are disabled")
 
 
@@ -698,8 +698,6 @@ def hook(ev, args, _state=STATE, _deny=DENY_EVENTS, _frames=FRAME_ATTRS, _code=C
                     raise _E("gspo sandbox: not allowed")
         return
     if ev == "object.__setattr__":
-        if args[1] == "__code__":
-            raise _E("gspo sandbox: replacing __code__ is not allowed")
         obj = args[0]
         for p in _prot:
             if obj is p:
@@ -722,14 +720,16 @@ def hook(ev, args, _state=STATE, _deny=DENY_EVENTS, _frames=FRAME_ATTRS, _code=C
         raise _E("gspo sandbox: starting programs is not allowed without Landlock")
 '''
 
+# Compiled once in the trainer, shipped marshalled (with the protected helpers, the shim and the tests)
+# on the payload descriptor; run by _HARNESS_LOADER with PAYLOAD and ARGV as globals.
 _HARNESS_MAIN = r"""
-import sys as _s
+def _gspo_harness(argv, payload):
+    import os, gc, _thread, _signal, _imp, _operator, builtins, sys
+    import types  # noqa: F401  (reads a traceback's tb_frame at import: must happen before arming)
 
-def _gspo_harness(argv):
-    import os, gc, _thread, signal, _signal, _imp, _operator, builtins, types, marshal, sys
-
-    nonce_fd, cfg_fd, out_fd = int(argv[1]), int(argv[2]), int(argv[3])
+    nonce_fd, out_fd = int(argv[1]), int(argv[3])
     shim, landlock = argv[4] == "1", argv[5] == "1"
+    ModuleType, Namespace = type(sys), type(sys.implementation)
 
     def read_fd(fd, _read=os.read, _close=os.close, _join=b"".join):
         parts = []
@@ -741,15 +741,13 @@ def _gspo_harness(argv):
         _close(fd)
         return _join(parts)
 
-    head, _, blob = read_fd(cfg_fd).partition(b"\n")
-    tests_code = marshal.loads(blob)
+    tests_code, modules = payload[4], payload[3]
     with open("main.py", "rb") as f:
         solution_src = f.read()
     solution_code = compile(solution_src, "main.py", "exec", dont_inherit=True)
-    del solution_src, blob
+    del solution_src
 
     # copies of the modules the tests import, taken before the solution can patch them
-    modules = [m for m in head.decode().split(",") if m]
     for name in modules:
         try:
             __import__(name)
@@ -761,8 +759,8 @@ def _gspo_harness(argv):
         for i in range(1, len(parts) + 1):
             sub = ".".join(parts[:i])
             real = sys.modules.get(sub)
-            if sub not in proxies and isinstance(real, types.ModuleType):
-                p = types.ModuleType(real.__name__)
+            if sub not in proxies and isinstance(real, ModuleType):
+                p = ModuleType(real.__name__)
                 p.__dict__.update(real.__dict__)
                 proxies[sub] = p
     for name, p in proxies.items():
@@ -772,10 +770,10 @@ def _gspo_harness(argv):
 
     if shim:
         ns = {}
-        exec(SHIM_INSTALL, ns)
+        exec(payload[2], ns)
         ns["_gspo_shim"]()
 
-    module = types.ModuleType("__main__")
+    module = ModuleType("__main__")
     g = module.__dict__
     g["__file__"] = "main.py"
     g["__builtins__"] = builtins
@@ -802,13 +800,13 @@ def _gspo_harness(argv):
         "PROXIES": proxies,
         "IMPORT": builtins.__import__,
         "CREATE_BUILTIN": _imp.create_builtin,
-        "NAMESPACE": types.SimpleNamespace,
+        "NAMESPACE": Namespace,
         "REINIT_DENY": frozenset({"_signal", "_imp", "_ctypes"}),
         "STATE": state,
         "DENY_EVENTS": frozenset({
             "sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys._getframemodulename",
             "sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-            "code.__new__", "sys.monitoring.register_callback",
+            "sys.monitoring.register_callback",
         }),
         "FRAME_ATTRS": frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"}),
         "CODE_ATTRS": frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
@@ -819,7 +817,7 @@ def _gspo_harness(argv):
         }),
         "DENIED": ValueError,  # a builtin type (a class of ours could be patched); what namedtuple expects
     }
-    exec(PROTECTED, env)
+    exec(payload[1], env)
     for i, name in enumerate(("opaque", "pure", "perturb", "kind", "probe_eq", "eq", "ne", "order", "contains")):
         H[i] = env[name]
     # The tests' namespace: a plain dict (no class of ours the program could reach through
@@ -837,10 +835,11 @@ def _gspo_harness(argv):
     env.clear()  # the functions keep what they need in their defaults
     st = os.fstat(out_fd)
 
-    def arm(_sig=signal, _sigmod=_signal, _no=no_signals, _imp=_imp, _cb=create_builtin, _mods=sys.modules,
+    def arm(_sigmod=_signal, _no=no_signals, _imp=_imp, _cb=create_builtin, _mods=sys.modules,
             _add=sys.addaudithook, _hook=hook, _state=state, _list=list):
-        _sig.signal = _no
-        _sigmod.signal = _no
+        _sigmod.signal = _no  # signal.py, imported later, copies it; if imported already, patch it too
+        if "signal" in _mods:
+            _mods["signal"].signal = _no
         _imp.create_builtin = _cb
         for name in _list(_mods):
             if name == "ctypes" or name[:7] == "ctypes." or name == "_ctypes":
@@ -851,8 +850,8 @@ def _gspo_harness(argv):
     def run(keep, _arm=arm, _exec=exec, _sol=solution_code, _tests=tests_code, _g=g, _T=T, _tb=tb,
             _cmp=cmp, _items=dict.items, _bn=frozenset(pristine), _type=type, _str=str, _mod=module,
             _mods=sys.modules, _sys=sys, _count=_thread._count, _RE=RuntimeError,
-            _flush1=sys.__stdout__.flush, _flush2=sys.__stderr__.flush, _mask=signal.pthread_sigmask,
-            _block=signal.SIG_BLOCK, _sigs=signal.valid_signals(), _gcoff=gc.disable):
+            _flush1=sys.__stdout__.flush, _flush2=sys.__stderr__.flush, _mask=_signal.pthread_sigmask,
+            _block=_signal.SIG_BLOCK, _sigs=_signal.valid_signals(), _gcoff=gc.disable):
         keep.append(_g)
         keep.append(_T)
         _mods["__main__"] = _mod
@@ -883,7 +882,7 @@ def _gspo_harness(argv):
     # os.stat_result is a mutable class: read its fields through tuple's own __getitem__
     def finish(nonce, ok, _out=out_fd, _dev=st.st_dev, _ino=st.st_ino, _fstat=os.fstat,
                _at=tuple.__getitem__, _write=os.write, _exit=os._exit, _count=_thread._count,
-               _mask=signal.pthread_sigmask, _block=signal.SIG_BLOCK, _sigs=signal.valid_signals(),
+               _mask=_signal.pthread_sigmask, _block=_signal.SIG_BLOCK, _sigs=_signal.valid_signals(),
                _gcoff=gc.disable):
         if ok is not True:
             _exit(1)
@@ -918,8 +917,8 @@ def _gspo_harness(argv):
     return finish, run, read_fd, nonce_fd, report
 
 
-_F = _gspo_harness(_s.argv)
-del _gspo_harness, _s
+_F = _gspo_harness(ARGV, PAYLOAD)
+del _gspo_harness, ARGV, PAYLOAD
 _k = []
 try:
     _F[0](_F[2](_F[3]), _F[1](_k))
@@ -928,9 +927,22 @@ except BaseException as _e:
 _F[4](None)
 """
 
-_HARNESS = f"SHIM_INSTALL = {_SHIM_INSTALL!r}\nPROTECTED = {_PROTECTED!r}\n" + _HARNESS_MAIN.replace(
-    "exec(SHIM_INSTALL, ns)", "exec(SHIM_INSTALL, ns)"
-)
+# The -c program: load the payload (marshalled code, compiled in the trainer), run the harness.
+_HARNESS_LOADER = r"""
+import os as _o, sys as _s, marshal as _m
+def _gspo_load(fd):
+    parts = []
+    while True:
+        b = _o.read(fd, 65536)
+        if not b:
+            break
+        parts.append(b)
+    _o.close(fd)
+    return _m.loads(b"".join(parts))
+_p = _gspo_load(int(_s.argv[2]))
+del _gspo_load, _o, _m
+exec(_p[0], {"__builtins__": __builtins__, "__name__": "__gspo_harness__", "PAYLOAD": _p, "ARGV": _s.argv})
+"""
 
 
 _CMP_OPS = {
@@ -957,12 +969,24 @@ class _RewriteCompares(ast.NodeTransformer):
         return ast.copy_location(call, node)
 
 
+@functools.lru_cache(maxsize=1)
+def _harness_code() -> tuple:
+    def c(src: str, name: str):
+        return compile(src, name, "exec", dont_inherit=True)
+
+    return (
+        c(_HARNESS_MAIN, "<gspo-harness>"),
+        c(_PROTECTED, "<gspo-protected>"),
+        c(_SHIM_INSTALL, "<gspo-shim>"),
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _compile_tests(tests: str) -> bytes:
-    """The harness's test payload: the modules the tests import, then their rewritten code (marshal).
+    """The harness's payload (marshal): its own code, the modules the tests import, the tests.
 
-    Compiled here, once per distinct test string (a group's G samples share it), with asserts kept.
-    A syntax error becomes a test that raises it, so it scores 0 like any failing test.
+    Compiled here, once per distinct test string (a group's G samples share it), with asserts kept
+    and comparisons rewritten. A syntax error becomes a test that raises it (scores 0).
     """
     try:
         tree = ast.parse(tests, "tests.py")
@@ -977,7 +1001,7 @@ def _compile_tests(tests: str) -> bytes:
             modules.update(f"{node.module}.{a.name}" for a in node.names if a.name != "*")
     tree = ast.fix_missing_locations(_RewriteCompares().visit(tree))
     code = compile(tree, "tests.py", "exec", dont_inherit=True, optimize=0)
-    return ",".join(sorted(modules)).encode() + b"\n" + marshal.dumps(code)
+    return marshal.dumps((*_harness_code(), tuple(sorted(modules)), code))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1212,8 +1236,8 @@ def run_untrusted(
             to_close += [verdict_r, *child_fds]
             args = [str(nonce_fd), str(cfg_fd), str(verdict_w)]
             land = "1" if fs else "0"
-            argv = [*py, "-c", _HARNESS, *args, "0", land]
-            shim_argv = [*py, "-c", _HARNESS, *args, "1", land]
+            argv = [*py, "-c", _HARNESS_LOADER, *args, "0", land]
+            shim_argv = [*py, "-c", _HARNESS_LOADER, *args, "1", land]
         cfg = {
             "status_fd": status_w,
             "child_fds": child_fds,
