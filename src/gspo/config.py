@@ -113,6 +113,10 @@ class Config:
     """``seq_mask`` / ``token_mask``: lowest ratio pi_old/pi_sampler kept."""
     mismatch_high: float | None = None
     """``seq_mask`` / ``token_mask``: highest ratio kept (default 2 for sequences, 5 for tokens: IcePop)."""
+    async_staleness: int = 0
+    """Asynchronous rollouts: a sampler process (its own model copy, one thread) generates up to K
+    policy versions ahead of the trainer, so generation and training overlap; step t's responses come
+    from the weights after step t-1-K and the sampler's log-probs are pi_old. 0: synchronous."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no gradient under group-normalized advantages) and
     draw more prompts until the batch is full (DAPO); see ``dynamic_sampling_max_rounds``."""
@@ -261,6 +265,7 @@ class Config:
             "dynamic_sampling_max_rounds",
             "overlong_buffer",
             "overlong_penalty",
+            "async_staleness",
         ]:
             if getattr(self, f) < 0:
                 raise bad(f, "must be >= 0")
@@ -300,6 +305,14 @@ class Config:
                 "mismatch_low",
                 f"the band [mismatch_low, mismatch_high] = [{self.mismatch_low}, {high}] must hold 1",
             )
+        if self.async_staleness:
+            for f, ok in [
+                ("nproc", self.nproc == 1), ("rollout_engine", self.rollout_engine == "hf"),
+                ("dynamic_sampling", not self.dynamic_sampling), ("lora_rank", self.lora_rank == 0),
+                ("old_logp", self.old_logp != "recompute"), ("rollout_dtype", self.rollout_dtype in (None, self.dtype)),
+            ]:  # fmt: skip
+                if not ok:
+                    raise bad(f, "is not supported with async_staleness > 0 yet")
         if self.group_size < 2:
             raise bad(
                 "group_size",
@@ -330,6 +343,8 @@ class Config:
         """``recompute`` or ``rollout`` (``auto`` resolved)."""
         if self.old_logp != "auto":
             return self.old_logp
+        if self.async_staleness:  # the batch's own policy: the sampler's log-probs
+            return "rollout"
         same_numerics = (
             self.rollout_engine == "hf"
             and self.dtype == "float32"

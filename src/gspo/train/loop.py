@@ -24,7 +24,7 @@ from gspo.tasks.datasets import Example
 from gspo.train import distributed as dist_utils
 from gspo.train.batch import RolloutData
 from gspo.train.logger import Progress, plot_metrics, read_metrics
-from gspo.train.rollout import collect_rollout
+from gspo.train.rollout import collect_rollout, score_rollout
 from gspo.train.run import Run, save_hf
 from gspo.train.update import policy_update
 
@@ -51,8 +51,7 @@ def train(cfg: Config) -> TrainResult:
     transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
     transformers.utils.logging.set_verbosity_error()
     cfg = cfg.validate()
-    with _deferred_signals() as stop:
-        run = Run.open(cfg, should_stop=lambda: stop.requested)
+    with _deferred_signals() as stop, _closing(Run.open(cfg, should_stop=lambda: stop.requested)) as run:
         bar = Progress(cfg.steps, cfg.algo, enabled=cfg.progress and run.rank == 0, initial=run.step)
         skipped = 0
         while run.step < cfg.steps:
@@ -84,7 +83,10 @@ def rl_step(run: Run) -> dict[str, float]:
     metrics |= policy_update(
         run.policy, run.optimizer, run.scheduler, data.to(run.dctx.device), cfg, run.world, run.is_moe
     )
-    run.sync_sampler()
+    run.sync_sampler(version=run.step + 1)
+    if run.async_sampler is not None:
+        run.async_sampler.done(run.step + 1)
+        metrics["async/trainer_idle_frac"] = metrics["async/queue_wait_s"] / max(time.time() - t0, 1e-9)
     run.updating = False
     metrics["time/update_s"], metrics["time/step_s"] = time.time() - t1, time.time() - t0
     metrics["lr"] = run.scheduler.get_last_lr()[0]
@@ -99,6 +101,11 @@ def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
     prompts and resume stays exact); a batch still short after the last round is filled with dropped
     groups (zero advantage)."""
     cfg = run.cfg
+    if run.async_sampler is not None:  # sampled ahead, from the policy of step - 1 - async_staleness
+        rb, info = run.async_sampler.batch(run.step + 1)
+        examples, _ = next_prompts(run)
+        data, metrics = score_rollout(rb, run.tokenizer, run.task, examples, cfg, rb.gen_s)
+        return data, metrics | info
     examples, prompt_ids = next_prompts(run)
     data, metrics = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
     if not cfg.dynamic_sampling:
@@ -197,6 +204,14 @@ def _finish(run: Run) -> TrainResult:
         run.logger.close()
     dist_utils.cleanup(run.dctx)
     return result
+
+
+@contextmanager
+def _closing(run: Run):  # noqa: ANN202
+    try:
+        yield run
+    finally:
+        run.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -79,11 +79,18 @@ def collect_rollout(
     cfg: Config,
 ) -> tuple[RolloutData, dict[str, float]]:
     """G samples per prompt, rewards, group advantages -> RolloutData (groups contiguous)."""
-    G = cfg.group_size
-    rep_ids = [p for p in prompt_ids for _ in range(G)]
+    rep_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
     t0 = time.time()
     rb = engine.generate(rep_ids, cfg.max_new_tokens, cfg.temperature)
-    t_gen = time.time() - t0
+    return score_rollout(rb, tokenizer, task, examples, cfg, time.time() - t0)
+
+
+def score_rollout(
+    rb: RolloutBatch, tokenizer: Any, task: Task, examples: list[Example], cfg: Config, t_gen: float
+) -> tuple[RolloutData, dict[str, float]]:
+    """Rewards and group advantages of sampled responses (``rb``: G rows per example, in order)."""
+    G = cfg.group_size
+    rep_ids = rb.prompt_ids
     completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
     prompts = [e.prompt for e in examples for _ in range(G)]
     answers = [e.answer for e in examples for _ in range(G)]

@@ -54,6 +54,7 @@ class Run:
     data_pos: int = 0  # prompts consumed (epoch-wise shuffled order)
     last_saved: int = -1
     updating: bool = False  # inside the policy update of a step (weights may have changed)
+    async_sampler: Any = None  # AsyncSampler with async_staleness > 0
     initial: dict[str, Any] = field(default_factory=dict)  # held-out metrics before RL
 
     @property
@@ -115,6 +116,11 @@ class Run:
         )  # fmt: skip
         if state is not None:
             run._restore(state)
+        if cfg.async_staleness:
+            from gspo.train.async_sampler import AsyncSampler
+
+            pending = state.get("in_flight") if state is not None else None
+            run.async_sampler = AsyncSampler(run.hf, tokenizer, train_ids, cfg, run.step, pending)
         run.logger = (
             MetricsLogger(cfg.run_dir, run.step if state else None, cfg.wandb, cfg.to_dict())
             if dctx.rank == 0
@@ -166,6 +172,8 @@ class Run:
                 "config": self.cfg.to_dict(),
                 "initial": self.initial,
             }
+            if self.async_sampler is not None:  # sampled from versions this checkpoint does not hold
+                state["in_flight"] = self.async_sampler.in_flight(self.step)
             try:
                 ckpt.save_checkpoint(
                     self.cfg.run_dir, self.step, lambda p: save_hf(model, self.tokenizer, p, full_sd), state
@@ -193,10 +201,17 @@ class Run:
         if step == self.cfg.steps or (every and step % every == 0):
             self.save()
 
-    def sync_sampler(self) -> None:
-        """After an update: the sampler's weights become the trainer's."""
+    def sync_sampler(self, version: int) -> None:
+        """After update ``version``: the sampler's weights become the trainer's."""
         dist_utils.sync_rollout_model(self.policy, self.sampler, self.dctx)
         self.engine.sync_weights()
+        if self.async_sampler is not None:
+            self.async_sampler.publish(self.hf, version)
+
+    def close(self) -> None:
+        """End the sampler process (if any)."""
+        if self.async_sampler is not None:
+            self.async_sampler.close()
 
 
 # ------------------------------------------------------------------------------------------------
