@@ -1,0 +1,107 @@
+"""Async rollouts vs the synchronous loop on this 2-core CPU: throughput and accuracy per sample.
+
+Each run is ``gspo train`` on the default task (tiny MoE, reverse), with the scaled-down settings of
+tests/test_train_api.py (warm start 150, 200 RL steps of 16 prompts x 8, held-out 100). The trainer
+has one thread; with ``--async-staleness K > 0`` the sampler process has the other core.
+
+- throughput: RL steps per second over the RL phase (sum of ``time/step_s``: rollout + update, plus
+  the trainer's wait for the sampler), paired per seed against K = 0; median and range of the ratio;
+- accuracy per sample consumed: every variant consumes the same prompts (16 x 8 per step), so final
+  held-out accuracy is per the same number of samples; mean and 95% t-interval over seeds, and of
+  the paired difference to K = 0.
+
+    python benchmarks/bench_async.py --seeds 0,1,2 --ks 0,1,2,4     # writes benchmarks/RESULTS_async.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASE = [
+    "--steps", "200", "--sft-steps", "150", "--prompts-per-step", "16", "--eval-size", "100",
+    "--eval-every", "50", "--save-every", "0", "--threads", "1", "--no-progress",
+]  # fmt: skip
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
+
+
+def ci(xs: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(xs)
+    return (
+        (m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs)))
+        if len(xs) > 1
+        else (m, math.nan)
+    )
+
+
+def run(out: Path, k: int, seed: int) -> dict:
+    name = f"k{k}-s{seed}"
+    if not (out / name / "final" / "config.json").exists():
+        cmd = [sys.executable, "-m", "gspo", "train", *BASE, "--seed", str(seed), "--async-staleness", str(k)]
+        t0 = time.time()
+        subprocess.run([*cmd, "--output-dir", str(out), "--name", name], check=True, capture_output=True)
+        print(f"{name}: {time.time() - t0:.0f} s", flush=True)
+    rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+    return {
+        "k": k,
+        "seed": seed,
+        "rl_s": sum(r["time/step_s"] for r in steps),
+        "gen_s": sum(r["time/generate_s"] for r in steps),
+        "update_s": sum(r["time/update_s"] for r in steps),
+        "idle": statistics.fmean(r.get("async/trainer_idle_frac", 0.0) for r in steps),
+        "initial": evals[0],
+        "final": evals[-1],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--ks", default="0,1,2,4")
+    ap.add_argument("--out", default="runs/bench-async")
+    ap.add_argument("--report", default="benchmarks/RESULTS_async.md")
+    a = ap.parse_args()
+    seeds, ks, out = [int(s) for s in a.seeds.split(",")], [int(k) for k in a.ks.split(",")], Path(a.out)
+    t0 = time.time()
+    res = {(r["k"], r["seed"]): r for r in (run(out, k, s) for s in seeds for k in ks)}
+    lines = [
+        "# Async rollouts vs the synchronous loop",
+        "",
+        f"`python benchmarks/bench_async.py --seeds {a.seeds} --ks {a.ks}` ({(time.time() - t0) / 60:.0f} min;"
+        " tiny MoE, reverse task, warm start 150, 200 RL steps x 16 prompts x 8, held-out 100; trainer 1 thread,"
+        " sampler process 1 thread).",
+        "",
+        "| K | RL s (mean) | throughput vs K=0 (median [min, max] of paired ratios) | trainer idle | final acc | paired acc - K=0 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k in ks:
+        rs = [res[k, s] for s in seeds]
+        ratios = [res[0, s]["rl_s"] / res[k, s]["rl_s"] for s in seeds]
+        f, fh = ci([r["final"] for r in rs])
+        d, dh = ci([res[k, s]["final"] - res[0, s]["final"] for s in seeds])
+        verdict = "" if k == 0 else (" worse" if d + dh < 0 else " better" if d - dh > 0 else " inconclusive")
+        lines.append(
+            f"| {k} | {statistics.fmean(r['rl_s'] for r in rs):.1f} | {statistics.median(ratios):.2f}"
+            f" [{min(ratios):.2f}, {max(ratios):.2f}] | {statistics.fmean(r['idle'] for r in rs):.2f}"
+            f" | {f:.3f} ± {fh:.3f} | " + ("-" if k == 0 else f"{d:+.3f} ± {dh:.3f}{verdict}") + " |"
+        )
+    lines += ["", "Per seed: `K: (RL seconds, final accuracy)`", ""]
+    for s in seeds:
+        lines.append(
+            f"- seed {s}: "
+            + ", ".join(f"K={k}: ({res[k, s]['rl_s']:.1f} s, {res[k, s]['final']:.2f})" for k in ks)
+        )
+    Path(a.report).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
