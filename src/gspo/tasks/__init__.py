@@ -31,6 +31,10 @@ def build_task(
     answer_field: str = "answer",
 ) -> Task:
     """Train/held-out examples and the reward for a task spec (embedded name or dataset path)."""
+    if task.startswith("rg:"):  # reasoning-gym: gspo/tasks/reasoning_gym.py
+        from gspo.tasks.reasoning_gym import build_rg_task
+
+        return build_rg_task(task, reward, seed, eval_size, eval_task)
     if task in SYNTHETIC_TASKS:
         train = synthetic_examples(task, EMBEDDED_TRAIN_SIZE, seed)
         seen = {e.prompt for e in train}
