@@ -168,3 +168,10 @@ def test_tiny_train_run_logs_finite_rewards(rg, tmp_path):
     assert all(row["rollout/reward_errors"] == 0 for row in rows if "rollout/reward_errors" in row)
     assert any("eval/accuracy" in row for row in rows)
     assert (tmp_path / "r" / "final" / "config.json").is_file()
+
+
+def test_held_out_with_no_question_outside_train_is_an_error(rg):
+    # one animal, one instance: 37 distinct questions, all of them among 500 train items
+    spec = "rg:leg_counting:size=500,min_animals=1,max_animals=1,min_instances=1,max_instances=1"
+    with pytest.raises(GspoError, match="every held-out question also occurs"):
+        _task(spec, eval_size=10)

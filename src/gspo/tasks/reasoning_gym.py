@@ -35,6 +35,7 @@ import dataclasses
 import difflib
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,8 +224,16 @@ def make_reward(table: dict[tuple[str, str], tuple[Any, dict[str, Any]]], label:
     return rg_reward
 
 
-def build_rg_task(task: str, reward: str, seed: int, eval_size: int, eval_task: str | None = None) -> Task:
-    """Train/held-out examples of a reasoning-gym spec and its reward (see the module docstring)."""
+def build_rg_task(
+    task: str,
+    reward: str,
+    seed: int,
+    eval_size: int,
+    eval_task: str | None = None,
+    **reward_kwargs: Any,
+) -> Task:
+    """Train/held-out examples of a reasoning-gym spec and its reward (see the module docstring).
+    ``reward_kwargs`` go to :func:`~gspo.tasks.rewards.load_reward` for rewards other than ``rg``."""
     spec = parse_spec(task, "task")
     if eval_task and not is_rg_task(eval_task):
         raise GspoError(
@@ -250,6 +259,14 @@ def build_rg_task(task: str, reward: str, seed: int, eval_size: int, eval_task: 
             f"{eval_spec.spec}: every held-out question also occurs in the {spec.size} train examples "
             f"(few distinct questions): use a smaller train set, rg:{spec.name}:size=N"
         )
+    if len(held_out) < eval_size:
+        warnings.warn(
+            f"held-out set has {len(held_out)} examples, fewer than eval_size={eval_size} "
+            f"({eval_spec.spec} has few questions outside the {spec.size} training ones): "
+            "eval accuracy is noisier than asked for",
+            UserWarning,
+            stacklevel=3,
+        )
     table: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
     for ds, pairs in ((train_ds, train), (eval_ds, held_out)):
         for ex, entry in pairs:
@@ -258,5 +275,5 @@ def build_rg_task(task: str, reward: str, seed: int, eval_size: int, eval_task: 
         label = task if not eval_task or eval_task == task else f"{task} (held-out {eval_task})"
         fn, name = make_reward(table, label), f"{REWARD} ({spec.name} score_answer)"
     else:
-        fn, name = load_reward(reward), reward
+        fn, name = load_reward(reward, **reward_kwargs), reward
     return Task(train=[ex for ex, _ in train], eval=[ex for ex, _ in held_out], reward=fn, reward_name=name)
