@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gspo.errors import GspoError
-from gspo.tasks.datasets import Example, apply_chat_template, load_prompt_dataset
+from gspo.tasks.datasets import Example, apply_chat_template, is_chat, load_prompt_dataset, prompt_text
 
 ROWS = [
     {"prompt": "What is 2+2?", "answer": "4", "source": "a"},
@@ -155,8 +155,14 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         ([good, '{"prompt": "q"}'], ":2: missing field 'answer' (fields: prompt)"),
         (['{"prompt": null, "answer": "a"}'], ":1: field 'prompt' is null"),
         (['{"prompt": "q", "answer": null}'], ":1: field 'answer' is null"),
-        (['{"prompt": 5, "answer": "a"}'], ":1: field 'prompt' must be a string, got int"),
-        (['{"prompt": [{"role": "user"}], "answer": "a"}'], ":1: field 'prompt' must be a string, got list"),
+        (
+            ['{"prompt": 5, "answer": "a"}'],
+            ":1: field 'prompt' must be a string or a list of chat messages, got int",
+        ),
+        (
+            ['{"prompt": [{"role": "user"}], "answer": "a"}'],
+            ":1: field 'prompt': message 1 has no 'content' (keys: role)",
+        ),
         (['{"prompt": "  ", "answer": "a"}'], ":1: field 'prompt' is empty"),
         (['{"prompt": "q", "answer": true}'], ":1: field 'answer' must be a string or a number, got bool"),
         (['{"prompt": "q", "answer": ["a"]}'], ":1: field 'answer' must be a string or a number, got list"),
@@ -245,3 +251,151 @@ def test_apply_chat_template():
         r"ValueError: System role not supported$",
     ):
         apply_chat_template(_Tok("t", fail=True), "hi", "sys")
+
+
+def test_apply_chat_template_with_messages():
+    """Chat-message prompts are rendered as they are; the system prompt goes first only when they
+    have none; without a template they are an error (no plain-text rendering)."""
+    tok = _Tok("{{ messages }}")
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert apply_chat_template(tok, msgs) == "user:hi|assistant:yo|user:2+2?|assistant:"
+    assert apply_chat_template(tok, msgs, "be brief").startswith("system:be brief|user:hi|")
+    own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]
+    assert apply_chat_template(tok, own, "cfg") == "system:mine|user:q|assistant:"
+    assert tok.calls[-1][1] == {"add_generation_prompt": True, "tokenize": False}
+    assert msgs[0] == {"role": "user", "content": "hi"}  # the example is not modified
+    with pytest.raises(
+        GspoError, match="^the dataset's prompts are chat messages but the tokenizer has no chat template"
+    ):
+        apply_chat_template(_Tok(None), msgs)
+    with pytest.raises(
+        GspoError, match="^the tokenizer's chat template failed with a system prompt: ValueError"
+    ):
+        apply_chat_template(_Tok("t", fail=True), own)
+
+
+# ------------------------------------------------------------------------------------------------
+# chat-format prompts
+
+CHAT = [
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+        "answer": "4",
+    },
+    {
+        "prompt": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Capital of France?", "name": "bob"},
+        ],
+        "answer": "Paris",
+    },
+]
+
+
+def test_chat_prompts_jsonl_and_json(tmp_path):
+    """A prompt field holding a list of messages (HF chat datasets) loads as messages; .text and
+    prompt_text give the last user message; examples stay hashable and comparable."""
+    for name, text in (
+        ("c.jsonl", "\n".join(json.dumps(r) for r in CHAT)),
+        ("c.json", json.dumps(CHAT, indent=1)),
+    ):
+        got = load_prompt_dataset(_write(tmp_path, name, text))
+        assert [e.prompt for e in got] == [r["prompt"] for r in CHAT]
+        assert [e.text for e in got] == ["What is 2+2?", "Capital of France?"]
+        assert [prompt_text(e.prompt) for e in got] == [e.text for e in got]
+        assert is_chat(got[0].prompt) and not is_chat("x")
+        assert len({*got, *got}) == 2 and got[0] == Example(CHAT[0]["prompt"], "4")
+
+
+def test_chat_prompts_parquet_and_hf(tmp_path, monkeypatch):
+    """Arrow list-of-struct columns (Parquet, HF datasets) load as messages; the nulls Arrow adds for
+    keys that only some messages have are dropped."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = str(tmp_path / "c.parquet")
+    pq.write_table(pa.Table.from_pylist(CHAT), path)
+    got = load_prompt_dataset(path)
+    assert [e.prompt for e in got] == [r["prompt"] for r in CHAT]  # no 'name': None in row 1
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    hf = pytest.importorskip("datasets")
+    hf.Dataset.from_list(CHAT).save_to_disk(str(tmp_path / "hf"))
+    assert [e.prompt for e in load_prompt_dataset(str(tmp_path / "hf"))] == [r["prompt"] for r in CHAT]
+
+
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ([], "field 'prompt' is an empty list of messages"),
+        (["hi"], "field 'prompt': message 1 must be an object with 'role' and 'content', got str"),
+        ([{"content": "hi"}], "field 'prompt': message 1 has no 'role' (keys: content)"),
+        (
+            [{"role": "user", "content": None}],
+            "field 'prompt': message 1 has no 'content' (keys: role, content)",
+        ),
+        (
+            [{"role": "", "content": "hi"}],
+            "field 'prompt': message 1: 'role' must be a non-empty string, got ''",
+        ),
+        (
+            [{"role": 3, "content": "hi"}],
+            "field 'prompt': message 1: 'role' must be a non-empty string, got 3",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "field 'prompt': message 1: 'content' must be a string, got list (multimodal content lists are not supported)",
+        ),
+        ([{"role": "system", "content": "s"}], "field 'prompt': no message with role 'user' (roles: system)"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "field 'prompt': the last message (message 2) is from the assistant",
+        ),
+        ([{"role": "user", "content": "  "}], "field 'prompt': the last user message is empty"),
+    ],
+)
+def test_malformed_chat_prompts_name_file_line_field(tmp_path, prompt, expected):
+    """Each malformed message list is one line naming the file, the line and the field."""
+    rows = [{"q": "fine", "answer": "a"}, {"q": prompt, "answer": "a"}]
+    path = _write(tmp_path, "bad.jsonl", "\n".join(json.dumps(r) for r in rows))
+    msg = _error(path, prompt_field="q")
+    assert msg.startswith(f"{path}:2: {expected.replace('prompt', 'q', 1)}"), msg
+
+
+# ------------------------------------------------------------------------------------------------
+# held-out size
+
+
+def test_small_held_out_set_warns_once(tmp_path):
+    """A held-out set smaller than eval_size warns (why, and how to get more); same call, one warning."""
+    import warnings
+
+    from gspo.tasks import build_task
+
+    path = _write(
+        tmp_path, "d.jsonl", "\n".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) for i in range(30))
+    )
+    with pytest.warns(
+        UserWarning, match=r"held-out set has 3 examples, fewer than eval_size=50 \(10% of the 30 "
+    ):
+        task = build_task(path, "exact_match", 0, 50)
+    assert len(task.eval) == 3 and len(task.train) == 27
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for _ in range(3):  # one call site, as in the trainer: shown once
+            build_task(path, "exact_match", 0, 50)
+    assert len([w for w in seen if "held-out set" in str(w.message)]) == 1
+    small = _write(
+        tmp_path, "e.jsonl", "\n".join(json.dumps({"prompt": f"e{i}", "answer": "a"}) for i in range(4))
+    )
+    with pytest.warns(
+        UserWarning, match=r"held-out set has 4 examples, fewer than eval_size=10 \(.*e.jsonl has only 4"
+    ):
+        build_task(path, "exact_match", 0, 10, eval_task=small)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(build_task(path, "exact_match", 0, 3).eval) == 3  # enough: no warning
+        assert len(build_task("reverse", "exact_match", 0, 20).eval) == 20

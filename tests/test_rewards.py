@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
@@ -23,6 +24,7 @@ from gspo.tasks.rewards import (
     make_code_reward,
     math_verify_reward,
     safe_rewards,
+    with_timeout,
 )
 
 
@@ -326,12 +328,42 @@ def test_safe_rewards_error_mode_names_the_spec():
         (inf_at_1, [0.5, 0.0, 0.5, 0.5], 1),
         (wrong_length, [1.0, 1.0, 1.0, 1.0], 0),  # per-sample calls return one value each
         (str_at_0, [0.0, 1.0, 1.0, 1.0], 1),
-        (lambda p, c, a: 1.0, [0.0] * 4, 4),
     ],
 )
 def test_safe_rewards_zero_mode(fn, expected, n_bad):
     """on_error='zero': offending samples score 0.0, the others keep their reward, bad ones counted."""
     assert safe_rewards(fn, P, C, A, on_error="zero") == (expected, n_bad)
+
+
+@pytest.mark.parametrize(
+    "fn,first",
+    [
+        (lambda p, c, a: 1.0, "sample 0: returned float instead of a list of 1 floats"),
+        (lambda p, c, a: [math.nan] * len(c), "sample 0: returned nan"),
+        (lambda p, c, a: 1 / 0, "sample 0: raised ZeroDivisionError: division by zero"),
+    ],
+)
+def test_safe_rewards_zero_mode_all_failed_is_an_error(fn, first):
+    """on_error='zero' with every score of the batch failing: one line, not all-zero rewards."""
+    with pytest.raises(GspoError) as ei:
+        safe_rewards(fn, P, C, A, on_error="zero", name="my.mod:fn")
+    msg = str(ei.value)
+    assert msg.startswith("reward function my.mod:fn failed on all 4 samples of the batch (") and first in msg
+    assert "all-zero rewards" in msg and "\n" not in msg
+    assert safe_rewards(raising, P, C, A, on_error="zero")[1] == 1  # some good samples: still zeros + count
+
+
+def test_safe_rewards_gives_rewards_string_prompts():
+    """Chat-message prompts reach the reward as the text of their last user message."""
+    seen = []
+
+    def fn(prompts, completions, answers):
+        seen.extend(prompts)
+        return [1.0] * len(completions)
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    assert safe_rewards(fn, [chat, "plain"], ["4", "x"], ["4", "x"]) == ([1.0, 1.0], 0)
+    assert seen == ["2+2?", "plain"]
 
 
 def test_safe_rewards_gspo_error_propagates():
@@ -345,3 +377,121 @@ def test_safe_rewards_gspo_error_propagates():
             safe_rewards(needs_pkg, P, C, A, on_error=mode)
     with pytest.raises(ValueError, match="on_error"):
         safe_rewards(exact_match, P, C, A, on_error="ignore")
+
+
+# ------------------------------------------------------------------------------------------------
+# time limit of user reward functions
+
+SLOW_REWARD = """
+import time, pathlib
+
+def slow(prompts, completions, answers):
+    try:
+        time.sleep(30)
+    finally:
+        pathlib.Path(__file__).with_name("cleanup-ran").write_text("yes")
+    return [1.0] * len(completions)
+
+def stubborn(prompts, completions, answers):
+    while True:
+        try:
+            time.sleep(30)
+        except Exception:
+            pass
+
+def fast(prompts, completions, answers):
+    return [0.5] * len(completions)
+
+def uses_signals(prompts, completions, answers):
+    import signal
+    old = signal.signal(signal.SIGALRM, lambda *a: None)  # main-thread only, like math-verify
+    signal.signal(signal.SIGALRM, old)
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.fixture
+def slow_file(tmp_path):
+    f = tmp_path / "slow_reward.py"
+    f.write_text(SLOW_REWARD)
+    return f
+
+
+@pytest.mark.parametrize("mode", ["error", "zero"])
+def test_user_reward_timeout_interrupts_with_one_line(slow_file, mode):
+    """A user reward that sleeps 30 s is interrupted at timeout_s (its finally runs) and raises one
+    line naming the function and the limit, in both on_error modes."""
+    spec = f"{slow_file}:slow"
+    fn = load_reward(spec, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(GspoError) as ei:
+        safe_rewards(fn, P, C, A, on_error=mode, name=spec)
+    assert time.monotonic() - t0 < 5.0
+    msg = str(ei.value)
+    assert (
+        msg.startswith(f"reward function {spec} timed out after 0.5 s (reward timeout_s=0.5")
+        and "\n" not in msg
+    )
+    assert (slow_file.parent / "cleanup-ran").read_text() == "yes"  # really interrupted, not abandoned
+
+
+def test_user_reward_timeout_not_swallowed_by_except_exception(slow_file):
+    """The interruption is a BaseException: ``except Exception`` in the function does not hide it."""
+    fn = load_reward(f"{slow_file}:stubborn", timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(GspoError, match="timed out after 0.3 s"):
+        fn(P, C, A)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_user_reward_timeout_off_the_main_thread(slow_file):
+    """From another thread (no signal handler there) the call is abandoned at the deadline: the error
+    still comes on time and says the call goes on in the background."""
+    fn = load_reward(f"{slow_file}:slow", timeout_s=0.3)
+    box = []
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            fn(P, C, A)
+        except GspoError as e:
+            box.append((str(e), time.monotonic() - t0))
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(10)
+    msg, elapsed = box[0]
+    assert "timed out after 0.3 s" in msg and "still running in a background thread" in msg and elapsed < 5
+
+
+def test_user_reward_timeout_defaults_and_pass_through(slow_file):
+    """Fast functions are unaffected (values, errors, main-thread signal use); default 60 s; None or 0
+    disables it; built-ins are not wrapped; a bad value is a one-line error."""
+    from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S
+
+    assert DEFAULT_REWARD_TIMEOUT_S == 60.0
+    fn = load_reward(f"{slow_file}:fast")
+    assert fn.timeout_s == 60.0 and fn.__name__ == "fast"
+    assert safe_rewards(fn, P, C, A) == ([0.5] * 4, 0)
+    assert safe_rewards(load_reward(f"{slow_file}:uses_signals", timeout_s=5), P, C, A) == ([1.0] * 4, 0)
+    assert not hasattr(load_reward(f"{slow_file}:fast", timeout_s=None), "timeout_s")
+    assert not hasattr(load_reward(f"{slow_file}:fast", timeout_s=0), "timeout_s")
+    assert load_reward("exact_match", timeout_s=1) is exact_match
+    with pytest.raises(GspoError, match="timeout_s must be a positive number of seconds"):
+        load_reward(f"{slow_file}:fast", timeout_s=-1)
+    with pytest.raises(GspoError, match="raised ValueError: boom on c2"):  # errors pass through the wrapper
+        safe_rewards(with_timeout(raising, "raising", 5), P, C, A)
+    for _ in range(50):  # many short calls leave no watchdog threads behind for long
+        load_reward(f"{slow_file}:fast", timeout_s=5)(P, C, A)
+    time.sleep(0.2)
+    assert sum(t.name == "gspo-reward-timeout" for t in threading.enumerate()) == 0
+
+
+def test_build_task_passes_the_reward_timeout(slow_file, tmp_path):
+    """build_task(reward_timeout_s=...) reaches the user reward."""
+    from gspo.tasks import build_task
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"p{i}", "answer": "a"}) for i in range(20)))
+    task = build_task(str(data), f"{slow_file}:fast", 0, 2, reward_timeout_s=7)
+    assert task.reward.timeout_s == 7.0

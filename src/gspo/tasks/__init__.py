@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example, load_prompt_dataset
-from gspo.tasks.rewards import RewardFn, load_reward
+from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardFn, load_reward
 from gspo.tasks.synthetic import SYNTHETIC_TASKS, synthetic_examples
 
 EMBEDDED_TRAIN_SIZE = 20_000
@@ -29,8 +30,12 @@ def build_task(
     eval_task: str | None = None,
     prompt_field: str = "prompt",
     answer_field: str = "answer",
+    reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
 ) -> Task:
-    """Train/held-out examples and the reward for a task spec (embedded name or dataset path)."""
+    """Train/held-out examples and the reward for a task spec (embedded name or dataset path).
+
+    ``reward_timeout_s`` limits each call of a user reward function (``load_reward(timeout_s=...)``).
+    A held-out set smaller than ``eval_size`` is a warning (``warnings``, once per message)."""
     if task.startswith("rg:"):  # reasoning-gym: gspo/tasks/reasoning_gym.py
         from gspo.tasks.reasoning_gym import build_rg_task
 
@@ -40,6 +45,7 @@ def build_task(
         seen = {e.prompt for e in train}
         pool = synthetic_examples(task, eval_size * 4, seed + 1_000_003)
         held_out = [e for e in pool if e.prompt not in seen][:eval_size]
+        why = f"task {task!r} has few prompts outside the {len(train)} training ones"
     else:
         if "/" not in task and "." not in task:
             raise GspoError(
@@ -49,6 +55,7 @@ def build_task(
         train = load_prompt_dataset(task, prompt_field, answer_field)
         if eval_task:
             held_out = load_prompt_dataset(eval_task, prompt_field, answer_field)[:eval_size]
+            why = f"{eval_task} has only {len(held_out)} examples"
         else:
             if len(train) < 2:
                 raise GspoError(f"{task}: need at least 2 examples to hold some out for evaluation")
@@ -56,4 +63,13 @@ def build_task(
             random.Random(seed).shuffle(shuffled)
             n_eval = min(eval_size, max(1, len(train) // 10))
             held_out, train = shuffled[:n_eval], shuffled[n_eval:]
-    return Task(train=train, eval=held_out, reward=load_reward(reward), reward_name=reward)
+            why = f"10% of the {len(train) + n_eval} examples of {task} are held out; pass eval_task for more"
+    if len(held_out) < eval_size:
+        warnings.warn(
+            f"held-out set has {len(held_out)} examples, fewer than eval_size={eval_size} ({why}): "
+            "eval accuracy is noisier than asked for",
+            UserWarning,
+            stacklevel=2,
+        )
+    fn = load_reward(reward, timeout_s=reward_timeout_s)
+    return Task(train=train, eval=held_out, reward=fn, reward_name=reward)

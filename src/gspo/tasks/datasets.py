@@ -1,5 +1,10 @@
 """Prompt datasets: (prompt, reference answer) rows from JSONL / JSON / CSV / Parquet / HF directories.
 
+A prompt is a string, or, as in Hugging Face chat datasets, a list of messages
+``[{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]`` ending with a user (or tool)
+message; those are rendered with the tokenizer's chat template (:func:`apply_chat_template`) and
+rewards see the text of the last user message (:func:`prompt_text`).
+
 Every problem with the data is a one-line :class:`GspoError` that names the file, the line (or row)
 and the field, e.g. ``data.jsonl:17: missing field 'prompt' (fields: question, solution)``.
 """
@@ -18,14 +23,44 @@ from typing import Any
 
 from gspo.errors import GspoError
 
+Message = dict[str, Any]
+Prompt = str | list[Message]
+
+
+def is_chat(prompt: Any) -> bool:
+    """True for a prompt given as chat messages (a list), False for a plain string."""
+    return isinstance(prompt, list)
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """The prompt as one string for rewards and messages: itself, or for chat messages the content
+    of the last user message (the question; the rendered template text depends on the tokenizer)."""
+    if isinstance(prompt, str):
+        return prompt
+    for m in reversed(prompt):
+        if m.get("role") == "user":
+            return m.get("content") or ""
+    return ""
+
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
+    prompt: Prompt
+    """A string, or chat messages ``[{"role": ..., "content": ...}, ...]`` (see :func:`is_chat`)."""
     answer: str
     """Reference passed to the reward: the answer, or test code for the ``code`` reward."""
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
     """The row's other fields, untouched."""
+
+    def __hash__(self) -> int:  # chat prompts are lists: hash their (role, content) pairs
+        p = self.prompt
+        key = p if isinstance(p, str) else tuple((m.get("role"), m.get("content")) for m in p)
+        return hash((key, self.answer))
+
+    @property
+    def text(self) -> str:
+        """:func:`prompt_text` of the prompt: what rewards receive as the prompt."""
+        return prompt_text(self.prompt)
 
 
 _JSONL = (".jsonl", ".ndjson")
@@ -215,6 +250,51 @@ def _answer(v: Any, loc: str, name: str) -> str:
     return str(v)
 
 
+def _is_array(v: Any) -> bool:
+    """A numpy array (how some readers return list columns)."""
+    return type(v).__module__ == "numpy" and type(v).__name__ == "ndarray"
+
+
+def _messages(items: list[Any], loc: str, name: str) -> list[Message]:
+    """Validated chat messages: objects with a string 'role' and a string 'content', at least one
+    from the user, not ending with the assistant (the completion is what gets generated)."""
+    where = f"{loc}: field {name!r}"
+    if not items:
+        raise GspoError(f"{where} is an empty list of messages")
+    out: list[Message] = []
+    for i, m in enumerate(items, 1):
+        if not isinstance(m, dict):
+            raise GspoError(
+                f"{where}: message {i} must be an object with 'role' and 'content', got {_type_name(m)}"
+            )
+        for key in ("role", "content"):
+            if key not in m or m[key] is None:
+                raise GspoError(
+                    f"{where}: message {i} has no {key!r} (keys: {', '.join(map(str, m)) or 'none'})"
+                )
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or not role.strip():
+            raise GspoError(f"{where}: message {i}: 'role' must be a non-empty string, got {role!r:.40}")
+        if not isinstance(content, str):
+            raise GspoError(
+                f"{where}: message {i}: 'content' must be a string, got {_type_name(content)} "
+                "(multimodal content lists are not supported)"
+            )
+        # Parquet/Arrow fill keys other rows have with nulls: drop them, keep real extras (e.g. 'name').
+        out.append({k: v for k, v in m.items() if v is not None or k in ("role", "content")})
+    roles = [m["role"] for m in out]
+    if "user" not in roles:
+        raise GspoError(f"{where}: no message with role 'user' (roles: {', '.join(roles)})")
+    if roles[-1] == "assistant":
+        raise GspoError(
+            f"{where}: the last message (message {len(out)}) is from the assistant; the prompt must end "
+            "where the model's answer starts (put the reference in the answer field)"
+        )
+    if not prompt_text(out).strip():
+        raise GspoError(f"{where}: the last user message is empty")
+    return out
+
+
 def _example(loc: str, row: Any, prompt_field: str, answer_field: str) -> Example:
     if not isinstance(row, dict):
         raise GspoError(f"{loc}: expected a JSON object, got {_type_name(row)}")
@@ -225,9 +305,13 @@ def _example(loc: str, row: Any, prompt_field: str, answer_field: str) -> Exampl
         if row[name] is None:
             raise GspoError(f"{loc}: field {name!r} is null")
     prompt = row[prompt_field]
-    if not isinstance(prompt, str):
-        raise GspoError(f"{loc}: field {prompt_field!r} must be a string, got {_type_name(prompt)}")
-    if not prompt.strip():
+    if isinstance(prompt, (list, tuple)) or _is_array(prompt):
+        prompt = _messages(list(prompt), loc, prompt_field)
+    elif not isinstance(prompt, str):
+        raise GspoError(
+            f"{loc}: field {prompt_field!r} must be a string or a list of chat messages, got {_type_name(prompt)}"
+        )
+    elif not prompt.strip():
         raise GspoError(f"{loc}: field {prompt_field!r} is empty")
     answer = _answer(row[answer_field], loc, answer_field)
     meta = {k: v for k, v in row.items() if k != prompt_field and k != answer_field}
@@ -277,17 +361,33 @@ def load_prompt_dataset(
     return examples
 
 
-def apply_chat_template(tokenizer: Any, prompt: str, system: str | None = None) -> str:
-    """``prompt`` (and ``system``) as a chat turn ending in the assistant prefix, via the tokenizer's
-    chat template; the prompt unchanged (``system`` ignored) when the tokenizer has no template."""
+def apply_chat_template(tokenizer: Any, prompt: Prompt, system: str | None = None) -> str:
+    """``prompt`` as a chat ending in the assistant prefix, via the tokenizer's chat template.
+
+    A string becomes one user turn, after ``system`` when given; without a template it is returned
+    unchanged (``system`` ignored). Chat messages are rendered as they are, with ``system`` put first
+    only when they have no system message of their own; they need a template (one-line
+    :class:`GspoError` otherwise: there is no faithful plain-text rendering).
+    """
+    chat = is_chat(prompt)
     if not getattr(tokenizer, "chat_template", None):
-        return prompt
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": prompt})
+        if chat:
+            raise GspoError(
+                "the dataset's prompts are chat messages but the tokenizer has no chat template "
+                "(use an instruct model's tokenizer, or a dataset with string prompts)"
+            )
+        return prompt  # type: ignore[return-value]
+    if chat:
+        messages = [dict(m) for m in prompt]  # type: ignore[union-attr]
+        if system and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": system})
+    else:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # e.g. a template that rejects the system role
-        what = " with a system prompt" if system else ""
+        what = " with a system prompt" if any(m.get("role") == "system" for m in messages) else ""
         raise GspoError(f"the tokenizer's chat template failed{what}: {_one_line(e)}") from None
     if not isinstance(text, str):
         raise GspoError(f"the tokenizer's chat template returned {_type_name(text)}, expected a string")

@@ -2,13 +2,16 @@
 
 The batch signature lets a reward share work across a group (parse the reference once, run code in
 parallel). Built-ins are looked up by :func:`load_reward`; user functions are loaded from
-``package.module:function`` or ``path/to/file.py:function``. :func:`safe_rewards` is the only way
-the trainer calls a reward: it turns exceptions, NaN/inf, non-numbers and wrong lengths into either a
-one-line :class:`GspoError` or zero scores plus a count.
+``package.module:function`` or ``path/to/file.py:function`` and run under a time limit
+(:func:`with_timeout`). :func:`safe_rewards` is the only way the trainer calls a reward: it turns
+exceptions, NaN/inf, non-numbers and wrong lengths into either a one-line :class:`GspoError` or zero
+scores plus a count, and gives rewards string prompts (chat-message prompts become the text of their
+last user message, :func:`gspo.tasks.datasets.prompt_text`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -16,6 +19,7 @@ import inspect
 import math
 import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -28,6 +32,9 @@ from gspo.errors import GspoError
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
 
 _BUILTINS = "exact_match, math, boxed, code, format:<regex>"
+
+DEFAULT_REWARD_TIMEOUT_S = 60.0
+"""Default time limit of one call of a user reward function (``load_reward(spec, timeout_s=...)``)."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -233,6 +240,141 @@ code_execution_reward: RewardFn = make_code_reward()
 
 
 # ------------------------------------------------------------------------------------------------
+# time limit for user reward functions
+#
+# Mechanism: the function runs in the calling thread; a watchdog thread, at the deadline, sends a
+# real-time signal to it whose handler raises _RewardTimeout inside the function. A real signal wakes
+# blocking calls (time.sleep, I/O waits) and the exception unwinds the function (its finally blocks
+# run), so the call is actually interrupted, and the function keeps the main thread, which functions
+# that use signals themselves need (math-verify's timeouts, signal.alarm). Off the main thread (no
+# handler can be installed there) it runs in a daemon worker thread that is abandoned at the deadline:
+# the error is raised on time but the call goes on in the background. Neither can stop C code that
+# holds the GIL until it returns. A subprocess could, but would need the function, its arguments and
+# its state (a loaded reward model, say) to be picklable and copied for every call.
+
+
+class _RewardTimeout(BaseException):
+    """Raised inside a user reward function at its deadline. A BaseException, so that
+    ``except Exception`` in the function does not swallow it."""
+
+
+class _Deadline:
+    __slots__ = ("active", "fired")
+
+    def __init__(self) -> None:
+        self.active, self.fired = True, False
+
+
+_TIMEOUT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+_deadlines: list[_Deadline] = []  # calls running in the main thread, innermost last
+_handler_installed = False
+
+
+def _on_timeout_signal(signum: int, frame: Any) -> None:
+    if _deadlines:
+        d = _deadlines[-1]
+        if d.fired and d.active:
+            raise _RewardTimeout(d)
+
+
+def _can_interrupt() -> bool:
+    """In the main thread with our handler on the timeout signal (installed once, never removed: a
+    late signal then finds a no-op handler rather than the default action, which would kill us)."""
+    global _handler_installed
+    if _TIMEOUT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
+        return False
+    if _handler_installed:
+        return True
+    try:
+        current = signal.getsignal(_TIMEOUT_SIGNAL)
+        if current not in (signal.SIG_DFL, None, _on_timeout_signal):
+            return False  # someone else uses it: leave it alone
+        signal.signal(_TIMEOUT_SIGNAL, _on_timeout_signal)
+    except (ValueError, OSError):
+        return False
+    _handler_installed = True
+    return True
+
+
+def _timeout_error(name: str, timeout_s: float, abandoned: bool) -> GspoError:
+    tail = "; it is still running in a background thread" if abandoned else ""
+    return GspoError(
+        f"reward function {name} timed out after {timeout_s:g} s (reward timeout_s={timeout_s:g}; raise "
+        f"it if the function is legitimately slow){tail}"
+    )
+
+
+def _call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float, name: str) -> Any:
+    if not _can_interrupt():
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["out"] = fn(*args)
+            except BaseException as e:  # re-raised in the caller
+                box["err"] = e
+
+        worker = threading.Thread(target=target, name="gspo-reward", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise _timeout_error(name, timeout_s, abandoned=True)
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    d, done, main = _Deadline(), threading.Event(), threading.get_ident()
+
+    def watchdog() -> None:
+        if done.wait(timeout_s):
+            return
+        for _ in range(60):  # again every second, in case the function swallowed it
+            if not d.active:
+                return
+            d.fired = True
+            try:
+                signal.pthread_kill(main, _TIMEOUT_SIGNAL)
+            except OSError:
+                return
+            if done.wait(1.0):
+                return
+
+    threading.Thread(target=watchdog, name="gspo-reward-timeout", daemon=True).start()
+    _deadlines.append(d)
+    try:
+        try:
+            out = fn(*args)
+        finally:
+            d.active = False  # first: from here on a late signal is a no-op
+            done.set()
+            if _deadlines and _deadlines[-1] is d:
+                _deadlines.pop()
+    except _RewardTimeout as e:
+        if e.args and e.args[0] is d:
+            raise _timeout_error(name, timeout_s, abandoned=False) from None
+        raise
+    return out
+
+
+def with_timeout(fn: RewardFn, name: str, timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -> RewardFn:
+    """``fn`` limited to ``timeout_s`` seconds per call (None or 0: no limit); past it, a one-line
+    :class:`GspoError` naming ``name`` and the limit (which :func:`safe_rewards` never turns into zeros).
+    """
+    if timeout_s is None or timeout_s == 0:
+        return fn
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise GspoError(f"reward {name!r}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    limit = float(timeout_s)
+
+    @functools.wraps(fn)
+    def timed(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        return _call_with_timeout(fn, (prompts, completions, answers), limit, name)
+
+    timed.timeout_s = limit  # type: ignore[attr-defined]
+    return timed
+
+
+# ------------------------------------------------------------------------------------------------
 # loading and combining
 
 
@@ -317,10 +459,15 @@ def _load_user(spec: str) -> RewardFn:
     return fn
 
 
-def load_reward(spec: str) -> RewardFn:
+def load_reward(spec: str, timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -> RewardFn:
     """A reward by spec: a built-in (``exact_match``, ``math``, ``boxed``, ``code``,
     ``format:<regex>``) or a user function ``package.module:function`` / ``path/to/file.py:function``
-    called as ``fn(prompts, completions, answers) -> list[float]``."""
+    called as ``fn(prompts, completions, answers) -> list[float]``.
+
+    ``timeout_s`` limits each call of a user function (None or 0: no limit; see :func:`with_timeout`):
+    past it the call is interrupted and a one-line :class:`GspoError` names the spec and the limit.
+    Built-ins are not wrapped (``code`` has per-program limits, the others are fast or time-limit
+    themselves)."""
     spec = spec.strip()
     fn = _load_builtin(spec)
     if fn is not None:
@@ -329,7 +476,7 @@ def load_reward(spec: str) -> RewardFn:
         raise GspoError(
             f"unknown reward {spec!r} (built-in: {_BUILTINS}; or module:function, path/to/file.py:function)"
         )
-    return _load_user(spec)
+    return with_timeout(_load_user(spec), spec, timeout_s)
 
 
 def combine(rewards: list[tuple[RewardFn, float]]) -> RewardFn:
@@ -389,7 +536,7 @@ def _scores(out: Any, n: int) -> list[float | str]:
 
 def safe_rewards(
     fn: RewardFn,
-    prompts: list[str],
+    prompts: list[Any],
     completions: list[str],
     answers: list[str],
     on_error: str = "error",
@@ -400,9 +547,16 @@ def safe_rewards(
     ``on_error="error"``: any problem raises a one-line :class:`GspoError` naming ``name`` (e.g. the
     reward spec) and the sample. ``on_error="zero"``: bad samples score 0.0; when the whole call fails
     (raises, wrong length, not a list) each sample is retried alone to isolate the bad ones. Returns
-    ``(scores, n_bad)`` for the caller to log. A :class:`GspoError` from ``fn`` (a setup problem such
-    as a missing package) always propagates.
+    ``(scores, n_bad)`` for the caller to log. When *every* sample of the batch fails, zeros would
+    train on nothing, silently: that is a one-line :class:`GspoError` in both modes. A
+    :class:`GspoError` from ``fn`` (a setup problem such as a missing package, or a time limit, see
+    :func:`with_timeout`: retrying each sample would multiply the wait) always propagates.
+
+    Prompts that are chat messages (a list of ``{"role", "content"}``) reach ``fn`` as the text of
+    their last user message (:func:`gspo.tasks.datasets.prompt_text`), so rewards always get strings.
     """
+    from gspo.tasks.datasets import prompt_text
+
     if on_error not in ("error", "zero"):
         raise ValueError(f"on_error must be 'error' or 'zero', got {on_error!r}")
     n = len(completions)
@@ -410,11 +564,20 @@ def safe_rewards(
         raise ValueError(f"got {len(prompts)} prompts, {n} completions, {len(answers)} answers")
     if n == 0:
         return [], 0
+    prompts = [p if isinstance(p, str) else prompt_text(p) for p in prompts]
     label = name
 
     def fail(what: str, i: int | None = None) -> GspoError:
         where = f" for sample {i} (completion {completions[i][:60]!r})" if i is not None else ""
         return GspoError(f"reward function {label} {what}{where}")
+
+    def checked(out: list[float], bad: int, first: str) -> tuple[list[float], int]:
+        if bad == n:
+            raise GspoError(
+                f"reward function {label} failed on all {n} samples of the batch ({first}); "
+                "--reward-on-error zero would train on all-zero rewards"
+            )
+        return out, bad
 
     try:
         scores = _scores(fn(prompts, completions, answers), n)
@@ -423,37 +586,41 @@ def safe_rewards(
     except _BadBatch as e:
         if on_error == "error":
             raise fail(str(e)) from None
-        return _per_sample(fn, prompts, completions, answers)
+        return checked(*_per_sample(fn, prompts, completions, answers))
     except Exception as e:
         if on_error == "error":
             raise fail(f"raised {_one_line(e)}") from e
-        return _per_sample(fn, prompts, completions, answers)
-    out, bad = [], 0
+        return checked(*_per_sample(fn, prompts, completions, answers))
+    out, bad, first = [], 0, ""
     for i, s in enumerate(scores):
         if isinstance(s, str):
             if on_error == "error":
                 raise fail(f"returned {s}", i)
             out.append(0.0)
             bad += 1
+            first = first or f"sample {i}: returned {s}"
         else:
             out.append(s)
-    return out, bad
+    return checked(out, bad, first)
 
 
 def _per_sample(
     fn: RewardFn, prompts: list[str], completions: list[str], answers: list[str]
-) -> tuple[list[float], int]:
-    out, bad = [], 0
-    for p, c, a in zip(prompts, completions, answers, strict=True):
+) -> tuple[list[float], int, str]:
+    out, bad, first = [], 0, ""
+    for i, (p, c, a) in enumerate(zip(prompts, completions, answers, strict=True)):
         try:
             s = _scores(fn([p], [c], [a]), 1)[0]
         except GspoError:
             raise
-        except Exception:
-            s = "error"
+        except _BadBatch as e:
+            s = str(e)
+        except Exception as e:
+            s = f"raised {_one_line(e)}"
         if isinstance(s, str):
             out.append(0.0)
             bad += 1
+            first = first or f"sample {i}: {s}"
         else:
             out.append(s)
-    return out, bad
+    return out, bad, first
