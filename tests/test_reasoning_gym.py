@@ -175,3 +175,15 @@ def test_held_out_with_no_question_outside_train_is_an_error(rg):
     spec = "rg:leg_counting:size=500,min_animals=1,max_animals=1,min_instances=1,max_instances=1"
     with pytest.raises(GspoError, match="every held-out question also occurs"):
         _task(spec, eval_size=10)
+
+
+def test_scorer_that_accepts_anything_is_a_warning(rg, capsys):
+    # reasoning-gym 0.1.25's game_of_life_halting scores bool(answer) == bool(reference): any
+    # non-empty answer gets 1.0
+    ds = rg.create_dataset("game_of_life_halting", size=1, seed=0)
+    if ds.score_answer(answer="zq", entry=ds[0]) < 1.0:
+        pytest.skip("this reasoning-gym's game_of_life_halting scorer no longer accepts anything")
+    _task("rg:game_of_life_halting:size=5", eval_size=3)
+    assert "full marks to a nonsense answer" in capsys.readouterr().err
+    _task("rg:leg_counting:size=5", eval_size=3)
+    assert "full marks" not in capsys.readouterr().err
