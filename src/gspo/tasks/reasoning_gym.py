@@ -274,12 +274,12 @@ def build_rg_task(
             table.setdefault((ex.prompt, ex.answer), (ds, entry))
     if reward in (REWARD, "exact_match"):
         label = task if not eval_task or eval_task == task else f"{task} (held-out {eval_task})"
-        probe = [(eval_ds, entry) for _, entry in held_out[:4]]
-        if all(score_completion(ds, entry, _NONSENSE) >= 1.0 for ds, entry in probe):
-            warn(
-                f"{eval_spec.spec}: reasoning-gym's scorer gives full marks to a nonsense answer "
-                f"({_NONSENSE!r}): the policy can collect reward without solving anything"
-            )
+        for sp, ds, pairs in ((spec, train_ds, train), (eval_spec, eval_ds, held_out)):
+            if all(score_completion(ds, entry, _NONSENSE) >= 1.0 for _, entry in pairs[:4]):
+                warn(
+                    f"{sp.spec}: reasoning-gym's scorer gives full marks to a nonsense answer "
+                    f"({_NONSENSE!r}): the policy can collect reward without solving anything"
+                )
         fn, name = make_reward(table, label), f"{REWARD} ({spec.name} score_answer)"
     else:
         fn, name = load_reward(reward, **reward_kwargs), reward
