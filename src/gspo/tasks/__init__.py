@@ -39,7 +39,7 @@ def build_task(
     if task.startswith("rg:"):  # reasoning-gym: gspo/tasks/reasoning_gym.py
         from gspo.tasks.reasoning_gym import build_rg_task
 
-        return build_rg_task(task, reward, seed, eval_size, eval_task)
+        return build_rg_task(task, reward, seed, eval_size, eval_task, timeout_s=reward_timeout_s)
     if task in SYNTHETIC_TASKS:
         train = synthetic_examples(task, EMBEDDED_TRAIN_SIZE, seed)
         seen = {e.prompt for e in train}
