@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -48,17 +49,19 @@ class Config:
     tokenizer: str | None = None
     """Tokenizer path or hub id (default: same as ``model``)."""
     task: str = "reverse"
-    """Embedded synthetic task (``reverse``, ``add``, ``sort``) or a dataset path (.jsonl, .json,
-    .csv, .parquet, or a local Hugging Face dataset directory)."""
+    """Embedded synthetic task (``reverse``, ``add``, ``sort``), a reasoning-gym dataset
+    (``rg:NAME`` or ``rg:NAME:size=N,key=value``; ``pip install gspo[rg]``), or a dataset path
+    (.jsonl, .json, .csv, .parquet, or a local Hugging Face dataset directory)."""
     prompt_field: str = "prompt"
     """Dataset field holding the prompt."""
     answer_field: str = "answer"
     """Dataset field holding the reference answer passed to the reward."""
     eval_task: str | None = None
-    """Held-out dataset path (default: embedded tasks draw a disjoint seed; datasets hold out
-    ``eval_size`` examples)."""
+    """Held-out dataset path or ``rg:`` spec (default: embedded and reasoning-gym tasks draw a disjoint
+    seed; datasets hold out ``eval_size`` examples)."""
     reward: str = "exact_match"
-    """Reward: ``exact_match``, ``math``, ``boxed``, ``code``, ``format:<regex>``, or a user
+    """Reward: ``exact_match``, ``math``, ``boxed``, ``code``, ``format:<regex>``, ``rg`` (the
+    reasoning-gym dataset's own scorer; what ``exact_match`` means for ``rg:`` tasks), or a user
     function ``pkg.module:fn`` / ``path/file.py:fn`` taking (prompts, completions, answers)."""
     reward_on_error: str = "error"
     """When the reward raises or returns NaN/inf: ``error`` (stop with a message) or ``zero``
@@ -333,6 +336,7 @@ class Config:
     @property
     def run_name(self) -> str:
         task = Path(self.task).stem if ("/" in self.task or "." in self.task) else self.task
+        task = re.sub(r"[^A-Za-z0-9._-]+", "_", task)  # rg:name:size=8 -> rg_name_size_8
         return self.name or f"{self.algo}-{task}-s{self.seed}"
 
     @property
