@@ -105,3 +105,19 @@ def test_dropout_is_off_in_training_unless_kept():
     assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout really is on
     disable_dropout(model)
     torch.testing.assert_close(model(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_chat_prompts_are_templated_and_rewards_see_the_user_text():
+    """A prompt given as messages goes through the tokenizer's chat template even without
+    --chat-template, and the reward gets the last user message as text."""
+    from gspo.model.load import build_char_tokenizer
+    from gspo.tasks.datasets import Example, prompt_text
+    from gspo.train.rollout import encode_prompts
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
+    chat = Example([{"role": "user", "content": "rev:12"}], "21")
+    assert encode_prompts(tok, [chat], Config()) == [tok("rev:12=", add_special_tokens=False).input_ids]
+    assert prompt_text(chat.prompt) == "rev:12"

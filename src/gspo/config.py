@@ -63,6 +63,9 @@ class Config:
     """Reward: ``exact_match``, ``math``, ``boxed``, ``code``, ``format:<regex>``, ``rg`` (the
     reasoning-gym dataset's own scorer; what ``exact_match`` means for ``rg:`` tasks), or a user
     function ``pkg.module:fn`` / ``path/file.py:fn`` taking (prompts, completions, answers)."""
+    reward_timeout_s: float = 60.0
+    """Seconds one call of a user reward function (``pkg.mod:fn`` / ``file.py:fn``) may take before
+    the run stops with a message naming it (0: no limit)."""
     reward_on_error: str = "error"
     """When the reward raises or returns NaN/inf: ``error`` (stop with a message) or ``zero``
     (score 0, count a warning)."""
@@ -269,6 +272,7 @@ class Config:
             "overlong_buffer",
             "overlong_penalty",
             "async_staleness",
+            "reward_timeout_s",
         ]:
             if getattr(self, f) < 0:
                 raise bad(f, "must be >= 0")

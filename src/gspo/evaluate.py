@@ -17,7 +17,7 @@ from gspo.errors import GspoError
 # the config fields that decide what a held-out evaluation measures
 EVAL_FIELDS = (
     "task", "eval_task", "reward", "prompt_field", "answer_field", "eval_size", "max_new_tokens", "seed",
-    "chat_template", "system_prompt", "max_prompt_tokens", "reward_on_error",
+    "chat_template", "system_prompt", "max_prompt_tokens", "reward_on_error", "reward_timeout_s",
 )  # fmt: skip
 
 
@@ -47,7 +47,14 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     t = build_task(
-        cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field
+        cfg.task,
+        cfg.reward,
+        cfg.seed,
+        cfg.eval_size,
+        cfg.eval_task,
+        cfg.prompt_field,
+        cfg.answer_field,
+        cfg.reward_timeout_s or None,
     )
     engine = HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     out = evaluate(engine, tokenizer, t, encode_prompts(tokenizer, t.eval, cfg), cfg)

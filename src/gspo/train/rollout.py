@@ -40,27 +40,26 @@ def completion_texts(tokenizer: Any, ids_BT: torch.Tensor, mask_BT: torch.Tensor
 
 def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Config) -> list[list[int]]:
     """Token ids per prompt (chat template if asked); too-long prompts are an error naming the prompt."""
-    from gspo.tasks.datasets import apply_chat_template
+    from gspo.tasks.datasets import apply_chat_template, is_chat, prompt_text
 
     out = []
     unk = getattr(tokenizer, "unk_token_id", None)
     with_unk: list[str] = []
     for ex in examples:
-        text = (
-            apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if cfg.chat_template else ex.prompt
-        )
-        ids = tokenizer(text, add_special_tokens=not cfg.chat_template).input_ids
+        templated = cfg.chat_template or is_chat(ex.prompt)  # a list of messages always needs it
+        text = apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if templated else ex.prompt
+        ids = tokenizer(text, add_special_tokens=not templated).input_ids
+        shown = prompt_text(ex.prompt)[:60]
         if not ids:
-            raise GspoError(f"prompt is empty after tokenization: {ex.prompt[:60]!r}")
+            raise GspoError(f"prompt is empty after tokenization: {shown!r}")
         if len(ids) > cfg.max_prompt_tokens:
             raise GspoError(
-                f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: "
-                f"{ex.prompt[:60]!r}"
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: {shown!r}"
             )
         if unk is not None and unk in ids:
             if all(t == unk or t in tokenizer.all_special_ids for t in ids):
-                raise GspoError(f"prompt is only unknown tokens for this tokenizer: {str(ex.prompt)[:60]!r}")
-            with_unk.append(str(ex.prompt))
+                raise GspoError(f"prompt is only unknown tokens for this tokenizer: {shown!r}")
+            with_unk.append(shown)
         out.append(ids)
     if with_unk:
         warn(

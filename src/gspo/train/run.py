@@ -256,7 +256,14 @@ def _load_task(
     cfg: Config, model: nn.Module, tokenizer: Any
 ) -> tuple[Task, list[list[int]], list[list[int]]]:
     task = build_task(
-        cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field
+        cfg.task,
+        cfg.reward,
+        cfg.seed,
+        cfg.eval_size,
+        cfg.eval_task,
+        cfg.prompt_field,
+        cfg.answer_field,
+        cfg.reward_timeout_s or None,
     )
     ctx_len = getattr(model.config, "max_position_embeddings", None)
     if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
