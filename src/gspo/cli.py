@@ -56,17 +56,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "compare",
-        help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay, with a report",
-        description="Run each algorithm on the same seeds and task, then write report.md + PNGs.",
+        help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay over seeds, with CIs and a report",
+        description="Run each algorithm on the same seeds from one warm start per seed, then write "
+        "report.md (means and 95%% CIs over seeds, paired differences, the paper's claims with "
+        "verdicts from the CIs), plots with confidence bands, summary.json and per_seed.csv. "
+        "Values: preset <- --config YAML <- flags.",
     )
-    c.add_argument("--config", help="YAML file of base config keys")
-    c.add_argument("--seeds", default="0", help="comma-separated seeds [default: 0]")
+    from gspo.compare import list_presets
+
+    c.add_argument(
+        "--preset",
+        default="default",
+        help=f"named regime ({', '.join(list_presets())}) or a preset YAML file [default: default]",
+    )
+    c.add_argument("--config", help="YAML file of base config keys (over the preset's)")
+    c.add_argument("--seeds", default=None, help="comma-separated seeds [default: the preset's, 0-4]")
     c.add_argument(
         "--variants",
-        default="gspo,gspo_token,grpo,grpo_replay",
-        help="comma-separated: gspo, gspo_token, grpo, grpo_replay [default: all four]",
+        default=None,
+        help="comma-separated: gspo, gspo_token, grpo, grpo_replay [default: the preset's]",
     )
-    c.add_argument("--out", default="runs/compare", help="output folder [default: runs/compare]")
+    c.add_argument("--out", default=None, help="output folder [default: runs/compare-<preset>]")
+    c.add_argument(
+        "--workers", type=int, default=2, help="runs side by side, one torch thread each [default: 2]"
+    )
+    c.add_argument("--ci", default="t", choices=["t", "bootstrap"], help="95%% CI method [default: t]")
+    c.add_argument(
+        "--warm-target",
+        type=float,
+        default=None,
+        help="warm start each seed until this greedy accuracy on 200 held-out-like prompts (checked "
+        "every 10 steps), at most --sft-steps [default: the preset's]",
+    )
+    c.add_argument(
+        "--warm-dir",
+        default=None,
+        help="folder of warm starts, shared by compares with the same warm-start settings "
+        "[default: <out>/../warm-starts]",
+    )
+    c.add_argument(
+        "--study",
+        default=None,
+        metavar="DIRS",
+        help="instead of training: combine these comma-separated compare folders into one "
+        "cross-regime report in --out",
+    )
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume"))
 
     e = sub.add_parser(
@@ -162,11 +196,34 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:
-    from gspo.compare import run_compare
+    import shlex
 
+    from gspo.compare import run_compare, write_study
+
+    if ns.study:
+        report = write_study([d for d in ns.study.split(",") if d.strip()], ns.out or "runs/study", ns.ci)
+        print(f"report: {report}")
+        return 0
     skip = ("name", "output_dir", "seed", "algo", "routing_replay", "resume")
-    seeds = [int(s) for s in ns.seeds.split(",") if s.strip()]
-    report = run_compare(ns.config, _overrides(ns, skip), seeds, ns.variants.split(","), ns.out)
+    try:
+        seeds = [int(s) for s in ns.seeds.split(",") if s.strip()] if ns.seeds else None
+    except ValueError:
+        raise GspoError(f"--seeds: expected comma-separated integers, got {ns.seeds!r}") from None
+    variants = [v for v in ns.variants.split(",") if v.strip()] if ns.variants else None
+    command = shlex.join(["gspo", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else None
+    report = run_compare(
+        ns.config,
+        _overrides(ns, skip),
+        seeds,
+        variants,
+        ns.out,
+        ns.preset,
+        ns.workers,
+        ns.ci,
+        command=command,
+        warm_target=ns.warm_target,
+        warm_dir=ns.warm_dir,
+    )
     print(f"report: {report}")
     return 0
 

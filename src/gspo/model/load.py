@@ -104,12 +104,57 @@ def build_tiny_dense_h32(vocab_size: int, seed: int = 0) -> PreTrainedModel:
     return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **{**_TINY, "head_dim": 32}))
 
 
+# a deeper MoE for the stability study (docs/stability): more layers and experts give routing more
+# room to move per update (expert volatility), the effect GSPO's paper ties to GRPO's instability
+_SMALL = dict(
+    _TINY,
+    hidden_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+)
+_SMALL_EXPERTS, _SMALL_TOPK, _SMALL_EXPERT_FFN = 16, 4, 48
+
+
+def build_small_moe(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """Small Qwen3-MoE: 6 layers, 16 experts (top-4) of width 48, hidden 96."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        moe_intermediate_size=_SMALL_EXPERT_FFN,
+        num_experts=_SMALL_EXPERTS,
+        num_experts_per_tok=_SMALL_TOPK,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        output_router_logits=False,
+        **{**_SMALL, "intermediate_size": _SMALL_EXPERT_FFN},
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def build_small_dense(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """Dense twin of :func:`build_small_moe` with the same active size: its MLP is as wide as the
+    top-4 experts together (4 x 48 = 192), every other dimension the same."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=vocab_size, **{**_SMALL, "intermediate_size": _SMALL_TOPK * _SMALL_EXPERT_FFN})
+    )
+
+
 EMBEDDED_MODELS = {
     "tiny-moe": build_tiny_moe,
     "tiny-dense": build_tiny_dense,
     # for vLLM rollouts on a CPU (tests/test_vllm_real.py): same models with head_dim 32
     "tiny-moe-h32": build_tiny_moe_h32,
     "tiny-dense-h32": build_tiny_dense_h32,
+    # the stability study's deeper MoE and its dense twin of the same active size
+    "small-moe": build_small_moe,
+    "small-dense": build_small_dense,
 }
 
 
