@@ -58,3 +58,17 @@ def test_rl_raises_held_out_accuracy(tmp_path):
     res = train(cfg)
     assert 0.02 <= res.initial_accuracy <= 0.6, res.initial_accuracy  # partial: RL has room and signal
     assert res.final_accuracy - res.initial_accuracy >= 0.12, (res.initial_accuracy, res.final_accuracy)
+
+
+def test_train_stays_callable_whatever_was_imported_first():
+    """``gspo.train`` is both the training package and the function: importing a submodule (which
+    rebinds the name to the package) must not take the function away."""
+    import importlib
+
+    import gspo
+    import gspo.train.update  # noqa: F401
+
+    assert callable(gspo.train) and callable(importlib.import_module("gspo").train)
+    from gspo import train as t
+
+    assert t is gspo.train

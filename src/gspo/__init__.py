@@ -3,6 +3,7 @@
 ``gspo.train(gspo.Config(steps=50))`` makes the same run as ``gspo train --steps 50``.
 """
 
+from gspo import train  # the training package, callable: gspo.train(cfg)
 from gspo.advantages import group_advantages
 from gspo.config import Config
 from gspo.losses import (
@@ -15,14 +16,6 @@ from gspo.losses import (
     sapo_loss,
     sapo_token_loss,
 )
-
-
-def train(cfg: Config):  # noqa: ANN201 (imported lazily: `import gspo` stays light)
-    """Run RL post-training as configured; returns a :class:`gspo.train.loop.TrainResult`."""
-    from gspo.train.loop import train as _train
-
-    return _train(cfg)
-
 
 __all__ = [
     "LOSSES",
