@@ -77,7 +77,11 @@ def test_signal_saves_the_finished_step_and_resume_continues(tmp_path, sig):
 
 def test_signal_during_warm_start_says_nothing_was_saved(tmp_path):
     proc = _popen("train", *TINY[2:], "--sft-steps", "100000", "--steps", "2", "--output-dir", str(tmp_path))
-    time.sleep(8)  # inside the warm start
+    t0 = time.time()  # config.yaml is written after the handlers are installed, before the warm start
+    while not (tmp_path / "gspo-reverse-s0" / "config.yaml").exists():
+        assert proc.poll() is None and time.time() - t0 < 120
+        time.sleep(0.1)
+    time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
