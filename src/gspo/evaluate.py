@@ -33,7 +33,7 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     """Load ``path`` with ``from_pretrained`` and report held-out reward / accuracy (greedy decoding)."""
     from gspo.model.load import load_model_and_tokenizer
     from gspo.rollout.hf import HFRolloutEngine
-    from gspo.tasks import build_task
+    from gspo.tasks import task_from_config
     from gspo.train.rollout import encode_prompts, evaluate
 
     folder = Path(path)
@@ -46,16 +46,7 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     model, tokenizer = load_model_and_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    t = build_task(
-        cfg.task,
-        cfg.reward,
-        cfg.seed,
-        cfg.eval_size,
-        cfg.eval_task,
-        cfg.prompt_field,
-        cfg.answer_field,
-        cfg.reward_timeout_s or None,
-    )
+    t = task_from_config(cfg)
     engine = HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     out = evaluate(engine, tokenizer, t, encode_prompts(tokenizer, t.eval, cfg), cfg)
     settings = str(run_yaml) if run_yaml else "defaults"

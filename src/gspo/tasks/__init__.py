@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example, load_prompt_dataset
@@ -73,3 +74,11 @@ def build_task(
         )
     fn = load_reward(reward, timeout_s=reward_timeout_s)
     return Task(train=train, eval=held_out, reward=fn, reward_name=reward)
+
+
+def task_from_config(cfg: Any) -> Task:
+    """:func:`build_task` with a :class:`gspo.config.Config`'s task fields."""
+    return build_task(
+        cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field,
+        cfg.reward_timeout_s or None,
+    )  # fmt: skip

@@ -23,7 +23,7 @@ from gspo.errors import GspoError
 from gspo.model.forward import PolicyLogprobs
 from gspo.model.load import load_model_and_tokenizer, save_pretrained
 from gspo.rollout.base import RolloutEngine
-from gspo.tasks import Task, build_task
+from gspo.tasks import Task, task_from_config
 from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train.logger import MetricsLogger, read_metrics
@@ -255,16 +255,7 @@ def _check_run_dir(cfg: Config, rank: int) -> tuple[Path | None, dict[str, Any] 
 def _load_task(
     cfg: Config, model: nn.Module, tokenizer: Any
 ) -> tuple[Task, list[list[int]], list[list[int]]]:
-    task = build_task(
-        cfg.task,
-        cfg.reward,
-        cfg.seed,
-        cfg.eval_size,
-        cfg.eval_task,
-        cfg.prompt_field,
-        cfg.answer_field,
-        cfg.reward_timeout_s or None,
-    )
+    task = task_from_config(cfg)
     ctx_len = getattr(model.config, "max_position_embeddings", None)
     if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
         raise GspoError(
