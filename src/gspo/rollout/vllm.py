@@ -706,7 +706,9 @@ class VLLMRolloutEngine:
 
         model = hf_module(self.trainer_model)
         V = int(model.get_input_embeddings().weight.shape[0])
-        probe = list(probe) if probe is not None else [(7919 * i + 3) % V for i in range(24)]
+        model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        n = min(24, int(getattr(model_config, "max_model_len", 25)) - 1)  # the probe must fit the context
+        probe = list(probe) if probe is not None else [(7919 * i + 3) % V for i in range(max(n, 2))]
         sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0, detokenize=False)
         out = self.llm.generate([{"prompt_token_ids": probe}], sp, use_tqdm=False)[0]
         got = torch.tensor(
