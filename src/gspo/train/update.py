@@ -14,7 +14,9 @@ world size.
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -209,9 +211,14 @@ def measure_volatility(policy: nn.Module, mbs: list[MicroBatch], cfg: Config) ->
 # one optimizer step
 
 
+@functools.cache
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(fn).parameters
+
+
 def _loss_kwargs(cfg: Config) -> dict[str, str]:
     """``aggregation`` for the losses that take one: the configured one, else the loss's default."""
-    params = inspect.signature(LOSSES[cfg.algo][0]).parameters
+    params = _parameters(LOSSES[cfg.algo][0])
     if "aggregation" not in params:
         return {}
     return {"aggregation": cfg.aggregation or params["aggregation"].default}
@@ -374,22 +381,24 @@ def reduce_metrics(
     if unknown:
         raise KeyError(f"metrics without a declared reduction in update.METRICS: {unknown}")
     nan = torch.tensor(float("nan"))
-    rows = [
+    rows = [  # [metric (+ tokens, sequences)] per micro-batch, then one transfer each
         torch.stack(
-            [m[k].detach().float().cpu() if k in m else nan for k in keys]
-            + [mb.n_tokens.float().cpu(), mb.n_sequences.float().cpu()]
-        )
+            [m.get(k, nan).detach().float() for k in keys] + [mb.n_tokens.float(), mb.n_sequences.float()]
+        ).cpu()
         for m, mb in parts
     ]
     V_KM = torch.stack(rows, 1)  # [metric (+ tokens, sequences), micro-batch]
     V_KM, n_tok_M, n_seq_M = V_KM[:-2], V_KM[-2], V_KM[-1]
     present = ~V_KM.isnan()
     kinds = [reductions[k] for k in keys]
-    is_tok = torch.tensor([kd == TOKEN for kd in kinds])[:, None]
+    is_tok, is_min, is_max = (
+        torch.tensor([kd == want for kd in kinds])[:, None] for want in (TOKEN, MIN, MAX)
+    )
     W_KM = torch.where(is_tok, n_tok_M, n_seq_M) * present
-    mean = torch.where(present, V_KM, 0).mul(W_KM).sum(1) / W_KM.sum(1).clamp(min=1)
-    lo = torch.where(present, V_KM, float("inf")).amin(1)
-    hi = torch.where(present, V_KM, float("-inf")).amax(1)
-    pick = {MIN: lo, MAX: hi}
-    vals = torch.stack([pick.get(kd, mean)[j] for j, kd in enumerate(kinds)]).tolist() if keys else []
+    mean = torch.where(present, V_KM, 0).mul(W_KM).sum(1, keepdim=True) / W_KM.sum(1, keepdim=True).clamp(
+        min=1
+    )
+    lo = torch.where(present, V_KM, float("inf")).amin(1, keepdim=True)
+    hi = torch.where(present, V_KM, float("-inf")).amax(1, keepdim=True)
+    vals = torch.where(is_min, lo, torch.where(is_max, hi, mean)).squeeze(1).tolist() if keys else []
     return dict(zip(keys, vals, strict=True))
