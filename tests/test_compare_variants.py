@@ -8,4 +8,4 @@ from gspo.losses import LOSSES
 def test_every_loss_has_a_compare_variant_and_each_validates():
     assert {v["algo"] for v in VARIANTS.values()} == set(LOSSES)
     for name, kw in VARIANTS.items():
-        Config(**kw).validate(), name
+        assert Config(**kw).validate().algo == kw["algo"], name
