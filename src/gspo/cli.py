@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay over seeds, with CIs and a report",
         description="Run each algorithm on the same seeds from one warm start per seed, then write "
-        "report.md (means and 95%% CIs over seeds, paired differences, the paper's claims with "
+        "report.md (means and 95% CIs over seeds, paired differences, the paper's claims with "
         "verdicts from the CIs), plots with confidence bands, summary.json and per_seed.csv. "
         "Values: preset <- --config YAML <- flags.",
     )

@@ -803,10 +803,50 @@ def _band_plot(out: Path, variants: list[str], seeds: list[int], ci: str, name: 
                 ax.set_yscale("symlog", linthresh=1e-3)
             if key in ("loss/ratio_max", "loss/grad_norm") and positive:
                 ax.set_yscale("log")
+            if key in ("eval/accuracy", "rollout/reward_mean"):
+                ax.set_ylim(-0.02, 1.02)
             fig.tight_layout()
             fig.savefig(out / fname, dpi=100)
             images.append((title, fname))
         plt.close(fig)
+
+    # paired: each variant's held-out accuracy minus the reference's, seed by seed
+    ref = "grpo" if "grpo" in variants else variants[0]
+    base = _curves(out, ref, seeds, "eval/accuracy", 1)
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    drawn = False
+    for v in variants:
+        if v == ref:
+            continue
+        cur = _curves(out, v, seeds, "eval/accuracy", 1)
+        common = sorted(set(cur) & set(base))
+        if not common:
+            continue
+        steps = sorted({st for s in common for st in cur[s]} & {st for s in common for st in base[s]})
+        iv = [
+            interval([cur[s][st] - base[s][st] for s in common if st in cur[s] and st in base[s]], ci)
+            for st in steps
+        ]
+        (line,) = ax.plot(steps, [i.mean for i in iv], label=f"{v} - {ref} (n={len(common)})", marker=".")
+        ax.fill_between(
+            steps,
+            [i.lo if i.known else i.mean for i in iv],
+            [i.hi if i.known else i.mean for i in iv],
+            color=line.get_color(),
+            alpha=0.18,
+            linewidth=0,
+        )
+        drawn = True
+    if drawn:
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_title(f"held-out accuracy minus {ref}'s, paired by seed: mean, 95% CI", fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "accuracy_paired.png", dpi=100)
+        images.insert(1, (f"held-out accuracy minus {ref}'s (paired by seed)", "accuracy_paired.png"))
+    plt.close(fig)
     return images
 
 
@@ -929,10 +969,27 @@ def collect(out: Path, variants: list[str], seeds: list[int], crit: Criteria) ->
     return per
 
 
+def _warm_text(out: Path, seeds: list[int], base: Config) -> str:
+    where = out / "warm_starts.json"
+    folders = json.loads(where.read_text()) if where.exists() else {}
+    target = None
+    for s in seeds:
+        f = Path(folders.get(str(s)) or out / "missing") / "warm_start.json"
+        if f.exists():
+            target = json.loads(f.read_text()).get("key", {}).get("target")
+            break
+    if target is None:
+        return f"warm start {base.sft_steps} steps at lr {base.sft_lr}"
+    return (
+        f"warm start at lr {base.sft_lr} until greedy accuracy on 200 held-out-like prompts reaches "
+        f"{target} (checked every {WARM_CHECK_EVERY} steps, at most {base.sft_steps})"
+    )
+
+
 def _warm_info(out: Path, seed: int) -> str:
     where = out / "warm_starts.json"
     folders = json.loads(where.read_text()) if where.exists() else {}
-    f = Path(folders.get(str(seed), out / "missing")) / "warm_start.json"
+    f = Path(folders.get(str(seed)) or out / "missing") / "warm_start.json"
     if not f.exists():
         return f"s{seed} -"
     info = json.loads(f.read_text())
@@ -982,7 +1039,7 @@ def write_report(
         "",
         preset.description,
         "",
-        f"Task `{base.task}`, model `{base.model}`, warm start {base.sft_steps} steps at lr {base.sft_lr}, "
+        f"Task `{base.task}`, model `{base.model}`, {_warm_text(out, seeds, base)}, "
         f"{base.steps} RL steps of {base.prompts_per_step} prompts x {base.group_size} responses, "
         f"**{base.num_minibatches} optimizer steps per rollout batch**, lr {base.lr}, dtype {base.dtype}, "
         f"pi_old `{base.resolved_old_logp()}`, held-out eval of {base.eval_size} prompts every "
@@ -1099,6 +1156,11 @@ def write_report(
             for (a, b, key), (iv, npos, nneg) in pairs.items()
         },
         "claims": [dict(claim=c, measured=m, read_as=r, verdict=v) for c, m, r, v in claims],
+        # held-out accuracy curves (the study's plots need no metrics.jsonl)
+        "curves": {
+            v: {str(s): sorted(c.items()) for s, c in _curves(out, v, seeds, "eval/accuracy", 1).items()}
+            for v in variants
+        },
     }
     (out / "summary.json").write_text(json.dumps(data, indent=1))
     with (out / "per_seed.csv").open("w", newline="") as f:
@@ -1170,7 +1232,9 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
             "num_minibatches": c["num_minibatches"],
             "lr": c["lr"],
             "dtype": c["dtype"],
-            "old_logp": c["old_logp"],
+            "old_logp": Config(
+                **{k: v for k, v in c.items() if k in Config.__dataclass_fields__}
+            ).resolved_old_logp(),
             "seeds": len(r["seeds"]),
             "wall_s": r.get("timing", {}).get("wall_s"),
             "volatility": vol.to_dict(),
@@ -1312,9 +1376,8 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
     for k, r in enumerate(regs):
         ax = axes[k // cols][k % cols]
-        d = Path(r["dir"])
         for v in r["variants"]:
-            cur = _curves(d, v, r["seeds"], "eval/accuracy", 1)
+            cur = {s: dict(map(tuple, pts)) for s, pts in r.get("curves", {}).get(v, {}).items()}
             if not cur:
                 continue
             steps = sorted({st for c in cur.values() for st in c})
