@@ -110,11 +110,14 @@ class Interval:
     def known(self) -> bool:
         return self.lo is not None and self.hi is not None
 
-    def fmt(self, pct: bool = False, digits: int = 3) -> str:
+    def fmt(self, pct: bool | str = False, digits: int = 3) -> str:
+        """``pct``: True for percent, ``"sci"`` for scientific notation."""
         if self.mean is None:
             return "n/a"
 
         def f(x: float) -> str:
+            if pct == "sci":
+                return f"{x:.1e}"
             return f"{100 * x:.{max(digits - 2, 1)}f}%" if pct else f"{x:.{digits}f}"
 
         return (
@@ -353,6 +356,7 @@ SUMMARY_KEYS = [
     ("drawdown", "best - final", False),
     ("clip_tok", "clipped tokens", True),
     ("volatility", "expert volatility", True),
+    ("mismatch_tok", "sampler mismatch", "sci"),
     ("step_s", "s/step", False),
 ]
 # paired comparisons: (a, b) -> per-seed a - b
@@ -997,6 +1001,11 @@ def _warm_info(out: Path, seed: int) -> str:
     return f"s{seed} {info.get('steps')}" + (f" ({acc:.2f})" if acc is not None else "")
 
 
+def _sampler_dtype(c: dict[str, Any]) -> str:
+    r = c.get("rollout_dtype")
+    return f" (sampler {r})" if r and r != c.get("dtype") else ""
+
+
 def _fmt_load(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
@@ -1041,7 +1050,8 @@ def write_report(
         "",
         f"Task `{base.task}`, model `{base.model}`, {_warm_text(out, seeds, base)}, "
         f"{base.steps} RL steps of {base.prompts_per_step} prompts x {base.group_size} responses, "
-        f"**{base.num_minibatches} optimizer steps per rollout batch**, lr {base.lr}, dtype {base.dtype}, "
+        f"**{base.num_minibatches} optimizer steps per rollout batch**, lr {base.lr}, dtype {base.dtype}"
+        f"{_sampler_dtype(base.to_dict())}, "
         f"pi_old `{base.resolved_old_logp()}`, held-out eval of {base.eval_size} prompts every "
         f"{base.eval_every} steps. Seeds {seeds}; per seed one warm start shared by every variant, so "
         "variants are compared paired by seed.",
@@ -1081,7 +1091,8 @@ def write_report(
         f"the same on log(max importance ratio), with a max ratio above {crit.ratio_spike_floor:g}. "
         "AUC: area under the held-out accuracy curve divided by the steps (the run's time-averaged "
         "accuracy). Volatility: fraction of response tokens whose top-k expert set changes over one "
-        f"optimizer step (paper: ~{PAPER_VOLATILITY:.0%} on 48 layers).",
+        f"optimizer step (paper: ~{PAPER_VOLATILITY:.0%} on 48 layers). Sampler mismatch: mean "
+        "|log pi_trainer - log pi_sampler| per response token at pi_old.",
         "",
         f"## Paired by seed: mean difference [95% CI, {ci_name}], seeds with a > b / a < b",
         "",
@@ -1231,7 +1242,7 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
             "model": c["model"],
             "num_minibatches": c["num_minibatches"],
             "lr": c["lr"],
-            "dtype": c["dtype"],
+            "dtype": c["dtype"] + _sampler_dtype(c),
             "old_logp": Config(
                 **{k: v for k, v in c.items() if k in Config.__dataclass_fields__}
             ).resolved_old_logp(),
