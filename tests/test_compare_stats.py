@@ -167,7 +167,7 @@ def test_run_stats_detects_every_event_kind():
     assert s["acc_collapse_step"] == 20
     assert s["reward_collapse_step"] is not None and 21 <= s["reward_collapse_step"] <= 30
     assert s["grad_spike_steps"] == [26] and s["ratio_spike_steps"] == [31]
-    assert s["events"] == 4
+    assert s["events"] == 4 and s["spikes"] == 2
     assert s["volatility"] == pytest.approx(0.02) and s["clip_tok"] == pytest.approx(0.1)
     # a healthy run: no events
     ok = run_stats(_rows([0.3 + 0.01 * i for i in range(21)], [0.5] * n, [1.0] * n, [1.2] * n), Criteria())

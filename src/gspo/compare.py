@@ -338,6 +338,7 @@ def run_stats(rows: list[dict[str, Any]], crit: Criteria) -> dict[str, Any]:
         _, v = _col(rows, key)
         out[name] = statistics.fmean(v) if v else None
     out["collapsed"] = out["acc_collapse_step"] is not None
+    out["spikes"] = len(out["grad_spike_steps"]) + len(out["ratio_spike_steps"])
     out["events"] = (
         int(out["acc_collapse_step"] is not None)
         + int(out["reward_collapse_step"] is not None)
@@ -361,7 +362,12 @@ SUMMARY_KEYS = [
 ]
 # paired comparisons: (a, b) -> per-seed a - b
 PAIRS = [("gspo", "grpo"), ("grpo_replay", "grpo"), ("gspo", "grpo_replay"), ("gspo", "gspo_token")]
-PAIR_KEYS = [("acc_final", "final acc"), ("acc_auc", "acc AUC"), ("drawdown", "best - final")]
+PAIR_KEYS = [
+    ("acc_final", "final acc"),
+    ("acc_auc", "acc AUC"),
+    ("drawdown", "best - final"),
+    ("spikes", "spikes per run"),
+]
 
 
 # ================================================================================================
@@ -914,6 +920,15 @@ def _claims(
                 verdict_greater(iv),
             )
         )
+        iv, n_pos, n_neg = pair("grpo", "gspo", "spikes")
+        rows.append(
+            (
+                "GRPO's updates are spikier than GSPO's",
+                f"grad-norm + ratio spikes per run, GRPO - GSPO {iv.fmt(digits=1)}{seeds_txt(n_pos, n_neg, iv)}",
+                "CI of paired difference > 0",
+                verdict_greater(iv),
+            )
+        )
     if have("grpo_replay", "grpo"):
         iv, n_pos, n_neg = pair("grpo_replay", "grpo", "acc_final")
         rows.append(
@@ -1207,6 +1222,23 @@ def welch_interval(a: Sequence[float | None], b: Sequence[float | None]) -> Inte
     return Interval(d, d - half, d + half, min(len(x), len(y)))
 
 
+def _twins(regs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(MoE regime, dense regime) pairs: models ``X-moe`` / ``X-dense`` with the same RL settings."""
+    same = ("num_minibatches", "lr", "dtype", "rollout_dtype", "steps", "old_logp", "task")
+    out = []
+    for d in regs:
+        md = str(d["config"]["model"])
+        if "dense" not in md:
+            continue
+        for m in regs:
+            if str(m["config"]["model"]) == md.replace("dense", "moe") and all(
+                m["config"].get(k) == d["config"].get(k) for k in same
+            ):
+                out.append((m, d))
+                break
+    return out
+
+
 def _load_summary(d: str | Path) -> dict[str, Any]:
     path = Path(d) / "summary.json"
     if not path.exists():
@@ -1254,6 +1286,7 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
             ("gspo", "grpo", "acc_final"),
             ("gspo", "grpo", "acc_auc"),
             ("grpo", "gspo", "drawdown"),
+            ("grpo", "gspo", "spikes"),
             ("grpo_replay", "grpo", "acc_final"),
             ("gspo", "grpo_replay", "acc_final"),
         ]:
@@ -1289,62 +1322,81 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
         f"by seed; intervals are 95% ({'Student t' if ci == 't' else 'percentile bootstrap'}) over seeds. "
         "Verdicts: consistent / inconsistent / inconclusive with the claim, read from the CI.",
         "",
+        "## Regimes",
+        "",
         "| regime | model | opt. steps / rollout | lr | dtype, pi_old | seeds | wall time | expert "
-        f"volatility (paper ~{PAPER_VOLATILITY:.0%}) | final acc GSPO | final acc GRPO | GSPO - GRPO final"
-        " | GSPO - GRPO AUC | GRPO - GSPO drawdown | GRPO+replay - GRPO final | GSPO - GRPO+replay final"
-        " | acc collapses | spikes |",
-        "|---" * 17 + "|",
+        f"volatility per update (paper ~{PAPER_VOLATILITY:.0%}) | final acc | accuracy collapses | "
+        "grad/ratio spikes |",
+        "|---" * 11 + "|",
     ]
     for row in rows:
         lines.append(
             f"| [{row['preset']}]({os.path.relpath(Path(row['dir']) / 'report.md', out)}) | {row['model']} | "
             f"{row['num_minibatches']} | {row['lr']:g} | {row['dtype']}, {row['old_logp']} | {row['seeds']} | "
             f"{_minutes(row['wall_s'])} | {iv_of(row['volatility'], True)} | "
-            f"{iv_of(row['final'].get('gspo'))} | {iv_of(row['final'].get('grpo'))} | "
-            f"{iv_of(row.get('gspo-grpo:acc_final'))} | {iv_of(row.get('gspo-grpo:acc_auc'))} | "
-            f"{iv_of(row.get('grpo-gspo:drawdown'))} | {iv_of(row.get('grpo_replay-grpo:acc_final'))} | "
-            f"{iv_of(row.get('gspo-grpo_replay:acc_final'))} | "
+            + "<br>".join(f"{v} {iv_of(d)}" for v, d in row["final"].items())
+            + " | "
             + ", ".join(f"{v} {c}" for v, c in row["collapses"].items())
             + " | "
             + ", ".join(f"{v} {c}" for v, c in row["spikes"].items())
             + " |"
         )
         table.append(row)
+    lines += [
+        "",
+        "## Paired differences (a - b per seed): mean [95% CI], verdict on the claim that a - b > 0 "
+        "(GSPO vs GRPO+replay: non-inferiority, > -0.02)",
+        "",
+        "| regime | GSPO - GRPO final acc | GSPO - GRPO acc AUC | GRPO - GSPO drawdown (best - final) | "
+        "GRPO - GSPO spikes per run | GRPO+replay - GRPO final acc | GSPO - GRPO+replay final acc |",
+        "|---" * 7 + "|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['preset']} | {iv_of(row.get('gspo-grpo:acc_final'))} | "
+            f"{iv_of(row.get('gspo-grpo:acc_auc'))} | {iv_of(row.get('grpo-gspo:drawdown'))} | "
+            f"{iv_of(row.get('grpo-gspo:spikes'))} | "
+            f"{iv_of(row.get('grpo_replay-grpo:acc_final'))} | {iv_of(row.get('gspo-grpo_replay:acc_final'))} |"
+        )
 
-    # MoE vs its dense twin: is GRPO's gap MoE-specific?
-    by_name = {r["preset"]: r for r in regs}
-    twin = None
-    if "default" in by_name and "small-dense" in by_name:
-        twin = (by_name["default"], by_name["small-dense"])
-    if twin is not None:
-        m, d = twin
-        lines += ["", "## Is GRPO's problem MoE-specific? (small-moe vs its dense twin)", ""]
+    # MoE vs its dense twin (same RL settings): is GRPO's gap MoE-specific?
+    for m, d in _twins(regs):
         lines += [
-            "| difference | MoE (default) | dense twin | MoE gap - dense gap (Welch) |",
+            "",
+            f"## Is GRPO's problem MoE-specific? `{m['preset']}` (MoE) vs `{d['preset']}` (dense twin)",
+            "",
+            "| per-seed difference | MoE | dense twin | MoE - dense (Welch) |",
             "|---|---|---|---|",
         ]
         for a, b, key in [
             ("gspo", "grpo", "acc_final"),
             ("gspo", "grpo", "acc_auc"),
             ("grpo", "gspo", "drawdown"),
+            ("grpo", None, "acc_gain"),
+            ("gspo", None, "acc_gain"),
         ]:
-            if not all(v in x["per_seed"] for x in (m, d) for v in (a, b)):
+            if not all(v in x["per_seed"] for x in (m, d) for v in (a, b) if v is not None):
                 continue
-            gm = [
-                x - y
-                for s, x in _per_seed(m, a, key).items()
-                if x is not None and (y := _per_seed(m, b, key).get(s)) is not None
-            ]
-            gd = [
-                x - y
-                for s, x in _per_seed(d, a, key).items()
-                if x is not None and (y := _per_seed(d, b, key).get(s)) is not None
-            ]
+
+            def gaps(r: dict[str, Any], a: str = a, b: str | None = b, key: str = key) -> list[float]:
+                xa = _per_seed(r, a, key)
+                if b is None:
+                    return [x for x in xa.values() if x is not None]
+                xb = _per_seed(r, b, key)
+                return [x - xb[s] for s, x in xa.items() if x is not None and xb.get(s) is not None]
+
+            gm, gd = gaps(m), gaps(d)
             w = welch_interval(gm, gd)
-            lines.append(
-                f"| {a} - {b} {key} | {interval(gm, ci).fmt()} | {interval(gd, ci).fmt()} | {w.fmt()} "
-                f"**{verdict_greater(w)}** with 'the gap is larger on MoE' |"
+            what = f"{a} - {b} {key}" if b else f"{a} {key} (final - start)"
+            lines.append(f"| {what} | {interval(gm, ci).fmt()} | {interval(gd, ci).fmt()} | {w.fmt()} |")
+        coll = {
+            r["preset"]: ", ".join(
+                f"{v} {sum(x.get('acc_collapse_step') is not None for x in s.values())}/{len(s)}"
+                for v, s in r["per_seed"].items()
             )
+            for r in (m, d)
+        }
+        lines += ["", f"Accuracy collapses: MoE {coll[m['preset']]}; dense {coll[d['preset']]}."]
 
     # plots: volatility per regime; paired GSPO - GRPO per regime; accuracy curves per regime
     names = [row["preset"] for row in rows]
@@ -1353,8 +1405,10 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
     for i, row in enumerate(rows):
         vd = row["volatility"]
         if vd["mean"] is not None:
-            err = [[vd["mean"] - (vd["lo"] or vd["mean"])], [(vd["hi"] or vd["mean"]) - vd["mean"]]]
-            ax.errorbar([i], [100 * vd["mean"]], yerr=[[100 * e[0]] for e in err], fmt="o", capsize=4)
+            lo = vd["lo"] if vd["lo"] is not None else vd["mean"]
+            hi = vd["hi"] if vd["hi"] is not None else vd["mean"]
+            yerr = [[100 * (vd["mean"] - lo)], [100 * (hi - vd["mean"])]]
+            ax.errorbar([i], [100 * vd["mean"]], yerr=yerr, fmt="o", capsize=4)
     ax.axhline(100 * PAPER_VOLATILITY, color="red", ls="--", label="paper (48 layers)")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("% tokens whose experts change")
@@ -1404,7 +1458,7 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
             )
         ax.set_title(r["preset"], fontsize=9)
         ax.grid(alpha=0.3)
-        if k == 0:
+        if k == 0 and ax.get_lines():
             ax.legend(fontsize=7)
     for k in range(n, nrows * cols):
         axes[k // cols][k % cols].axis("off")
