@@ -4,8 +4,11 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
+
 from gspo.cli import main
 from gspo.compare import run_compare, write_study
+from gspo.errors import GspoError
 from gspo.train.logger import read_metrics
 
 VARIANTS = ["gspo", "gspo_token", "grpo", "grpo_replay"]
@@ -59,6 +62,17 @@ def test_compare_two_seeds_two_workers_writes_ci_report(tmp_path):
     mtime = (tmp_path / "gspo-s0" / "metrics.jsonl").stat().st_mtime
     run_compare(None, TINY, [0, 1], VARIANTS, str(tmp_path), workers=1, warm_dir=warm_dir)
     assert (tmp_path / "gspo-s0" / "metrics.jsonl").stat().st_mtime == mtime
+
+    # a field the saved config lacks (added by a newer gspo) counts as its default: still reused
+    saved = tmp_path / "gspo-s0" / "config.yaml"
+    saved.write_text(
+        "\n".join(ln for ln in saved.read_text().splitlines() if not ln.startswith("log_volatility"))
+    )
+    run_compare(None, TINY, [0], ["gspo"], str(tmp_path), workers=1, warm_dir=warm_dir)
+    assert (tmp_path / "gspo-s0" / "metrics.jsonl").stat().st_mtime == mtime
+    # a finished run made with other settings is never silently replaced
+    with pytest.raises(GspoError, match="finished run made with other settings"):
+        run_compare(None, {**TINY, "lr": 1e-4}, [0], ["gspo"], str(tmp_path), workers=1, warm_dir=warm_dir)
 
     # the study report combines compare folders
     study = write_study([str(tmp_path)], tmp_path / "study")

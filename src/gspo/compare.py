@@ -553,17 +553,23 @@ def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
 
 
 def _finished(cfg: Config) -> bool:
-    """A finished run of exactly this config exists (settings that only steer the run may differ).
-    An unfinished or different one is removed so the run starts fresh."""
+    """A finished run of this config exists (settings that only steer the run may differ; a field
+    the saved config lacks, added by a newer gspo, counts as its default). An unfinished run is
+    removed so it starts fresh; a finished one made with other settings is an error, never deleted."""
     run = cfg.run_dir
     if not run.exists():
         return False
     saved_file = run / "config.yaml"
     if (run / "final" / "config.json").exists() and saved_file.exists():
         saved = yaml.safe_load(saved_file.read_text()) or {}
-        want = cfg.to_dict()
-        if all(saved.get(k) == v for k, v in want.items() if k not in _STEERING):
-            return True
+        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        for k, v in cfg.to_dict().items():
+            if k not in _STEERING and saved.get(k, defaults.get(k)) != v:
+                raise GspoError(
+                    f"{run} is a finished run made with other settings ({k}: {saved.get(k)!r}, now "
+                    f"{v!r}); pass another --out, or delete the folder to redo it"
+                )
+        return True
     shutil.rmtree(run)
     return False
 
