@@ -796,14 +796,20 @@ def _band_plot(out: Path, variants: list[str], seeds: list[int], ci: str, name: 
     for key, title, fname, smooth in PLOTS:
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
         drawn = False
-        positive = True
+        geo = key in ("loss/ratio_max", "loss/grad_norm")  # heavy-tailed: geometric mean, CI of logs
         for v in variants:
             cur = _curves(out, v, seeds, key, smooth)
             if not cur:
                 continue
-            positive = positive and all(x > 0 for c in cur.values() for x in c.values())
             steps = sorted({st for c in cur.values() for st in c})
-            iv = [interval([c.get(st) for c in cur.values()], ci) for st in steps]
+            if geo:
+                logs = [[math.log(c[st]) for c in cur.values() if c.get(st, 0) > 0] for st in steps]
+                iv = [
+                    Interval(*(None if x is None else math.exp(x) for x in (i.mean, i.lo, i.hi)), i.n)
+                    for i in (interval(xs, ci) for xs in logs)
+                ]
+            else:
+                iv = [interval([c.get(st) for c in cur.values()], ci) for st in steps]
             m = [i.mean for i in iv]
             (line,) = ax.plot(steps, m, label=f"{v} (n={len(cur)})", marker="." if len(steps) < 30 else None)
             lo = [i.lo if i.known else i.mean for i in iv]
@@ -811,13 +817,14 @@ def _band_plot(out: Path, variants: list[str], seeds: list[int], ci: str, name: 
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.18, linewidth=0)
             drawn = True
         if drawn:
-            ax.set_title(f"{title}: mean, 95% CI over seeds", fontsize=10)
+            what = "geometric mean" if geo else "mean"
+            ax.set_title(f"{title}: {what}, 95% CI over seeds", fontsize=10)
             ax.set_xlabel("RL step")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
             if key in ("loss/clip_frac_tok",):
                 ax.set_yscale("symlog", linthresh=1e-3)
-            if key in ("loss/ratio_max", "loss/grad_norm") and positive:
+            if geo:
                 ax.set_yscale("log")
             if key in ("eval/accuracy", "rollout/reward_mean"):
                 ax.set_ylim(-0.02, 1.02)
