@@ -11,6 +11,11 @@ has one thread; with ``--async-staleness K > 0`` the sampler process has the oth
   the paired difference to K = 0.
 
     python benchmarks/bench_async.py --seeds 0,1,2 --ks 0,1,2,4     # writes benchmarks/RESULTS_async.md
+
+The overlap can at most hide generation: with the trainer the bottleneck, the throughput ratio is
+bounded by ``K=0 step / (K=0 step - K=0 generate)``, printed as the ceiling. ``--extra`` adds
+``gspo train`` flags, e.g. a generation-heavy shape (throughput only) with ``--extra "--sft-steps 0
+--max-new-tokens 48"``: an untrained policy rarely stops, so every response runs 48 decode steps.
 """
 
 from __future__ import annotations
@@ -40,10 +45,21 @@ def ci(xs: list[float]) -> tuple[float, float]:
     )
 
 
-def run(out: Path, k: int, seed: int) -> dict:
+def run(out: Path, k: int, seed: int, extra: list[str]) -> dict:
     name = f"k{k}-s{seed}"
     if not (out / name / "final" / "config.json").exists():
-        cmd = [sys.executable, "-m", "gspo", "train", *BASE, "--seed", str(seed), "--async-staleness", str(k)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gspo",
+            "train",
+            *BASE,
+            *extra,
+            "--seed",
+            str(seed),
+            "--async-staleness",
+            str(k),
+        ]
         t0 = time.time()
         subprocess.run([*cmd, "--output-dir", str(out), "--name", name], check=True, capture_output=True)
         print(f"{name}: {time.time() - t0:.0f} s", flush=True)
@@ -53,6 +69,7 @@ def run(out: Path, k: int, seed: int) -> dict:
     return {
         "k": k,
         "seed": seed,
+        "steps": len(steps),
         "rl_s": sum(r["time/step_s"] for r in steps),
         "gen_s": sum(r["time/generate_s"] for r in steps),
         "update_s": sum(r["time/update_s"] for r in steps),
@@ -68,16 +85,27 @@ def main() -> None:
     ap.add_argument("--ks", default="0,1,2,4")
     ap.add_argument("--out", default="runs/bench-async")
     ap.add_argument("--report", default="benchmarks/RESULTS_async.md")
+    ap.add_argument("--extra", default="", help="more `gspo train` flags, e.g. a generation-heavy shape")
+    ap.add_argument("--title", default="Async rollouts vs the synchronous loop")
     a = ap.parse_args()
     seeds, ks, out = [int(s) for s in a.seeds.split(",")], [int(k) for k in a.ks.split(",")], Path(a.out)
+    extra = a.extra.split()
     t0 = time.time()
-    res = {(r["k"], r["seed"]): r for r in (run(out, k, s) for s in seeds for k in ks)}
+    res = {(r["k"], r["seed"]): r for r in (run(out, k, s, extra) for s in seeds for k in ks)}
+    k0 = [res[0, s] for s in seeds]
+    ceiling = [r["rl_s"] / (r["rl_s"] - r["gen_s"]) for r in k0]
+    flags = f' --extra "{a.extra}"' if a.extra else ""
     lines = [
-        "# Async rollouts vs the synchronous loop",
+        f"# {a.title}",
         "",
-        f"`python benchmarks/bench_async.py --seeds {a.seeds} --ks {a.ks}` ({(time.time() - t0) / 60:.0f} min;"
+        f"`python benchmarks/bench_async.py --seeds {a.seeds} --ks {a.ks}{flags}` ({(time.time() - t0) / 60:.0f} min;"
         " tiny MoE, reverse task, warm start 150, 200 RL steps x 16 prompts x 8, held-out 100; trainer 1 thread,"
-        " sampler process 1 thread).",
+        f" sampler process 1 thread{'; plus ' + a.extra if a.extra else ''}).",
+        "",
+        f"Synchronous step (K=0, mean): {statistics.fmean(r['rl_s'] / r['steps'] for r in k0) * 1e3:.0f} ms, of which"
+        f" generation {statistics.fmean(r['gen_s'] / r['rl_s'] for r in k0):.0%} and the update"
+        f" {statistics.fmean(r['update_s'] / r['rl_s'] for r in k0):.0%}. Overlap hides at most the"
+        f" generation: throughput ceiling K=0 step / (step - generate) = {statistics.median(ceiling):.2f}x (median).",
         "",
         "| K | RL s (mean) | throughput vs K=0 (median [min, max] of paired ratios) | trainer idle | final acc | paired acc - K=0 |",
         "|---|---|---|---|---|---|",

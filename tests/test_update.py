@@ -175,11 +175,40 @@ def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
     # auto: the HF engine in float32 is the trainer itself, so its log-probs are pi_old
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False) == 4
     assert _count_forwards(model, batch, num_minibatches=4, log_volatility=False, old_logp="rollout") == 4
-    # volatility: pi_old's routing of minibatch 2, and one look at it after the first optimizer step
-    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 1 + 4 + 1
+    # volatility: pi_old's routing of minibatch 2; after the first optimizer step its own training
+    # forward shows the new routing (no extra look)
+    assert _count_forwards(model, batch, num_minibatches=4, old_logp="rollout") == 1 + 4
     # replay needs pi_old's routing of minibatches 2-4 (and volatility the same one look)
     assert _count_forwards(model, batch, num_minibatches=4, routing_replay=True) == 3 + 4 + 1
     assert _count_forwards(model, batch, num_minibatches=1, old_logp="rollout") == 1 + 1
+
+
+def test_volatility_from_the_training_forward_equals_a_separate_look(tiny_moe, batch, monkeypatch):
+    """The volatility the update takes from minibatch 2's training forward equals a separate no-grad
+    look at minibatch 2 right after the first optimizer step (the forward it saves)."""
+    from gspo.train import update as U
+    from gspo.train.batch import split_minibatches as real_split
+
+    model, _ = tiny_moe
+    m = copy.deepcopy(model)
+    cfg = Config(prompts_per_step=2, group_size=8, num_minibatches=4, max_grad_norm=0, algo="grpo").validate()
+    split = []
+
+    def recording_split(*a, **k):
+        split.append(real_split(*a, **k))
+        return split[-1]
+
+    monkeypatch.setattr(U, "split_minibatches", recording_split)
+    opt = torch.optim.SGD(m.parameters(), lr=5.0)
+    looked = []
+    opt.register_step_post_hook(
+        lambda *_: looked or looked.append(U.measure_volatility(U.as_policy(m), split[0][1], cfg))
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    got = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+    assert 0.0 < got["moe/volatility"] <= 1.0
+    vols = sorted(looked[0])
+    assert len(vols) >= 3 and [got[k] for k in vols] == pytest.approx([looked[0][k] for k in vols], abs=1e-6)
 
 
 def test_first_minibatch_is_exactly_on_policy(tiny_moe, batch):

@@ -796,9 +796,12 @@ def _band_plot(out: Path, variants: list[str], seeds: list[int], ci: str, name: 
     for key, title, fname, smooth in PLOTS:
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
         drawn = False
-        geo = key in ("loss/ratio_max", "loss/grad_norm")  # heavy-tailed: geometric mean, CI of logs
-        for v in variants:
-            cur = _curves(out, v, seeds, key, smooth)
+        curves = {v: _curves(out, v, seeds, key, smooth) for v in variants}
+        # heavy-tailed: geometric mean, CI of logs (when there is any positive value to take a log of)
+        geo = key in ("loss/ratio_max", "loss/grad_norm") and any(
+            x > 0 for cur in curves.values() for c in cur.values() for x in c.values()
+        )
+        for v, cur in curves.items():
             if not cur:
                 continue
             steps = sorted({st for c in cur.values() for st in c})
@@ -810,6 +813,11 @@ def _band_plot(out: Path, variants: list[str], seeds: list[int], ci: str, name: 
                 ]
             else:
                 iv = [interval([c.get(st) for c in cur.values()], ci) for st in steps]
+            # a step where no seed has a value (e.g. every grad norm 0 on a geometric axis) is left out
+            kept = [(st, i) for st, i in zip(steps, iv, strict=True) if i.mean is not None]
+            if not kept:
+                continue
+            steps, iv = [st for st, _ in kept], [i for _, i in kept]
             m = [i.mean for i in iv]
             (line,) = ax.plot(steps, m, label=f"{v} (n={len(cur)})", marker="." if len(steps) < 30 else None)
             lo = [i.lo if i.known else i.mean for i in iv]

@@ -192,14 +192,20 @@ def attach_pi_old(policy: nn.Module, minibatches: list[list[MicroBatch]], cfg: C
 
 @torch.no_grad()
 def measure_volatility(policy: nn.Module, mbs: list[MicroBatch], cfg: Config) -> dict[str, float]:
-    """Expert-activation volatility: the fraction of response tokens whose top-k expert set under the
-    current policy differs from pi_old's (per layer, and over all layers), token-weighted over ``mbs``.
-    Called once, after the first optimizer step. Costs one no-grad forward of a minibatch."""
+    """Expert-activation volatility of ``mbs`` under the current policy, one step after pi_old: costs
+    one no-grad forward of them. (Where that minibatch's own training forward comes next, with the
+    same weights and its own routing, the update takes its routing instead: :func:`volatility`.)"""
+    return volatility(mbs, [forward(policy, mb, cfg, capture=True).routing for mb in mbs])
+
+
+def volatility(mbs: list[MicroBatch], new: list[R.Routing]) -> dict[str, float]:
+    """Expert-activation volatility: the fraction of response tokens whose top-k expert set in
+    ``new`` (per micro-batch) differs from pi_old's (per layer, and over all layers), token-weighted
+    over ``mbs``. Measured once per update, after the first optimizer step."""
     totals: dict[str, torch.Tensor] = {}
     n_tok = 0
-    for mb in mbs:
-        new = forward(policy, mb, cfg, capture=True).routing
-        overall, layers = R.routing_volatility(mb.old_routing, new, mb.layout.response_pos_RL)
+    for mb, new_routing in zip(mbs, new, strict=True):
+        overall, layers = R.routing_volatility(mb.old_routing, new_routing, mb.layout.response_pos_RL)
         w = int(mb.n_tokens)
         n_tok += w
         for k, v in {"": overall, **{f"/{name}": v for name, v in layers.items()}}.items():
@@ -241,8 +247,9 @@ def _train_micro_batch(
     world_size: int,
     first: bool,
     capture: bool,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward, loss and backward of one micro-batch -> (its loss, its metrics)."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], R.Routing | None]:
+    """Forward, loss and backward of one micro-batch -> (its loss, its metrics, its routing when
+    ``capture`` and not replayed)."""
     f = forward(policy, mb, cfg, entropy=True, replay=mb.replay, capture=capture and mb.replay is None)
     if first:  # minibatch 0: no update has happened yet, so this forward is pi_old
         mb.old_logp_BT = f.logp_BT.detach()
@@ -266,7 +273,7 @@ def _train_micro_batch(
         n_seq = mb.n_sequences.clamp(min=1)
         metrics["mismatch/token_abs_logp_diff"] = (d_BT.abs().sum(-1) / n_B).sum() / n_seq
         metrics["mismatch/seq_abs_logp_diff"] = (d_BT.sum(-1) / n_B).abs().sum() / n_seq
-    return loss.detach() * world_size, metrics
+    return loss.detach() * world_size, metrics, f.routing
 
 
 def mismatch_correction(
@@ -334,6 +341,10 @@ def policy_update(
     minibatches = split_minibatches(data, n_mb, micro, choose_layout(policy, cfg), dtype)
     attach_pi_old(policy, minibatches, cfg, is_moe)
     vol_i = volatility_minibatch(cfg, is_moe)
+    # volatility for free: minibatch vol_i > 0 is next trained one step after pi_old, so its training
+    # forward shows the new routing (unless Routing Replay forces it)
+    free_vol = bool(vol_i) and all(mb.replay is None for mb in minibatches[vol_i or 0])
+    new_routing: list[R.Routing] = []
     max_norm = cfg.max_grad_norm or float("inf")
 
     parts: list[tuple[dict[str, torch.Tensor], MicroBatch]] = []
@@ -343,18 +354,23 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         normalizer = _normalizer(minibatch, cfg, world_size)
         loss = torch.zeros(())
+        capture = i == 0 == vol_i or (free_vol and i == vol_i)
         for mb in minibatch:
-            mb_loss, metrics = _train_micro_batch(
-                policy, mb, cfg, normalizer, world_size, first=i == 0, capture=i == 0 == vol_i
+            mb_loss, metrics, routing = _train_micro_batch(
+                policy, mb, cfg, normalizer, world_size, first=i == 0, capture=capture
             )
             loss = loss + mb_loss.float().cpu()
             parts.append((metrics, mb))
+            if free_vol and i == vol_i:
+                new_routing.append(routing)
+        if new_routing and i == vol_i:
+            out.update(volatility(minibatch, new_routing))
         norm, stepped = _optimizer_step(optimizer, max_norm)
         scheduler.step()
         step_losses.append(loss)
         grad_norms.append(norm.float().cpu())
         n_steps += stepped
-        if i == 0 and vol_i is not None:  # the policy is now exactly one optimizer step from pi_old
+        if i == 0 and vol_i is not None and not free_vol:  # now exactly one optimizer step from pi_old
             out.update(measure_volatility(policy, minibatches[vol_i], cfg))
 
     out.update(reduce_metrics(parts, metric_reductions(cfg.algo)))
