@@ -1,0 +1,27 @@
+#!/bin/bash
+# The stability study, exactly as run for docs/stability (2-core CPU, no GPU), from the repo root.
+# Each `gspo compare` runs its preset (src/gspo/presets/<name>.yaml): 5 seeds, one warm start per seed
+# shared by every variant (and by presets with the same warm-start settings, under runs/warm-starts/),
+# 2 worker processes with one torch thread each. Outputs: runs/compare-<preset>/.
+set -e
+. .venv/bin/activate
+
+gspo compare                              # the default preset: small-moe, 4 opt. steps / rollout, lr 3e-4
+gspo compare --preset staleness-1         # on-policy control (all algorithms make the same update)
+gspo compare --preset staleness-16        # 16 optimizer steps per rollout batch
+gspo compare --preset lr-1e-3             # lr 1e-3
+gspo compare --preset small-dense         # the dense twin of small-moe
+gspo compare --preset tiny-moe            # the 2-layer tiny MoE of the first report
+gspo compare --preset lr-6e-4             # lr 6e-4
+gspo compare --preset staleness-8         # 8 optimizer steps per rollout batch
+gspo compare --preset bf16-rollout        # bf16 sampler, fp32 trainer, pi_old from the sampler
+gspo compare --preset small-dense-lr-1e-3 # the dense twin at lr 1e-3
+
+# Copy the reports (no model weights) into docs/ and build the cross-regime report.
+# (Running a `gspo compare` again reuses every finished run and only rewrites its report.)
+PRESETS="default staleness-1 staleness-8 staleness-16 lr-6e-4 lr-1e-3 bf16-rollout small-dense small-dense-lr-1e-3 tiny-moe"
+for p in $PRESETS; do
+  mkdir -p docs/stability/$p
+  cp runs/compare-$p/{report.md,summary.json,per_seed.csv,timing.json} runs/compare-$p/*.png docs/stability/$p/
+done
+gspo compare --study "$(for p in $PRESETS; do printf 'docs/stability/%s,' $p; done | sed 's/,$//')" --out docs/stability
