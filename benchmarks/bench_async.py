@@ -14,9 +14,7 @@ has one thread; with ``--async-staleness K > 0`` the sampler process has the oth
 
 With the trainer the bottleneck, the overlap can at most hide generation: the ratio's bound is
 ``K=0 step / (K=0 step - K=0 generate)`` if the update ran as fast as in the synchronous loop (it
-runs faster alone on its core, so measured ratios can pass it). ``--extra`` adds
-``gspo train`` flags, e.g. a generation-heavy shape (throughput only) with ``--extra "--sft-steps 0
---max-new-tokens 48"``: an untrained policy rarely stops, so every response runs 48 decode steps.
+runs faster alone on its core, so measured ratios can pass it).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def ci(xs: list[float]) -> tuple[float, float]:
     )
 
 
-def run(out: Path, k: int, seed: int, extra: list[str]) -> dict:
+def run(out: Path, k: int, seed: int) -> dict:
     name = f"k{k}-s{seed}"
     if not (out / name / "final" / "config.json").exists():
         cmd = [
@@ -55,7 +53,6 @@ def run(out: Path, k: int, seed: int, extra: list[str]) -> dict:
             "gspo",
             "train",
             *BASE,
-            *extra,
             "--seed",
             str(seed),
             "--async-staleness",
@@ -86,22 +83,18 @@ def main() -> None:
     ap.add_argument("--ks", default="0,1,2,4")
     ap.add_argument("--out", default="runs/bench-async")
     ap.add_argument("--report", default="benchmarks/RESULTS_async.md")
-    ap.add_argument("--extra", default="", help="more `gspo train` flags, e.g. a generation-heavy shape")
-    ap.add_argument("--title", default="Async rollouts vs the synchronous loop")
     a = ap.parse_args()
     seeds, ks, out = [int(s) for s in a.seeds.split(",")], [int(k) for k in a.ks.split(",")], Path(a.out)
-    extra = a.extra.split()
     t0 = time.time()
-    res = {(r["k"], r["seed"]): r for r in (run(out, k, s, extra) for s in seeds for k in ks)}
+    res = {(r["k"], r["seed"]): r for r in (run(out, k, s) for s in seeds for k in ks)}
     k0 = [res[0, s] for s in seeds]
     ceiling = [r["rl_s"] / (r["rl_s"] - r["gen_s"]) for r in k0]
-    flags = f' --extra "{a.extra}"' if a.extra else ""
     lines = [
-        f"# {a.title}",
+        "# Async rollouts vs the synchronous loop",
         "",
-        f"`python benchmarks/bench_async.py --seeds {a.seeds} --ks {a.ks}{flags}` (this run: {(time.time() - t0) / 60:.0f} min, finished runs reused;"
+        f"`python benchmarks/bench_async.py --seeds {a.seeds} --ks {a.ks}` (this run: {(time.time() - t0) / 60:.0f} min, finished runs reused;"
         " tiny MoE, reverse task, warm start 150, 200 RL steps x 16 prompts x 8, held-out 100; trainer 1 thread,"
-        f" sampler process 1 thread{'; plus ' + a.extra if a.extra else ''}).",
+        " sampler process 1 thread).",
         "",
         f"Synchronous step (K=0, mean): {statistics.fmean(r['rl_s'] / r['steps'] for r in k0) * 1e3:.0f} ms, of which"
         f" generation {statistics.fmean(r['gen_s'] / r['rl_s'] for r in k0):.0%} and the update"

@@ -343,8 +343,7 @@ def policy_update(
     vol_i = volatility_minibatch(cfg, is_moe)
     # volatility for free: minibatch vol_i > 0 is next trained one step after pi_old, so its training
     # forward shows the new routing (unless Routing Replay forces it)
-    free_vol = bool(vol_i) and all(mb.replay is None for mb in minibatches[vol_i or 0])
-    new_routing: list[R.Routing] = []
+    free_vol = vol_i is not None and vol_i > 0 and all(mb.replay is None for mb in minibatches[vol_i])
     max_norm = cfg.max_grad_norm or float("inf")
 
     parts: list[tuple[dict[str, torch.Tensor], MicroBatch]] = []
@@ -354,17 +353,17 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         normalizer = _normalizer(minibatch, cfg, world_size)
         loss = torch.zeros(())
-        capture = i == 0 == vol_i or (free_vol and i == vol_i)
+        look = free_vol and i == vol_i  # this minibatch's forwards show the routing after one step
+        routings = []
         for mb in minibatch:
             mb_loss, metrics, routing = _train_micro_batch(
-                policy, mb, cfg, normalizer, world_size, first=i == 0, capture=capture
+                policy, mb, cfg, normalizer, world_size, first=i == 0, capture=i == 0 == vol_i or look
             )
             loss = loss + mb_loss.float().cpu()
             parts.append((metrics, mb))
-            if free_vol and i == vol_i:
-                new_routing.append(routing)
-        if new_routing and i == vol_i:
-            out.update(volatility(minibatch, new_routing))
+            routings.append(routing)
+        if look:
+            out.update(volatility(minibatch, routings))
         norm, stepped = _optimizer_step(optimizer, max_norm)
         scheduler.step()
         step_losses.append(loss)
