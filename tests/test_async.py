@@ -1,5 +1,6 @@
-"""Asynchronous rollouts (``async_staleness``): staleness as configured, exact resume with batches in
-flight, timing-independent results, and no sampler process outliving the trainer."""
+"""Asynchronous rollouts (``async_staleness``): staleness as configured, timing-independent results,
+and no sampler process outliving the trainer (exact resume with batches in flight:
+tests/test_resume_state.py)."""
 
 import json
 import os
@@ -22,21 +23,18 @@ def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
 
 
-def test_async_run_is_stale_as_configured_and_resumes_exactly(tmp_path):
-    """Step t learns from version t-1-K (staleness min(t-1, K)); a run stopped at step 3 (two batches
-    in flight, saved in the checkpoint) and resumed ends with the uninterrupted run's weights, and two
-    uninterrupted runs agree exactly whatever the timing of the two processes."""
+def test_async_run_is_stale_as_configured_and_timing_free(tmp_path):
+    """Step t learns from version t-1-K (staleness min(t-1, K)), and two uninterrupted runs agree
+    exactly whatever the timing of the two processes. (Exact resume with batches in flight, and that
+    its check fails without them: tests/test_resume_state.py.)"""
     full = train(Config(name="full", output_dir=str(tmp_path), **TINY))
     rows = _rows(full.run_dir)
     assert [r["async/staleness"] for r in rows] == [0, 1, 2, 2, 2, 2]
     assert all(0 <= r["async/trainer_idle_frac"] <= 1 for r in rows)
     assert max(r["loss/grad_norm"] for r in rows) > 0 and max(r["loss/ratio_max"] for r in rows) > 1
     again = train(Config(name="again", output_dir=str(tmp_path), **TINY))
-    train(Config(name="part", output_dir=str(tmp_path), **{**TINY, "steps": 3}))
-    resumed = train(Config(name="part", output_dir=str(tmp_path), resume=True, **TINY))
-    for other in (again, resumed):
-        for (k, v), w in zip(full.model.state_dict().items(), other.model.state_dict().values(), strict=True):
-            torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+    for (k, v), w in zip(full.model.state_dict().items(), again.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
 
 
 def _children(pid: int) -> list[int]:

@@ -49,19 +49,20 @@ def test_api_run_saves_the_weights_it_trained_and_logs_finite_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_rl_raises_held_out_accuracy(tmp_path):
-    """A scaled-down default run (seed 0, ~25 s on one core): a shorter warm start leaves the policy at
-    partial accuracy (measured 0.11) and 200 GSPO steps of 16 prompts raise held-out greedy accuracy
-    (measured 0.11 -> 0.16; seeds 0-4: +0.05 to +0.09) and the training reward (mean of the last 20
-    steps minus the first 20: measured +0.11; seeds 0-4: +0.03 to +0.11)."""
+    """A scaled-down default run (seed 0): the warm start leaves the policy at partial accuracy, and 150
+    GSPO steps of 32 prompts raise held-out greedy accuracy on 200 prompts and the training reward.
+    Measured on seeds 0-4: held-out gain 0.115, 0.125, 0.09, 0.095, 0.07 (mean 0.099, sd 0.022), so the
+    0.03 threshold is 3 sd below the mean and seed 0 clears it by 17 of 200 questions; training reward
+    (mean of the last 20 steps minus the first 20) +0.19, +0.12, +0.09, +0.05, +0.10."""
     cfg = Config(
-        output_dir=str(tmp_path), name="learn", steps=200, sft_steps=150, prompts_per_step=16, eval_size=100,
+        output_dir=str(tmp_path), name="learn", steps=150, sft_steps=200, prompts_per_step=32, eval_size=200,
         eval_every=0, save_every=0, threads=1, progress=False,
     )  # fmt: skip
     res = train(cfg)
-    assert 0.02 <= res.initial_accuracy <= 0.6, res.initial_accuracy  # partial: RL has room and signal
+    assert 0.1 <= res.initial_accuracy <= 0.7, res.initial_accuracy  # partial: RL has room and signal
     assert res.final_accuracy - res.initial_accuracy >= 0.03, (res.initial_accuracy, res.final_accuracy)
     reward = [r["rollout/reward_mean"] for r in read_metrics(res.run_dir / "metrics.jsonl")[1:]]
-    assert sum(reward[-20:]) / 20 - sum(reward[:20]) / 20 >= 0.05, (reward[:20], reward[-20:])
+    assert sum(reward[-20:]) / 20 - sum(reward[:20]) / 20 > 0, (reward[:20], reward[-20:])
 
 
 def test_train_stays_callable_whatever_was_imported_first():

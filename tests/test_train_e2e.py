@@ -32,6 +32,10 @@ TINY = [
 ]
 
 
+NOISY = f"{Path(__file__).parent / 'fixture_rewards.py'}:noisy"  # every step moves the weights
+PARITY = f"{Path(__file__).parent / 'fixture_rewards.py'}:length_parity"  # partial accuracy untrained
+
+
 def _gspo(*args, **kw):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(
@@ -89,8 +93,11 @@ def _final_params(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_after_kill_9_is_exact(tmp_path):
-    """kill -9 mid-run, then --resume, gives bit-identical final parameters to an uninterrupted run."""
-    args = [*TINY, "--steps", "6", "--save-every", "1", "--output-dir", str(tmp_path)]
+    """kill -9 mid-run, then --resume, gives bit-identical final parameters to an uninterrupted run, at
+    settings where every step after the kill point moves the weights (rewards with noise from every
+    global generator, so each piece of state exact resume needs is exercised: tests/test_resume_state.py
+    takes them one by one)."""
+    args = [*TINY, "--steps", "6", "--save-every", "1", "--reward", NOISY, "--output-dir", str(tmp_path)]
     assert _gspo("train", *args, "--name", "full").returncode == 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
@@ -109,14 +116,22 @@ def test_resume_after_kill_9_is_exact(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "killed" / "final").exists()
+    resumed_from = latest.read_text().strip()
+    kill_step = int(resumed_from.split("-")[1])
+    assert kill_step < 6, resumed_from
+    from transformers import AutoModelForCausalLM
+
+    at_kill = AutoModelForCausalLM.from_pretrained(latest.parent / resumed_from).state_dict()
     r = _gspo("train", *args, "--name", "killed", "--resume")
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = _final_params(tmp_path / "full"), _final_params(tmp_path / "killed")
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() == at_kill.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps)) == list(range(7))
+    assert any(not torch.equal(b[k], at_kill[k]) for k in b), "the weights did not move after the kill"
+    rows = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(7))
+    assert all(row["loss/grad_norm"] > 0 for row in rows[kill_step + 1 :]), rows
 
 
 def test_reward_error_saves_progress_and_names_the_function(tmp_path):
@@ -172,11 +187,16 @@ def test_lora_run_merges_adapters_and_resumes_exactly(tmp_path):
 
 
 def test_eval_command_scores_a_checkpoint(tmp_path):
-    """`gspo eval` loads a saved folder with from_pretrained and prints held-out accuracy as JSON."""
-    assert _gspo("train", *TINY, "--steps", "1", "--output-dir", str(tmp_path), "--name", "r").returncode == 0
-    r = _gspo("eval", str(tmp_path / "r" / "final"), "--eval-size", "8")
+    """`gspo eval` loads a saved folder with from_pretrained and prints held-out accuracy as JSON: the
+    accuracy the run itself measured on the same held-out prompts at its last step (partial, so an
+    evaluator that scores everything 0 or 1 fails)."""
+    args = [*TINY, "--steps", "1", "--reward", PARITY, "--output-dir", str(tmp_path), "--name", "r"]
+    assert _gspo("train", *args).returncode == 0
+    logged = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[-1])["eval/accuracy"]
+    assert 0 < logged < 1, logged
+    r = _gspo("eval", str(tmp_path / "r" / "final"), "--eval-size", "16")
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["n"] == 8 and 0.0 <= out["eval/accuracy"] <= 1.0
+    assert out["n"] == 16 and out["eval/accuracy"] == logged
     bad = _gspo("eval", str(tmp_path / "nope"))
     assert bad.returncode == 2 and "checkpoint folder not found" in bad.stderr

@@ -114,9 +114,10 @@ def _train_a_little(model, engine, steps=3, noise=0.02, only=None):
             opt.zero_grad()
             (-lp.sum()).backward()
             opt.step()
+    gen = torch.Generator().manual_seed(steps * 1000 + int(noise * 1e4))  # not the global one: order-free
     with torch.no_grad():
         for p in params:
-            p.add_(torch.randn_like(p) * noise)
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise)
 
 
 class _Checks:
@@ -327,17 +328,15 @@ def test_r3_run_replays_vllm_routing_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_learns_like_the_hf_engine_on_the_same_seed(tmp_path):
-    """The scaled-down default run (tests/test_train_api.py) on the h32 MoE with each engine: the same
-    warm start (same initial accuracy) and held-out gains within 10 points of each other (measured
-    here: HF 0.12 -> 0.16, vLLM 0.12 -> 0.15)."""
-    args = ["--steps", "200", "--sft-steps", "150", "--prompts-per-step", "16", "--eval-size", "100",
-            "--eval-every", "0", "--save-every", "0"]  # fmt: skip
-    acc = {}
-    for eng in ("hf", "vllm"):
-        rows = _train(tmp_path, eng, "--rollout-engine", eng, *args)
-        evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-        acc[eng] = (evals[0], evals[-1])
-    assert acc["hf"][0] == acc["vllm"][0], acc
-    gain = {k: b - a for k, (a, b) in acc.items()}
-    assert abs(gain["vllm"] - gain["hf"]) <= 0.10 and gain["vllm"] > -0.05, acc
+def test_vllm_engine_learns(tmp_path):
+    """The learning run of tests/test_train_api.py (150 GSPO steps of 32 prompts after a warm start),
+    sampled by vLLM on the h32 MoE: held-out greedy accuracy on 200 prompts rises by at least 0.03 (the
+    same margin as the HF engine's test, whose seed spread is 0.022) and the training reward rises."""
+    args = ["--rollout-engine", "vllm", "--steps", "150", "--sft-steps", "200", "--prompts-per-step", "32",
+            "--eval-size", "200", "--eval-every", "0", "--save-every", "0"]  # fmt: skip
+    rows = _train(tmp_path, "vllm", *args)
+    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+    assert 0.1 <= evals[0] <= 0.7, evals  # partial: RL has room and signal
+    assert evals[-1] - evals[0] >= 0.03, evals
+    reward = [r["rollout/reward_mean"] for r in rows[1:]]
+    assert sum(reward[-20:]) / 20 - sum(reward[:20]) / 20 > 0, (reward[:20], reward[-20:])
