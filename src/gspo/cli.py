@@ -39,12 +39,26 @@ def _overrides(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:  # one line, exit 2, like GspoError
-        self.exit(2, f"gspo: error: {message} (see 'gspo {self.prog.split()[-1]} --help')\n")
+        self.exit(2, f"gspo: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        # argparse reports a subcommand's unknown flags from the top parser: name the subcommand's help
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            sub = self._subcommands.get(getattr(ns, "command", None), self)
+            sub.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+    _subcommands: dict[str | None, argparse.ArgumentParser] = {}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
+    from gspo import __version__
+
+    parser.add_argument("--version", action="version", version=f"gspo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser._subcommands = sub.choices  # type: ignore[assignment]
 
     p = sub.add_parser(
         "train",
@@ -101,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of training: combine these comma-separated compare folders into one "
         "cross-regime report in --out",
     )
-    _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume"))
+    _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
     e = sub.add_parser(
         "eval",
@@ -183,6 +197,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
         overrides["nproc"] = int(os.environ["WORLD_SIZE"])
     cfg = make_config(ns.config, overrides)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from gspo.limits import check_local_ranks
+
+        check_local_ranks(cfg.nproc)
         return _launch_torchrun(cfg.nproc)
     from gspo.train.loop import train
 
@@ -204,7 +221,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         report = write_study([d for d in ns.study.split(",") if d.strip()], ns.out or "runs/study", ns.ci)
         print(f"report: {report}")
         return 0
-    skip = ("name", "output_dir", "seed", "algo", "routing_replay", "resume")
+    skip = ("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite")
     try:
         seeds = [int(s) for s in ns.seeds.split(",") if s.strip()] if ns.seeds else None
     except ValueError:

@@ -24,7 +24,8 @@ import shlex
 import shutil
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ PAPER_VOLATILITY = 0.10  # GSPO paper, sec. 5.3: ~10% of activated experts chang
 
 # config fields that steer a run but do not change what it computes: a finished run with other
 # values of these is still reused
-_STEERING = {"progress", "threads", "save_every", "wandb", "resume", "output_dir", "name"}
+_STEERING = {"progress", "threads", "save_every", "wandb", "resume", "overwrite", "output_dir", "name"}
 # the fields a warm start depends on (its folder is reused only when they match)
 _WARM_FIELDS = (
     "model",
@@ -552,26 +553,40 @@ def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
     return cfg.run_name, time.time() - t0, res.initial_accuracy, res.final_accuracy
 
 
-def _finished(cfg: Config) -> bool:
-    """A finished run of this config exists (settings that only steer the run may differ; a field
-    the saved config lacks, added by a newer gspo, counts as its default). An unfinished run is
-    removed so it starts fresh; a finished one made with other settings is an error, never deleted."""
+def _differs(cfg: Config) -> str | None:
+    """The first setting the run folder's saved config has otherwise than ``cfg`` ("key: old, now new";
+    settings that only steer the run are ignored; a field the saved config lacks, added by a newer
+    gspo, counts as its default); None when they agree."""
+    saved_file = cfg.run_dir / "config.yaml"
+    saved = (yaml.safe_load(saved_file.read_text()) or {}) if saved_file.exists() else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for k, v in cfg.to_dict().items():
+        if k not in _STEERING and saved.get(k, defaults.get(k)) != v:
+            return f"{k}: {saved.get(k)!r}, now {v!r}"
+    return None
+
+
+def _plan(cfg: Config) -> Config | None:
+    """What to run for ``cfg``: None when a finished run of it exists (a finished one made with other
+    settings is an error, never deleted); an unfinished run with a complete checkpoint and the same
+    settings continues from it (``resume``); anything else in the folder is removed to start fresh."""
+    from gspo.train.checkpoint import newest_complete
+
     run = cfg.run_dir
     if not run.exists():
-        return False
-    saved_file = run / "config.yaml"
-    if (run / "final" / "config.json").exists() and saved_file.exists():
-        saved = yaml.safe_load(saved_file.read_text()) or {}
-        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-        for k, v in cfg.to_dict().items():
-            if k not in _STEERING and saved.get(k, defaults.get(k)) != v:
-                raise GspoError(
-                    f"{run} is a finished run made with other settings ({k}: {saved.get(k)!r}, now "
-                    f"{v!r}); pass another --out, or delete the folder to redo it"
-                )
-        return True
+        return cfg
+    if (run / "final" / "config.json").exists() and (run / "config.yaml").exists():
+        diff = _differs(cfg)
+        if diff:
+            raise GspoError(
+                f"{run} is a finished run made with other settings ({diff}); pass another --out, or "
+                "delete the folder to redo it"
+            )
+        return None
+    if (run / "config.yaml").exists() and _differs(cfg) is None and newest_complete(run)[0] is not None:
+        return dataclasses.replace(cfg, resume=True)
     shutil.rmtree(run)
-    return False
+    return cfg
 
 
 def run_compare(
@@ -639,21 +654,11 @@ def run_compare(
     timing: dict[str, float] = {}
     warm_folders: dict[str, str | None] = {}
     load = _LoadSampler()
-    if workers == 1:
-        for seed in seeds:
-            _, warm, dt = _warm_start_job(base, seed, out, target, wdir)
-            timing[f"warm-start-s{seed}"] = dt
-            warm_folders[str(seed)] = warm
-            for v in variants:
-                cfg = run_cfg(v, seed, warm)
-                if _finished(cfg):
-                    print(f"[compare] {v} seed {seed}: done already, reusing {cfg.run_dir}")
-                    continue
-                print(f"[compare] {v} seed {seed} -> {cfg.run_dir}", flush=True)
-                name, dt, a0, a1 = _train_job(cfg)
-                timing[name] = dt
-    else:
-        _run_pool(base, seeds, variants, out, workers, run_cfg, timing, target, wdir, warm_folders)
+    with _continue_hint(command):
+        if workers == 1:
+            _run_serial(base, seeds, variants, out, run_cfg, timing, target, wdir, warm_folders)
+        else:
+            _run_pool(base, seeds, variants, out, workers, run_cfg, timing, target, wdir, warm_folders)
     wall = time.time() - t_start
     load.stop()
     (out / "warm_starts.json").write_text(json.dumps(warm_folders, indent=1))
@@ -703,6 +708,22 @@ class _LoadSampler:
         return statistics.fmean(self.samples) if self.samples else None
 
 
+def _run_serial(base, seeds, variants, out, run_cfg, timing, target, wdir, warm_folders) -> None:  # noqa
+    """One seed after the other in this process: its warm start, then its runs."""
+    for seed in seeds:
+        _, warm, dt = _warm_start_job(base, seed, out, target, wdir)
+        timing[f"warm-start-s{seed}"] = dt
+        warm_folders[str(seed)] = warm
+        for v in variants:
+            cfg = _plan(run_cfg(v, seed, warm))
+            if cfg is None:
+                print(f"[compare] {v} seed {seed}: done already, reusing {out / f'{v}-s{seed}'}")
+                continue
+            print(f"[compare] {v} seed {seed} -> {cfg.run_dir}", flush=True)
+            name, dt, a0, a1 = _train_job(cfg)
+            timing[name] = dt
+
+
 def _run_pool(base, seeds, variants, out, workers, run_cfg, timing, target, wdir, warm_folders) -> None:  # noqa: ANN001
     """Warm starts first, then each seed's runs as soon as its warm start is there; ``workers``
     processes (spawned: a clean torch in each)."""
@@ -710,7 +731,12 @@ def _run_pool(base, seeds, variants, out, workers, run_cfg, timing, target, wdir
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    ex = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=_die_with,
+        initargs=(os.getpid(),),
+    )
     try:
         pending = {ex.submit(_warm_start_job, base, s, out, target, wdir): ("warm", s) for s in seeds}
         while pending:
@@ -725,9 +751,9 @@ def _run_pool(base, seeds, variants, out, workers, run_cfg, timing, target, wdir
                     if dt:
                         print(f"[compare] warm start seed {seed}: {dt:.0f} s", flush=True)
                     for v in variants:
-                        cfg = run_cfg(v, seed, warm)
-                        if _finished(cfg):
-                            print(f"[compare] {v} seed {seed}: done already, reusing {cfg.run_dir}")
+                        cfg = _plan(run_cfg(v, seed, warm))
+                        if cfg is None:
+                            print(f"[compare] {v} seed {seed}: done already, reusing {out / f'{v}-s{seed}'}")
                             continue
                         pending[ex.submit(_train_job, cfg)] = ("train", cfg.run_name)
                 else:
@@ -736,9 +762,51 @@ def _run_pool(base, seeds, variants, out, workers, run_cfg, timing, target, wdir
                     acc = f"held-out acc {a0:.3f} -> {a1:.3f}" if a0 is not None and a1 is not None else ""
                     print(f"[compare] {name}: {dt:.0f} s {acc}", flush=True)
     except BaseException:
+        # a Ctrl-C, SIGTERM or a failed run: end the workers now (an unfinished run continues from its
+        # last checkpoint next time); the resource tracker exits once they are gone
+        for proc in list((getattr(ex, "_processes", None) or {}).values()):
+            proc.kill()
         ex.shutdown(wait=False, cancel_futures=True)
         raise
     ex.shutdown(wait=True)
+
+
+def _die_with(parent: int) -> None:
+    """A compare worker: killed when the compare process dies, even by kill -9 (Linux)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+@contextmanager
+def _continue_hint(command: str) -> Iterator[None]:
+    """SIGTERM stops the compare like Ctrl-C; either way the message names the command that continues it."""
+    import signal
+    import threading
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
+    again = (
+        "run the same command again (finished runs are reused, unfinished ones go on from their last "
+        "checkpoint)"
+    )
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"finished runs are kept; to continue, {again}: {command}") from None
+    except GspoError as e:  # a run's own hint names `gspo train`'s flag
+        raise GspoError(str(e).replace("continue with --resume", f"to continue, {again}")) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def _command_line(p: Preset, config_path, overrides, seeds, variants, out, workers, warm_target) -> str:  # noqa: ANN001

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import math
+import numbers
 import re
 import textwrap
 import types
@@ -40,7 +42,9 @@ class Config:
     threads: int = 0
     """torch CPU threads per process (0: leave torch's default)."""
     resume: bool = False
-    """Continue ``<output_dir>/<name>`` from its last checkpoint instead of starting fresh."""
+    """Continue ``<output_dir>/<name>`` from its newest complete checkpoint instead of starting fresh."""
+    overwrite: bool = False
+    """Start ``<output_dir>/<name>`` over, deleting the run it holds (without it such a folder is refused)."""
 
     # --- model and task --------------------------------------------------------------------------
     model: str = "embedded:tiny-moe"
@@ -64,8 +68,9 @@ class Config:
     reasoning-gym dataset's own scorer; what ``exact_match`` means for ``rg:`` tasks), or a user
     function ``pkg.module:fn`` / ``path/file.py:fn`` taking (prompts, completions, answers)."""
     reward_timeout_s: float = 60.0
-    """Seconds one call of a user reward function (``pkg.mod:fn`` / ``file.py:fn``) may take before
-    the run stops with a message naming it (0: no limit)."""
+    """Seconds one call of the reward function (user ``pkg.mod:fn`` / ``file.py:fn`` and the built-ins
+    but ``code``, whose programs have their own limits) may take before the run stops with a message
+    naming it (0: no limit; at most a week)."""
     reward_on_error: str = "error"
     """When the reward raises or returns NaN/inf: ``error`` (stop with a message) or ``zero``
     (score 0, count a warning)."""
@@ -162,6 +167,20 @@ class Config:
     training, whose log-probs ``old_logp=rollout`` then takes as pi_old."""
     rollout_engine: str = "hf"
     """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
+    env: str | None = None
+    """Multi-turn environment (None: single-turn rollouts). ``tools`` (calculator and Python in the
+    code sandbox, called from the model's turn: ``<calc>12+34</calc>``, ``<python>...</python>``, a
+    chat-template ``<tool_call>{json}</tool_call>`` or ``calc(12+34)``; a turn without a call is the
+    answer the task's reward scores), ``tools:calc``, ``tools:python``, ``task`` (the task as a
+    one-step environment), or ``pkg.mod:Factory`` / ``file.py:Factory`` making an object with
+    ``reset(example) -> prompt`` and ``step(model_turn) -> (observation | None, reward)`` (each call
+    limited to ``reward_timeout_s``). Turns end at EOS; ``max_new_tokens`` is the per-turn budget."""
+    max_turns: int = 4
+    """Multi-turn (``env``): model turns per trajectory; a trajectory still going after them is
+    truncated (its reward so far; ``overlong_filter`` drops it from the loss)."""
+    max_trajectory_tokens: int = 256
+    """Multi-turn (``env``): tokens after the prompt per trajectory, model turns and observations
+    together (the overlong penalty counts against it); past it the trajectory is truncated."""
 
     # --- optimization --------------------------------------------------------------------------
     num_minibatches: int = 4
@@ -225,8 +244,9 @@ class Config:
         from gspo.losses import LOSSES
 
         def bad(field: str, msg: str) -> GspoError:
-            return GspoError(f"config field '{field}': {msg} (got {getattr(self, field)!r})")
+            return GspoError(f"config field '{field}': {msg} (got {getattr(self, field)!r:.80})")
 
+        _check_types(self)
         choices = {
             "algo": tuple(LOSSES),
             "adv_scale": SCALES,
@@ -256,6 +276,8 @@ class Config:
             "logp_chunk_size",
             "nproc",
             "max_prompt_tokens",
+            "max_turns",
+            "max_trajectory_tokens",
         ]
         for f in positive:
             if getattr(self, f) < 1:
@@ -280,6 +302,9 @@ class Config:
             v = getattr(self, f.name)
             if isinstance(v, float) and not math.isfinite(v):
                 raise bad(f.name, "must be a finite number")
+        from gspo.limits import check_config
+
+        check_config(self)  # upper bounds before any relation between fields is computed from them
         for f in ["lr", "sft_lr", "temperature", "lora_alpha"]:
             if not getattr(self, f) > 0:
                 raise bad(f, "must be > 0")
@@ -295,8 +320,13 @@ class Config:
                 raise bad(f, "must be >= 0")
         if self.eps_low is not None and self.algo in ("gspo", "gspo_token", "grpo") and self.eps_low > 1:
             raise bad("eps_low", f"must be <= 1 for {self.algo} (the ratio's lower clip is 1 - eps_low)")
-        if self.overlong_buffer > self.max_new_tokens:
-            raise bad("overlong_buffer", f"must be <= max_new_tokens={self.max_new_tokens}")
+        if self.overlong_buffer > (self.max_trajectory_tokens if self.env else self.max_new_tokens):
+            limit = "max_trajectory_tokens" if self.env else "max_new_tokens"
+            raise bad("overlong_buffer", f"must be <= {limit}={getattr(self, limit)}")
+        if self.env is not None and not self.env.strip():
+            raise bad("env", "must name an environment (tools, tools:calc, task, pkg.mod:Factory) or be None")
+        if self.env and self.routing_replay_source == "rollout":
+            raise bad("routing_replay_source", "'rollout' (R3) is not supported with a multi-turn env yet")
         if self.routing_replay_source == "rollout" and self.rollout_engine != "vllm":
             raise bad(
                 "routing_replay_source",
@@ -333,8 +363,10 @@ class Config:
                 f"prompts_per_step*group_size = {self.prompts_per_step * self.group_size}"
                 f" must divide evenly into num_minibatches x nproc = {self.num_minibatches * self.nproc}",
             )
-        if self.name is not None and (not self.name or "/" in self.name):
-            raise bad("name", "must be a non-empty folder name without '/'")
+        if self.name is not None and (
+            not self.name.strip() or self.name.strip(".") == "" or any(c in self.name for c in "/\\\0")
+        ):  # '.', '..' or a path would put the run outside <output_dir>/<its own folder>
+            raise bad("name", "must be a plain folder name (not '.' or '..', no '/' or '\\')")
         return self
 
     @property
@@ -399,6 +431,32 @@ def _field_type(f: dataclasses.Field) -> type:
     return hint
 
 
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _check_types(cfg: Config) -> None:
+    """Every value of the annotated type (a Config built in Python skips :func:`coerce`): a mapping as
+    ``name`` or a string as ``steps`` fails here, naming the field, not deep inside training."""
+    hints = _hints()
+    for f in dataclasses.fields(cfg):
+        v, hint = getattr(cfg, f.name), hints[f.name]
+        if v is None and type(None) in typing.get_args(hint):
+            continue
+        typ = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if typ is bool:
+            ok = isinstance(v, bool) or (isinstance(v, numbers.Integral) and v in (0, 1))
+        elif typ in (int, float):
+            ok = isinstance(v, numbers.Integral if typ is int else numbers.Real) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, typ)
+        if not ok:
+            raise GspoError(
+                f"config field '{f.name}': expects {typ.__name__}, got {type(v).__name__} {v!r:.60}"
+            )
+
+
 def coerce(name: str, value: Any, source: str) -> Any:
     """Convert ``value`` (a CLI string or YAML scalar) to field ``name``'s type; GspoError if it won't."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
@@ -409,6 +467,10 @@ def coerce(name: str, value: Any, source: str) -> Any:
     typ = _field_type(fields[name])
     hint = typing.get_type_hints(Config)[name]
     optional = type(None) in typing.get_args(hint)
+    if isinstance(value, (dict, list, tuple, set)):  # e.g. a YAML mapping (or alias bomb) as a name
+        raise GspoError(f"{source}: config key '{name}' expects {typ.__name__}, got a {type(value).__name__}")
+    if isinstance(value, str) and "\0" in value:
+        raise GspoError(f"{source}: config key '{name}' holds a NUL character")
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
@@ -431,23 +493,43 @@ def coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
-        raise GspoError(f"{source}: config key '{name}' expects {typ.__name__}, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise GspoError(f"{source}: config key '{name}' expects {typ.__name__}, got {value!r:.80}") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few dozen keys: anything larger is not one
 
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping of config keys; errors name the file (and line for syntax errors)."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise GspoError(f"config file {path} is a directory")
+    if not p.exists():
         raise GspoError(f"config file not found: {path}")
+    if not p.is_file():  # a FIFO or a device would block or never end
+        raise GspoError(f"config file {path} is not a regular file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise GspoError(f"{path}: config file is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        raw = p.read_bytes()
+    except OSError as e:
+        raise GspoError(f"{path}: cannot read config file: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(raw.decode("utf-8-sig")) or {}
+    except UnicodeDecodeError as e:
+        raise GspoError(f"{path}: config file is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
         raise GspoError(f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise GspoError(f"{path}: invalid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise GspoError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    for k in data:
+        if not isinstance(k, str):
+            raise GspoError(f"{path}: config keys must be names, got {type(k).__name__} {k!r:.40}")
     return {k.replace("-", "_"): coerce(k.replace("-", "_"), v, path) for k, v in data.items()}
 
 

@@ -6,6 +6,7 @@ run's own task settings, read from ``runs/NAME/config.yaml``; flags override the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,13 @@ import torch
 
 from gspo.config import Config, load_yaml
 from gspo.errors import GspoError
+from gspo.limits import check_resources
 
 # the config fields that decide what a held-out evaluation measures
 EVAL_FIELDS = (
     "task", "eval_task", "reward", "prompt_field", "answer_field", "eval_size", "max_new_tokens", "seed",
     "chat_template", "system_prompt", "max_prompt_tokens", "reward_on_error", "reward_timeout_s",
+    "env", "max_turns", "max_trajectory_tokens",
 )  # fmt: skip
 
 
@@ -27,6 +30,40 @@ def run_config_of(path: Path) -> Path | None:
         if (d / "config.yaml").is_file() and (d / "metrics.jsonl").exists():
             return d / "config.yaml"
     return None
+
+
+def _resolve_saved_paths(
+    values: dict[str, Any], run_yaml: Path | None, output_dir: Any, given: dict[str, Any]
+) -> None:
+    """Relative dataset / reward-file paths of a run's config.yaml are relative to the folder the run
+    was started from: that folder is ``run_yaml``'s run folder less its ``<output_dir>/<name>`` when
+    ``output_dir`` was relative. Made absolute in ``values`` (unless given as flags); not found, they
+    are refused in one line naming the file and the fix."""
+    if run_yaml is None:
+        return
+    out = Path(str(output_dir or "runs"))
+    run_dir = run_yaml.parent
+    base = (
+        run_dir.parents[len(out.parts)]
+        if not out.is_absolute() and len(run_dir.parents) > len(out.parts)
+        else None
+    )
+    for key in ("task", "eval_task", "reward"):
+        v = values.get(key)
+        if key in given or not isinstance(v, str) or v.startswith(("rg:", "format:")):
+            continue
+        path, sep, fn = v.rpartition(":") if key == "reward" else (v, "", "")
+        if key == "reward" and not path.endswith(".py"):
+            continue
+        if ("/" not in path and "." not in path) or os.path.isabs(os.path.expanduser(path)):
+            continue
+        if base is not None and (base / path).exists():
+            values[key] = f"{base / path}{sep}{fn}"
+        elif not os.path.exists(path):
+            raise GspoError(
+                f"{run_yaml}: {key} {v!r} is relative to the folder the run was started from and is not found "
+                f"from here: run gspo eval from there, or pass --{key.replace('_', '-')}"
+            )
 
 
 def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -40,12 +77,15 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     if not folder.is_dir():
         raise GspoError(f"checkpoint folder not found: {path}")
     run_yaml = run_config_of(folder.resolve())
-    values = {k: v for k, v in (load_yaml(str(run_yaml)) if run_yaml else {}).items() if k in EVAL_FIELDS}
+    saved = load_yaml(str(run_yaml)) if run_yaml else {}
+    values = {k: v for k, v in saved.items() if k in EVAL_FIELDS}
+    _resolve_saved_paths(values, run_yaml, saved.get("output_dir"), overrides or {})
     values.update(overrides or {})
     cfg = Config(model=path, **values).validate()
     model, tokenizer = load_model_and_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
+    check_resources(cfg, model)
     t = task_from_config(cfg)
     engine = HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     out = evaluate(engine, tokenizer, t, encode_prompts(tokenizer, t.eval, cfg), cfg)

@@ -173,17 +173,22 @@ def make_layout(
     response_mask_BT: torch.Tensor,
     layout: str = "rows",
     mask_dtype: torch.dtype = torch.float32,
+    obs_mask_BT: torch.Tensor | None = None,
 ) -> Layout:
+    """Model inputs of prompts + responses in ``layout``. ``obs_mask_BT`` (multi-turn trajectories)
+    marks observation tokens between the model's: they are in the sequence (the model's later
+    tokens see them) but nothing predicts them, so they get no log-prob and no gradient."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "shared_prefix":
         lay = _shared_prefix_layout(
-            prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, mask_dtype
+            prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, mask_dtype, obs_mask_BT
         )
         if lay is not None:
             return lay
     ids_BL = torch.cat([prompt_ids_BP, response_ids_BT], 1)
-    mask_BL = torch.cat([prompt_mask_BP, response_mask_BT], 1).bool()
+    real_BT = response_mask_BT if obs_mask_BT is None else response_mask_BT.bool() | obs_mask_BT.bool()
+    mask_BL = torch.cat([prompt_mask_BP.bool(), real_BT.bool()], 1)
     resp_BL = torch.cat([torch.zeros_like(prompt_mask_BP), response_mask_BT], 1).bool()
     if layout == "packed":
         flat_ids = ids_BL[mask_BL][None]  # [1, N] real tokens, row after row
@@ -213,9 +218,11 @@ def _shared_prefix_layout(
     response_ids_BT: torch.Tensor,
     response_mask_BT: torch.Tensor,
     mask_dtype: torch.dtype,
+    obs_mask_BT: torch.Tensor | None = None,
 ) -> Layout | None:
     """One sequence per distinct prompt: ``[prompt, responses of its rows in row order]``; None when
-    no prompt is shared or the mask would be too large. Index arithmetic only (no per-row loop)."""
+    no prompt is shared or the mask would be too large. Index arithmetic only (no per-row loop).
+    A response's observation tokens (``obs_mask_BT``) are in its segment but predict nothing."""
     dev = prompt_ids_BP.device
     B = prompt_ids_BP.shape[0]
     keyed_BP = torch.where(prompt_mask_BP.bool(), prompt_ids_BP, -1)  # padding cannot tell prompts apart
@@ -228,8 +235,9 @@ def _shared_prefix_layout(
     uniq_UP = torch.tensor(list(group), dtype=keyed_BP.dtype, device=dev)
     real_UP = uniq_UP >= 0
     plen_U = real_UP.sum(-1)
-    rank_BT = response_mask_BT.long().cumsum(-1) - 1  # t-th real response token of its row
-    rb, rt = response_mask_BT.bool().nonzero(as_tuple=True)  # response tokens, row-major
+    real_BT = response_mask_BT.bool() if obs_mask_BT is None else response_mask_BT.bool() | obs_mask_BT.bool()
+    rank_BT = real_BT.long().cumsum(-1) - 1  # t-th real response token of its row
+    rb, rt = real_BT.nonzero(as_tuple=True)  # response tokens, row-major
     rk = rank_BT[rb, rt]
     rlen_B = torch.bincount(rb, minlength=B)
     rtot_U = torch.zeros_like(plen_U).index_add_(0, grp_B, rlen_B)
@@ -253,7 +261,12 @@ def _shared_prefix_layout(
     pred = ru * L + torch.where(rk == 0, plen_U[ru] - 1, rc - 1)
     seg_q, seg_k = seg_UL[:, :, None], seg_UL[:, None, :]
     see_ULL = torch.ones((L, L), dtype=torch.bool, device=dev).tril() & ((seg_k == 0) | (seg_k == seg_q))
-    return Layout(ids_UL, pos_UL, pred, seg_UL > 0, additive_mask(see_ULL[:, None], mask_dtype))
+    resp_UL = seg_UL > 0
+    if obs_mask_BT is not None:  # observation tokens are context only: not predicted, not "response"
+        own = response_mask_BT.bool()[rb, rt]
+        pred = pred[own]
+        resp_UL[ru[~own], rc[~own]] = False
+    return Layout(ids_UL, pos_UL, pred, resp_UL, additive_mask(see_ULL[:, None], mask_dtype))
 
 
 def response_logprobs(

@@ -177,15 +177,85 @@ def load_model_and_tokenizer(
     for field, path in (("model", spec), ("tokenizer", tokenizer_spec)):
         if path is not None and _looks_local(path) and not Path(path).expanduser().is_dir():
             raise GspoError(f"config field '{field}': model folder not found: {path}")
+    tok_field, tok_path = ("tokenizer", tokenizer_spec) if tokenizer_spec else ("model", spec)
+    _check_json_files(
+        tok_path, tok_field, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    )
+    _check_json_files(spec, "model", ("config.json",))
+    if Path(spec).expanduser().is_dir():  # config.json first: the tokenizer reads it too (and blames itself)
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(spec)
+        except Exception as e:  # noqa: BLE001 (a field of the wrong type, an unknown model_type...)
+            raise GspoError(f"config field 'model': {spec}/config.json: {_first(e)}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_spec or spec)
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    except Exception as e:  # noqa: BLE001 (OSError, ValueError, the tokenizers library's own errors...)
+        raise GspoError(
+            f"config field '{tok_field}': cannot load the tokenizer of {tok_path!r}: {_first(e)}"
+        ) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
     except Exception as e:  # noqa: BLE001 (OSError, ValueError, safetensors' own error for a bad file...)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GspoError(f"config field 'model': cannot load {spec!r}: {type(e).__name__}: {first}") from None
+        raise GspoError(f"config field 'model': cannot load {spec!r}: {_first(e)}") from None
+    check_vocab(model, tokenizer, spec, tok_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def _first(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+
+
+def _check_json_files(spec: str, field: str, names: tuple[str, ...]) -> None:
+    """The JSON files of a local model/tokenizer folder parse as JSON objects: one line naming the
+    file otherwise (transformers' own errors bury it in a multi-line message or a traceback)."""
+    import json
+
+    folder = Path(spec).expanduser()
+    if not folder.is_dir():
+        return
+    for name in names:
+        f = folder / name
+        if not f.exists():
+            continue
+        try:
+            data = json.loads(f.read_bytes())
+        except OSError as e:
+            raise GspoError(f"config field '{field}': cannot read {f}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise GspoError(f"config field '{field}': {f}:{e.lineno}: invalid JSON: {e.msg}") from None
+        except (ValueError, RecursionError) as e:  # bad UTF-8, nesting too deep, a 5000-digit number
+            raise GspoError(f"config field '{field}': {f}: unreadable JSON: {_first(e)}") from None
+        if not isinstance(data, dict):
+            raise GspoError(f"config field '{field}': {f}: expected a JSON object, got {type(data).__name__}")
+
+
+def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: str, tok_spec: str) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding and LM head (an
+    id past them is an IndexError, or a CUDA assert, in the middle of training)."""
+    sizes = []
+    for get in (model.get_input_embeddings, model.get_output_embeddings):
+        try:
+            m = get()
+        except (AttributeError, NotImplementedError):
+            continue
+        w = getattr(m, "weight", None)
+        if w is not None and w.dim() == 2:
+            sizes.append(w.shape[0])
+    if not sizes:
+        return
+    vocab = tokenizer.get_vocab()
+    top = max(vocab.values(), default=-1)
+    if top >= min(sizes):
+        raise GspoError(
+            f"config field 'tokenizer': the tokenizer of {tok_spec!r} has token ids up to {top} "
+            f"({len(tokenizer)} tokens) but the model {spec!r} has only {min(sizes)} embedding rows "
+            "(vocab_size): use the model's own tokenizer"
+        )
 
 
 def _looks_local(spec: str) -> bool:

@@ -14,7 +14,8 @@ class RolloutBatch:
 
     ``response_mask_BT`` is 1 on generated tokens including the final EOS, 0 after it.
     ``sampler_logp_BT`` is log pi_sampler(y_t) of the distribution the token was drawn from
-    (temperature applied), 0 on padding.
+    (temperature applied), 0 on padding. Multi-turn trajectories (:mod:`gspo.envs`) extend it: there
+    the response columns also hold observation tokens, which ``response_mask_BT`` leaves out.
     """
 
     prompt_ids: list[list[int]]

@@ -548,6 +548,8 @@ class VLLMRolloutEngine:
             generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
         )
         max_len = getattr(cfg, "max_prompt_tokens", None), getattr(cfg, "max_new_tokens", None)
+        if getattr(cfg, "env", None):  # multi-turn: a turn's prompt holds the trajectory so far
+            max_len = max_len[0], getattr(cfg, "max_trajectory_tokens", None)
         if all(isinstance(v, int) and v > 0 for v in max_len):
             # the longest sequence a rollout makes; a model's full context would need a larger KV cache
             ctx_len = getattr(

@@ -7,9 +7,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, warn
 from gspo.tasks.datasets import Example, load_prompt_dataset
-from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardFn, load_reward
+from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardFn, load_reward, with_timeout
 from gspo.tasks.synthetic import SYNTHETIC_TASKS, synthetic_examples
 
 EMBEDDED_TRAIN_SIZE = 20_000
@@ -40,7 +40,10 @@ def build_task(
     if task.startswith("rg:"):  # reasoning-gym: gspo/tasks/reasoning_gym.py
         from gspo.tasks.reasoning_gym import build_rg_task
 
-        return build_rg_task(task, reward, seed, eval_size, eval_task, timeout_s=reward_timeout_s)
+        t = build_rg_task(task, reward, seed, eval_size, eval_task, timeout_s=reward_timeout_s)
+        if reward.strip() in ("rg", "exact_match"):  # its own scorer: under the same limit as any reward
+            t.reward = with_timeout(t.reward, t.reward_name, reward_timeout_s)
+        return t
     if task in SYNTHETIC_TASKS:
         train = synthetic_examples(task, EMBEDDED_TRAIN_SIZE, seed)
         seen = {e.prompt for e in train}
@@ -65,6 +68,7 @@ def build_task(
             n_eval = min(eval_size, max(1, len(train) // 10))
             held_out, train = shuffled[:n_eval], shuffled[n_eval:]
             why = f"10% of the {len(train) + n_eval} examples of {task} are held out; pass eval_task for more"
+    _warn_overlap(train, held_out, eval_task or task)
     if len(held_out) < eval_size:
         warnings.warn(
             f"held-out set has {len(held_out)} examples, fewer than eval_size={eval_size} ({why}): "
@@ -74,6 +78,23 @@ def build_task(
         )
     fn = load_reward(reward, timeout_s=reward_timeout_s)
     return Task(train=train, eval=held_out, reward=fn, reward_name=reward)
+
+
+def _prompt_key(e: Example) -> Any:
+    p = e.prompt
+    return p if isinstance(p, str) else tuple((m.get("role"), m.get("content")) for m in p)
+
+
+def _warn_overlap(train: list[Example], held_out: list[Example], source: str) -> None:
+    """One warning line when held-out prompts also occur in training (duplicate rows, or an eval
+    set drawn from the training data): the held-out accuracy would then measure memorization."""
+    seen = {_prompt_key(e) for e in train}
+    both = [e for e in held_out if _prompt_key(e) in seen]
+    if both:
+        warn(
+            f"{len(both)} of {len(held_out)} held-out prompts of {source} also occur in the training set "
+            f"(duplicate rows?), so held-out accuracy partly measures memorization (e.g. {both[0].text[:60]!r})"
+        )
 
 
 def task_from_config(cfg: Any) -> Task:

@@ -77,6 +77,12 @@ def _type_name(v: Any) -> str:
 
 
 def _read_text(path: str) -> str:
+    from gspo.limits import available_memory
+
+    free = available_memory()
+    size = os.path.getsize(path)
+    if free is not None and size * 4 > free:  # bytes, text and parsed rows: a few times the file
+        raise GspoError(f"{path}: dataset file of {size / 2**30:.1f} GiB does not fit the memory available")
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -90,13 +96,29 @@ def _json_error(path: str, e: json.JSONDecodeError) -> GspoError:
     return GspoError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})")
 
 
+def _decode(path: str, line: int, text: str, pos: int | None = None) -> tuple[Any, int]:
+    """``json.loads`` (``pos`` None) or ``raw_decode`` at ``pos``, with the errors JSONDecodeError does
+    not cover (nesting deeper than Python's recursion limit, integers past the int-to-str digit
+    limit) as one-line errors at ``path``:``line``."""
+    try:
+        if pos is None:
+            return json.loads(text), len(text)
+        return json.JSONDecoder().raw_decode(text, pos)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise GspoError(f"{path}:{line}: invalid JSON: nested too deeply") from None
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise GspoError(f"{path}:{line}: unreadable JSON value: {_one_line(e).split(';')[0]}") from None
+
+
 def _iter_jsonl(path: str, text: str) -> Iterator[tuple[str, Any]]:
     # split("\n"), not splitlines(): U+2028 and friends may appear raw inside JSON strings.
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj, _ = _decode(path, lineno, line)
         except json.JSONDecodeError as e:
             raise GspoError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
         yield f"{path}:{lineno}", obj
@@ -113,7 +135,7 @@ def _iter_json(path: str, text: str) -> Iterator[tuple[str, Any]]:
     if text[i] == "{":
         # Either one object (not a dataset) or JSON Lines saved as .json: tell them apart.
         try:
-            json.loads(text)
+            _decode(path, 1, text)
         except json.JSONDecodeError as e:
             if e.msg == "Extra data":
                 yield from _iter_jsonl(path, text)
@@ -124,11 +146,10 @@ def _iter_json(path: str, text: str) -> Iterator[tuple[str, Any]]:
         )
     if text[i] != "[":
         try:
-            value = json.loads(text)
+            value, _ = _decode(path, 1, text)
         except json.JSONDecodeError as e:
             raise _json_error(path, e) from None
         raise GspoError(f"{path}: expected a JSON list of objects, got {_type_name(value)}")
-    decoder = json.JSONDecoder()
     line, line_pos = 1, 0
 
     def line_at(pos: int) -> int:  # incremental, so a long list stays O(n)
@@ -149,7 +170,7 @@ def _iter_json(path: str, text: str) -> Iterator[tuple[str, Any]]:
         while True:
             start = i
             try:
-                obj, i = decoder.raw_decode(text, i)
+                obj, i = _decode(path, line_at(start), text, i)
             except json.JSONDecodeError as e:
                 raise _json_error(path, e) from None
             yield f"{path}:{line_at(start)}", obj
@@ -247,7 +268,10 @@ def _answer(v: Any, loc: str, name: str) -> str:
             raise GspoError(f"{loc}: field {name!r} is {v}")
         if v.is_integer():  # 72.0 (e.g. an int column with nulls read as float) -> "72"
             return str(int(v))
-    return str(v)
+    try:
+        return str(v)
+    except ValueError as e:  # an integer past Python's int-to-str digit limit
+        raise GspoError(f"{loc}: field {name!r}: {_one_line(e).split(';')[0]}") from None
 
 
 def _is_array(v: Any) -> bool:
@@ -349,6 +373,8 @@ def load_prompt_dataset(
         if not os.path.splitext(path)[1] and path.count("/") == 1:
             hint = " (for a Hugging Face Hub dataset, save it locally first: load_dataset(...).save_to_disk(DIR))"
         raise GspoError(f"dataset file not found: {path}{hint}")
+    if not os.path.isdir(path) and not os.path.isfile(path):  # a FIFO or device would block or never end
+        raise GspoError(f"{path}: not a regular file or dataset directory")
     try:
         examples = [
             _example(loc, row, prompt_field, answer_field)

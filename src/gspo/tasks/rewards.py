@@ -11,30 +11,36 @@ last user message, :func:`gspo.tasks.datasets.prompt_text`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import os
 import re
 import signal
+import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Any
 
 from gspo.errors import GspoError
+from gspo.tasks.timelimit import (  # noqa: F401 (re-exported: callers import them from here)
+    DEFAULT_REWARD_TIMEOUT_S,
+    _RewardTimeout,
+    _timeout_error,
+    call_with_timeout,
+    with_timeout,
+)
 
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
 
 _BUILTINS = "exact_match, math, boxed, code, format:<regex>"
-
-DEFAULT_REWARD_TIMEOUT_S = 60.0
-"""Default time limit of one call of a user reward function (``load_reward(spec, timeout_s=...)``)."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -169,18 +175,54 @@ def math_verify_reward(prompts: list[str], completions: list[str], answers: list
 # format
 
 
-def format_reward(pattern: str) -> RewardFn:
+def format_reward(pattern: str, timeout_s: float | None = None) -> RewardFn:
     """1.0 when the whole completion matches ``pattern`` (``re.fullmatch``, DOTALL so ``.`` spans
-    lines, e.g. ``<think>.*</think>\\s*<answer>.*</answer>``), else 0.0."""
+    lines, e.g. ``<think>.*</think>\\s*<answer>.*</answer>``), else 0.0.
+
+    ``timeout_s`` limits one call (all completions): ``re`` runs in C without releasing the GIL, so
+    no watchdog can stop a catastrophically backtracking pattern; matching uses the ``regex``
+    package (a transformers dependency, same syntax), whose matcher takes a timeout."""
     try:
         rx = re.compile(pattern, re.DOTALL)
     except re.error as e:
         raise GspoError(f"reward 'format:{pattern}': invalid regex: {e}") from None
+    name = f"format:{pattern}"
+    timed = _timed_regex(pattern) if timeout_s else None
+    if timed is None:
 
-    def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-        return [1.0 if rx.fullmatch(c) else 0.0 for c in completions]
+        def reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+            return [1.0 if rx.fullmatch(c) else 0.0 for c in completions]
 
-    return _named(reward, f"format:{pattern}")
+        return _named(reward, name)
+    limit = float(timeout_s)  # type: ignore[arg-type]
+
+    def timed_reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+        deadline, out = time.monotonic() + limit, []
+        for c in completions:
+            try:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                out.append(1.0 if timed.fullmatch(c, timeout=left) else 0.0)
+            except TimeoutError:
+                raise _timeout_error(name, limit, abandoned=False) from None
+        return out
+
+    return _named(timed_reward, name)
+
+
+def _timed_regex(pattern: str) -> Any:
+    """``pattern`` compiled by the ``regex`` package (None without it, or if it reads it otherwise)."""
+    if "[:" in pattern:  # POSIX classes: regex reads [[:alpha:]] as one, re as a plain set
+        return None
+    try:
+        import regex
+    except ImportError:
+        return None
+    try:
+        return regex.compile(pattern, regex.DOTALL | regex.VERSION0)
+    except Exception:  # noqa: BLE001 (regex.error: a pattern only re accepts)
+        return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,145 +282,10 @@ code_execution_reward: RewardFn = make_code_reward()
 
 
 # ------------------------------------------------------------------------------------------------
-# time limit for user reward functions
-#
-# Mechanism: the function runs in the calling thread; a watchdog thread, at the deadline, sends a
-# real-time signal to it whose handler raises _RewardTimeout inside the function. A real signal wakes
-# blocking calls (time.sleep, I/O waits) and the exception unwinds the function (its finally blocks
-# run), so the call is actually interrupted, and the function keeps the main thread, which functions
-# that use signals themselves need (math-verify's timeouts, signal.alarm). Off the main thread (no
-# handler can be installed there) it runs in a daemon worker thread that is abandoned at the deadline:
-# the error is raised on time but the call goes on in the background. Neither can stop C code that
-# holds the GIL until it returns. A subprocess could, but would need the function, its arguments and
-# its state (a loaded reward model, say) to be picklable and copied for every call.
-
-
-class _RewardTimeout(BaseException):
-    """Raised inside a user reward function at its deadline. A BaseException, so that
-    ``except Exception`` in the function does not swallow it."""
-
-
-class _Deadline:
-    __slots__ = ("active", "fired")
-
-    def __init__(self) -> None:
-        self.active, self.fired = True, False
-
-
-_TIMEOUT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
-_deadlines: list[_Deadline] = []  # calls running in the main thread, innermost last
-_handler_installed = False
-
-
-def _on_timeout_signal(signum: int, frame: Any) -> None:
-    if _deadlines:
-        d = _deadlines[-1]
-        if d.fired and d.active:
-            raise _RewardTimeout(d)
-
-
-def _can_interrupt() -> bool:
-    """In the main thread with our handler on the timeout signal (installed once, never removed: a
-    late signal then finds a no-op handler rather than the default action, which would kill us)."""
-    global _handler_installed
-    if _TIMEOUT_SIGNAL is None or threading.current_thread() is not threading.main_thread():
-        return False
-    if _handler_installed:
-        return True
-    try:
-        current = signal.getsignal(_TIMEOUT_SIGNAL)
-        if current not in (signal.SIG_DFL, None, _on_timeout_signal):
-            return False  # someone else uses it: leave it alone
-        signal.signal(_TIMEOUT_SIGNAL, _on_timeout_signal)
-    except (ValueError, OSError):
-        return False
-    _handler_installed = True
-    return True
-
-
-def _timeout_error(name: str, timeout_s: float, abandoned: bool) -> GspoError:
-    tail = "; it is still running in a background thread" if abandoned else ""
-    return GspoError(
-        f"reward function {name} timed out after {timeout_s:g} s (reward timeout_s={timeout_s:g}; raise "
-        f"it if the function is legitimately slow){tail}"
-    )
-
-
-def _call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float, name: str) -> Any:
-    if not _can_interrupt():
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["out"] = fn(*args)
-            except BaseException as e:  # re-raised in the caller
-                box["err"] = e
-
-        worker = threading.Thread(target=target, name="gspo-reward", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            raise _timeout_error(name, timeout_s, abandoned=True)
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
-
-    d, done, main = _Deadline(), threading.Event(), threading.get_ident()
-
-    def watchdog() -> None:
-        if done.wait(timeout_s):
-            return
-        for _ in range(60):  # again every second, in case the function swallowed it
-            if not d.active:
-                return
-            d.fired = True
-            try:
-                signal.pthread_kill(main, _TIMEOUT_SIGNAL)
-            except OSError:
-                return
-            if done.wait(1.0):
-                return
-
-    threading.Thread(target=watchdog, name="gspo-reward-timeout", daemon=True).start()
-    _deadlines.append(d)
-    try:
-        try:
-            out = fn(*args)
-        finally:
-            d.active = False  # first: from here on a late signal is a no-op
-            done.set()
-            if _deadlines and _deadlines[-1] is d:
-                _deadlines.pop()
-    except _RewardTimeout as e:
-        if e.args and e.args[0] is d:
-            raise _timeout_error(name, timeout_s, abandoned=False) from None
-        raise
-    return out
-
-
-def with_timeout(fn: RewardFn, name: str, timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -> RewardFn:
-    """``fn`` limited to ``timeout_s`` seconds per call (None or 0: no limit); past it, a one-line
-    :class:`GspoError` naming ``name`` and the limit (which :func:`safe_rewards` never turns into zeros).
-    """
-    if timeout_s is None or timeout_s == 0:
-        return fn
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise GspoError(f"reward {name!r}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    limit = float(timeout_s)
-
-    @functools.wraps(fn)
-    def timed(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-        return _call_with_timeout(fn, (prompts, completions, answers), limit, name)
-
-    timed.timeout_s = limit  # type: ignore[attr-defined]
-    return timed
-
-
-# ------------------------------------------------------------------------------------------------
 # loading and combining
 
 
-def _load_builtin(name: str) -> RewardFn | None:
+def _load_builtin(name: str, timeout_s: float | None = None) -> RewardFn | None:
     if name == "exact_match":
         return exact_match
     if name in ("math", "math_verify"):
@@ -394,11 +301,11 @@ def _load_builtin(name: str) -> RewardFn | None:
     if name.startswith("format:"):
         if not name[len("format:") :]:
             raise GspoError("reward 'format:': empty regex (use format:<regex>)")
-        return format_reward(name[len("format:") :])
+        return format_reward(name[len("format:") :], timeout_s)
     return None
 
 
-def _import_file(spec: str, file: str) -> Any:
+def import_file(spec: str, file: str) -> Any:
     path = os.path.abspath(os.path.expanduser(file))
     if not os.path.isfile(path):
         raise GspoError(f"reward {spec!r}: file not found: {file}")
@@ -427,7 +334,7 @@ def _load_user(spec: str) -> RewardFn:
     if not target or not attr:
         raise GspoError(f"reward {spec!r}: expected module:function or path/to/file.py:function")
     if target.endswith(".py"):
-        module = _import_file(spec, target)
+        module = import_file(spec, target)
     else:
         try:
             module = importlib.import_module(target)
@@ -437,7 +344,7 @@ def _load_user(spec: str) -> RewardFn:
             file = target.replace(".", os.sep) + ".py"
             if e.name != target.split(".")[0] or not os.path.isfile(file):
                 raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
-            module = _import_file(spec, file)
+            module = import_file(spec, file)
         except Exception as e:
             raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
     fn = getattr(module, attr, None)
@@ -464,14 +371,14 @@ def load_reward(spec: str, timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -
     ``format:<regex>``) or a user function ``package.module:function`` / ``path/to/file.py:function``
     called as ``fn(prompts, completions, answers) -> list[float]``.
 
-    ``timeout_s`` limits each call of a user function (None or 0: no limit; see :func:`with_timeout`):
-    past it the call is interrupted and a one-line :class:`GspoError` names the spec and the limit.
-    Built-ins are not wrapped (``code`` has per-program limits, the others are fast or time-limit
-    themselves)."""
+    ``timeout_s`` limits each call (None or 0: no limit; see :func:`with_timeout`): past it the call
+    is interrupted and a one-line :class:`GspoError` names the spec and the limit. That holds for the
+    built-ins too (a pathological completion or ``format:`` regex), except ``code``, whose programs
+    each have their own limits in the sandbox."""
     spec = spec.strip()
-    fn = _load_builtin(spec)
+    fn = _load_builtin(spec, timeout_s)
     if fn is not None:
-        return fn
+        return fn if spec == "code" else with_timeout(fn, spec, timeout_s)
     if ":" not in spec:
         raise GspoError(
             f"unknown reward {spec!r} (built-in: {_BUILTINS}; or module:function, path/to/file.py:function)"
@@ -512,13 +419,30 @@ def _score(v: Any) -> float | str:
         return f"{_type_name(v)} {v!r:.40}" if v is not None else "None"
     try:
         f = float(v)
+    except OverflowError:  # an int past float64, e.g. 10**400
+        return f"{_type_name(v)} too large for a float"
     except (TypeError, ValueError):
         return f"{_type_name(v)} {v!r:.40}"
     if math.isnan(f):
         return "nan"
     if math.isinf(f):
         return "inf" if f > 0 else "-inf"
+    # rewards train as float32: a finite float64 such as 1e39 becomes inf there
+    if math.isinf(struct.unpack("f", struct.pack("f", f))[0]):
+        return f"{f:g}, which overflows float32 (the rewards' training dtype; |reward| < 3.4e38)"
     return f
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """A BaseException the reward must let through: its time limit, or a real Ctrl-C / SIGTERM. Under
+    ``gspo train`` signals never raise a plain KeyboardInterrupt (the trainer's handler defers the
+    first and raises its own subclass for the second), so a plain one is the reward's own, unless
+    Python's default SIGINT handler is installed (then a real Ctrl-C looks the same)."""
+    if isinstance(e, _RewardTimeout):
+        return True
+    if not isinstance(e, KeyboardInterrupt):
+        return False
+    return type(e) is not KeyboardInterrupt or signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _type_name(v: Any) -> str:
@@ -528,7 +452,7 @@ def _type_name(v: Any) -> str:
 def _scores(out: Any, n: int) -> list[float | str]:
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
         raise _BadBatch(f"returned {_type_name(out)} instead of a list of {n} floats")
-    values = list(out)
+    values = list(itertools.islice(out, n + 1))  # an endless generator must not hang the trainer
     if len(values) != n:
         raise _BadBatch(f"returned {len(values)} values for {n} samples")
     return [_score(v) for v in values]
@@ -587,9 +511,11 @@ def safe_rewards(
         if on_error == "error":
             raise fail(str(e)) from None
         return checked(*_per_sample(fn, prompts, completions, answers))
-    except Exception as e:
+    except BaseException as e:  # SystemExit, KeyboardInterrupt from the reward: its error, not ours
+        if _is_interrupt(e):
+            raise
         if on_error == "error":
-            raise fail(f"raised {_one_line(e)}") from e
+            raise fail(f"raised {_one_line(e)}") from None if not isinstance(e, Exception) else e
         return checked(*_per_sample(fn, prompts, completions, answers))
     out, bad, first = [], 0, ""
     for i, s in enumerate(scores):
@@ -615,7 +541,9 @@ def _per_sample(
             raise
         except _BadBatch as e:
             s = str(e)
-        except Exception as e:
+        except BaseException as e:
+            if _is_interrupt(e):
+                raise
             s = f"raised {_one_line(e)}"
         if isinstance(s, str):
             out.append(0.0)

@@ -34,10 +34,19 @@ def sort_task(rng: random.Random) -> tuple[str, str]:
     return f"sort:{s}=", "".join(sorted(s))
 
 
+def add_long_task(rng: random.Random) -> tuple[str, str]:
+    """``add:5729+8003=`` -> ``13732``: add two 4-digit numbers (5000-9999, so every sum has 5 digits),
+    more than a tiny model adds in its head; with ``env: tools`` it can call ``calc(...)``
+    (gspo.envs)."""
+    a, b = rng.randint(5_000, 9_999), rng.randint(5_000, 9_999)
+    return f"add:{a}+{b}=", str(a + b)
+
+
 SYNTHETIC_TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "reverse": reverse_task,
     "add": add_task,
     "sort": sort_task,
+    "add_long": add_long_task,
 }
 
 

@@ -60,7 +60,8 @@ class AsyncSampler:
             assert [b[0] for b in pending] == list(range(version + 1, version + self.K + 1)), (
                 "bad in-flight batches"
             )
-        args = (model.config, tokenizer.eos_token_id, tokenizer.pad_token_id, prompt_ids, _settings(cfg))
+        settings = _settings(cfg) | ({"env": (cfg, tokenizer)} if getattr(cfg, "env", None) else {})
+        args = (model.config, tokenizer.eos_token_id, tokenizer.pad_token_id, prompt_ids, settings)
         self.proc = ctx.Process(
             target=_sampler_main, args=(*args, self.slots, self.versions, self.batches, first), daemon=True
         )
@@ -119,15 +120,57 @@ class AsyncSampler:
 # A batch crosses the process boundary as numpy arrays, pickled by value: torch tensors would go
 # through shared-memory file descriptors, ~4 ms per batch on this CPU (a twentieth of a tiny step).
 def _to_wire(t: int, version: int, rb: RolloutBatch) -> tuple[Any, ...]:
+    from gspo.envs.rollout import env_fields
+
     arrays = (rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT.float())
-    return (t, version, rb.prompt_ids, *(a.numpy() for a in arrays), rb.gen_s)  # type: ignore[attr-defined]
+    return (t, version, rb.prompt_ids, *(a.numpy() for a in arrays), rb.gen_s, env_fields(rb))  # type: ignore[attr-defined]
 
 
 def _from_wire(msg: tuple[Any, ...]) -> tuple[int, int, RolloutBatch]:
-    t, version, prompt_ids, ids, mask, logp, gen_s = msg
+    from gspo.envs.rollout import with_env_fields
+
+    t, version, prompt_ids, ids, mask, logp, gen_s, env = msg
     rb = RolloutBatch(prompt_ids, *(torch.from_numpy(a) for a in (ids, mask, logp)))
     rb.gen_s = gen_s  # type: ignore[attr-defined]
-    return t, version, rb
+    return t, version, with_env_fields(rb, env)  # multi-turn trajectories: gspo.envs
+
+
+def in_flight_to_state(pending: list[tuple[int, int, RolloutBatch]]) -> list[dict[str, Any]]:
+    """In-flight batches as tensors and plain values (a checkpoint is read with ``weights_only``)."""
+    return [
+        {
+            "step": t,
+            "version": v,
+            "prompt_ids": rb.prompt_ids,
+            "response_ids": rb.response_ids_BT,
+            "response_mask": rb.response_mask_BT,
+            "sampler_logp": rb.sampler_logp_BT,
+            "gen_s": float(getattr(rb, "gen_s", 0.0)),
+            **_env_state(rb),
+        }
+        for t, v, rb in pending
+    ]
+
+
+def _env_state(rb: RolloutBatch) -> dict[str, Any]:
+    """A multi-turn batch's own fields (gspo.envs) as tensors and ints, for the checkpoint."""
+    from gspo.envs.rollout import env_fields
+
+    env = env_fields(rb)
+    return {} if env is None else {"env": {k: torch.as_tensor(v) for k, v in env.items()}}
+
+
+def in_flight_from_state(items: list[dict[str, Any]]) -> list[tuple[int, int, RolloutBatch]]:
+    out = []
+    for d in items:
+        rb = RolloutBatch(d["prompt_ids"], d["response_ids"], d["response_mask"], d["sampler_logp"])
+        rb.gen_s = d["gen_s"]  # type: ignore[attr-defined]
+        if "env" in d:  # a multi-turn batch (gspo.envs)
+            from gspo.envs.rollout import with_env_fields
+
+            rb = with_env_fields(rb, d["env"])
+        out.append((d["step"], d["version"], rb))
+    return out
 
 
 def _settings(cfg: Any) -> dict[str, Any]:
@@ -180,6 +223,11 @@ def _sampler_main(
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, s["dtype"])).eval()
         params = dict(model.named_parameters())
         K, G, latest, loaded = s["async_staleness"], s["group_size"], -1, -1
+        env = None
+        if "env" in s:  # multi-turn: this process plays the trajectories (gspo.envs)
+            from gspo.envs.rollout import async_env, async_generate
+
+            env = async_env(*s["env"])
         for t in range(first_step, 1 << 62):
             need = max(t - 1 - K, 0)
             while latest < need:
@@ -194,7 +242,10 @@ def _sampler_main(
             idx = batch_prompts(len(prompt_ids), t, s["prompts_per_step"], s["seed"])
             rep = [prompt_ids[i] for i in idx for _ in range(G)]
             t0 = time.time()
-            rb = engine.generate(rep, s["max_new_tokens"], s["temperature"])
+            if env is None:
+                rb = engine.generate(rep, s["max_new_tokens"], s["temperature"])
+            else:
+                rb = async_generate(engine, env, idx, prompt_ids, G)
             rb.gen_s = time.time() - t0  # type: ignore[attr-defined]
             batches.put(_to_wire(t, need, rb))
     except Exception as e:  # noqa: BLE001 (reported to the trainer as one line)

@@ -24,6 +24,9 @@ class RolloutData:
     # R3: experts the sampler routed each real token to, per MoE layer: [B, L, k] with row i's real
     # tokens (prompt, then response) from column 0, as the ``rows`` layout lays them out
     sampler_routing: dict[str, torch.Tensor] | None = None
+    # multi-turn trajectories (gspo.envs): [B, T] 1 on observation tokens, which sit between the
+    # model's tokens in the response columns; response_mask_BT marks the model's tokens only
+    obs_mask_BT: torch.Tensor | None = None
 
     def rows(self, idx: slice | torch.Tensor) -> RolloutData:
         """The rows ``idx`` (a slice or an index tensor), trimmed to their own longest prompt/response."""
@@ -56,6 +59,13 @@ class RolloutData:
                 )
                 for k in parts[0].sampler_routing
             }
+        obs = None
+        if any(d.obs_mask_BT is not None for d in parts):
+            obs_parts = [
+                torch.zeros_like(d.response_mask_BT) if d.obs_mask_BT is None else d.obs_mask_BT
+                for d in parts
+            ]
+            obs = torch.cat([right(o) for o in obs_parts])
         return RolloutData(
             torch.cat([left(d.prompt_ids_BP) for d in parts]),
             torch.cat([left(d.prompt_mask_BP) for d in parts]),
@@ -65,12 +75,13 @@ class RolloutData:
             torch.cat([d.adv_B for d in parts]),
             None if any(r is None for r in rewards) else torch.cat(rewards),
             routing,
+            obs,
         )
 
     def trim(self) -> RolloutData:
         """Drop prompt columns that are padding in every row (left) and response columns (right)."""
         keep_p = self.prompt_mask_BP.any(0).nonzero()
-        keep_t = self.response_mask_BT.any(0).nonzero()
+        keep_t = self.real_mask_BT.any(0).nonzero()
         p0 = int(keep_p[0]) if len(keep_p) else self.prompt_mask_BP.shape[1] - 1
         t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
         return RolloutData(
@@ -82,7 +93,15 @@ class RolloutData:
             self.adv_B,
             self.reward_B,
             self.sampler_routing,
+            None if self.obs_mask_BT is None else self.obs_mask_BT[:, :t1],
         )
+
+    @property
+    def real_mask_BT(self) -> torch.Tensor:
+        """1 on every token after the prompt: the model's and, in trajectories, the observations."""
+        if self.obs_mask_BT is None:
+            return self.response_mask_BT
+        return self.response_mask_BT | self.obs_mask_BT
 
     def to(self, device: torch.device | str) -> RolloutData:
         return RolloutData(*(_take(getattr(self, f.name), None, device) for f in fields(self)))
@@ -141,7 +160,7 @@ def split_minibatches(
         if micro_size >= size:
             parts = [mb]
         else:
-            order = torch.argsort(mb.prompt_mask_BP.sum(-1) + mb.response_mask_BT.sum(-1), stable=True)
+            order = torch.argsort(mb.prompt_mask_BP.sum(-1) + mb.real_mask_BT.sum(-1), stable=True)
             parts = [mb.rows(order[j : j + micro_size]) for j in range(0, size, micro_size)]
         out.append([MicroBatch(p, _layout_of(p, layout, mask_dtype)) for p in parts])
     return out
@@ -149,5 +168,6 @@ def split_minibatches(
 
 def _layout_of(d: RolloutData, layout: str, mask_dtype: torch.dtype) -> Layout:
     return make_layout(
-        d.prompt_ids_BP, d.prompt_mask_BP, d.response_ids_BT, d.response_mask_BT, layout, mask_dtype
-    )
+        d.prompt_ids_BP, d.prompt_mask_BP, d.response_ids_BT, d.response_mask_BT, layout, mask_dtype,
+        d.obs_mask_BT,
+    )  # fmt: skip

@@ -1,17 +1,25 @@
-"""Atomic checkpoints: HF-layout weights (safetensors) + optimizer, step, data position, RNG states.
+"""Atomic, verified checkpoints: HF-layout weights (safetensors) + optimizer, step, data position, RNG.
 
 Layout under ``<run_dir>/checkpoints``::
 
     step-000050/          model.safetensors, config.json, tokenizer files  (from_pretrained-able)
                           trainer_state.pt (optimizer, scheduler, step, data position, RNG states)
+                          manifest.json (size and sha256 of every other file; written last)
     latest                text file naming the newest complete checkpoint
 
 A checkpoint is written to ``step-N.tmp`` and renamed when complete; ``latest`` is replaced with
 ``os.replace``. A ``kill -9`` at any moment leaves either the old or the new checkpoint, never half.
+
+Nothing in a checkpoint is executed: ``trainer_state.pt`` holds only tensors, numbers, strings, lists
+and dicts and is read with ``torch.load(weights_only=True)`` (which refuses anything else, a planted
+pickle payload included); RNG states are stored as tensors. :func:`newest_complete` picks the newest
+checkpoint whose files match its manifest and whose state has every entry a resume needs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -21,17 +29,37 @@ from typing import Any
 import numpy as np
 import torch
 
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.pt"
+# what a resume reads from trainer_state.pt (a state without one of these cannot continue exactly)
+REQUIRED = ("optimizer", "scheduler", "step", "data_pos", "sample_gen", "rng", "config")
+
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy and torch RNG states as tensors and numbers (loadable with ``weights_only``)."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["mt"].tolist()), py["gauss"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -43,6 +71,31 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path) -> None:
+    """``manifest.json``: size and sha256 of every file under ``folder`` (fsynced, then itself)."""
+    entries = {}
+    for f in _files(folder):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        entries[f.relative_to(folder).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+    path = folder / MANIFEST
+    path.write_text(json.dumps({"files": entries}, indent=1))
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def save_checkpoint(
@@ -57,10 +110,8 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         save_model(tmp)
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        for f in (p for p in tmp.rglob("*") if p.is_file()):
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        write_manifest(tmp)  # last: a folder with a matching manifest is complete
     except BaseException:  # a full disk, Ctrl-C: no half checkpoint left behind (``latest`` is untouched)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -71,19 +122,123 @@ def save_checkpoint(
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
+    for old in step_folders(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").exists() else None
+def step_folders(run_dir: Path) -> list[Path]:
+    """Finished-looking ``step-N`` folders, oldest first (complete or not)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def check_manifest(path: Path, required: tuple[str, ...] = ()) -> str:
+    """Why the files of ``path`` do not match its manifest ("" when they all do)."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        entries = [(str(name), want.get("size"), want.get("sha256")) for name, want in files.items()]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (written last: incomplete, or written by an older gspo)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    missing = [r for r in required if r not in files]
+    if missing:
+        return f"{MANIFEST} lists no {missing[0]}"
+    for name, size, sha in entries:
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
+        if _sha256(f) != sha:
+            return f"{name} does not match its checksum in the manifest (modified or damaged)"
+    return ""
+
+
+def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """``(trainer state, "")`` for a complete checkpoint, else ``(None, why not)``."""
+    why = check_manifest(path, (TRAINER_STATE,))
+    if why:
+        return None, why
+    try:
+        state = load_trainer_state(path)
+    except Exception as e:  # noqa: BLE001 (an unreadable or unsafe file is a damaged checkpoint)
+        return None, f"{TRAINER_STATE} cannot be read safely ({type(e).__name__})"
+    if not isinstance(state, dict):
+        return None, f"{TRAINER_STATE} is not a dict"
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        return None, f"{TRAINER_STATE} has no {missing[0]!r} entry"
+    return state, ""
+
+
+def newest_complete(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """The newest complete checkpoint, its trainer state, and why each newer one was skipped."""
+    skipped = []
+    for path in reversed(step_folders(run_dir)):
+        state, why = verify(path)
+        if state is not None:
+            return path, state, skipped
+        skipped.append(f"{path.name}: {why}")
+    return None, None, skipped
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+    # weights_only: tensors and plain containers only; a pickled object (code) is refused, not run
+    return torch.load(path / TRAINER_STATE, weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run folder: one writer, and nothing of an earlier run overwritten without asking
+
+LOCK = ".gspo.lock"
+# what a run writes into its folder: any of these means the folder holds (part of) a run
+TRACES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "tensorboard", "curves.png")
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Take the run folder's lock (``flock`` on ``.gspo.lock``; the OS drops it when the process ends,
+    kill -9 included) and record our PID in it. Returns the descriptor that holds it."""
+    import fcntl
+
+    from gspo.errors import GspoError
+
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise GspoError(
+            f"run folder {run_dir} is in use by another gspo process (PID {holder}); wait for it to end "
+            "or stop it, or pick another --name"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_run_dir(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)  # releases the flock
+        except OSError:
+            pass
+
+
+def run_traces(run_dir: Path) -> list[str]:
+    """The names in ``run_dir`` an earlier run left (empty for a new folder)."""
+    return [name for name in TRACES if (run_dir / name).exists()]
+
+
+def remove_traces(run_dir: Path) -> None:
+    """Delete what a run writes (the folder's other files, if any, are left alone)."""
+    for name in TRACES:
+        p = run_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()

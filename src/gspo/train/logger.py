@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,12 +31,10 @@ class MetricsLogger:
 
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            keep = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(k + "\n" for k in keep))
+            keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")  # replaced whole: a kill keeps the old log
+            tmp.write_text("".join(k + "\n" for k in keep))
+            os.replace(tmp, self.path)
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
@@ -73,7 +72,21 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """The rows of a ``metrics.jsonl``. A last line cut short (the process was killed mid-write) is
+    dropped; a damaged line elsewhere is an error naming it."""
+    lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, ln in enumerate(lines):
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise GspoError(f"{path}: line {i + 1} is not valid JSON (damaged metrics log)") from None
+        if not isinstance(row, dict):
+            raise GspoError(f"{path}: line {i + 1} is not a JSON object (damaged metrics log)")
+        rows.append(row)
+    return rows
 
 
 class Progress:

@@ -3,7 +3,9 @@
     prompts -> G responses each (old policy) -> rewards -> group advantages -> policy update -> sync
 
 Ctrl-C or SIGTERM (what job schedulers send) finishes the step in flight, checkpoints it and stops
-with a line saying how to resume; a second one stops at once, keeping the last checkpoint.
+with a line saying how to resume; a step that does not finish within ``GRACE_S`` seconds (endless
+dynamic sampling, a slow reward or generation) is abandoned and the last finished step saved. A second
+one stops at once, keeping the last checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,18 @@ from gspo.train.update import policy_update
 
 # consecutive RL steps whose every optimizer step was skipped (non-finite gradients) before stopping
 MAX_SKIPPED_STEPS = 3
+# seconds a first Ctrl-C / SIGTERM lets the step in progress run before abandoning it (an update or
+# a checkpoint write in progress is always let finish: both are bounded and cutting them loses work)
+GRACE_S = 10.0
+
+
+class StopNow(KeyboardInterrupt):
+    """Raised by the signal handler: a second Ctrl-C / SIGTERM, or the grace period of the first one
+    ran out. Code that catches KeyboardInterrupt for its own reasons (a reward wrapper) re-raises it."""
+
+
+class _StepAbandoned(Exception):
+    """Every rank agreed to stop inside a step (dynamic sampling polls the stop flag between rounds)."""
 
 
 @dataclass
@@ -52,10 +67,12 @@ def train(cfg: Config) -> TrainResult:
     transformers.utils.logging.set_verbosity_error()
     cfg = cfg.validate()
     with _deferred_signals() as stop, _closing(Run.open(cfg, should_stop=lambda: stop.requested)) as run:
+        stop.busy = lambda: run.updating or run.saving
         bar = Progress(cfg.steps, cfg.algo, enabled=cfg.progress and run.rank == 0, initial=run.step)
         skipped = 0
         while run.step < cfg.steps:
             if dist_utils.any_rank(stop.requested, run.dctx):
+                stop.busy = lambda: True  # only the checkpoint of the finished step is left: let it be
                 if run.last_saved < run.step:
                     run.save()
                 raise KeyboardInterrupt(f"progress is saved at step {run.step}; continue with --resume")
@@ -122,6 +139,8 @@ def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
         short = len(kept) < want
         if not dist_utils.any_rank(short, run.dctx) or rounds > cfg.dynamic_sampling_max_rounds:
             break
+        if dist_utils.any_rank(run.should_stop(), run.dctx):  # a Ctrl-C need not wait for the last round
+            raise _StepAbandoned
         rounds += 1
         examples, prompt_ids = next_prompts(run)
         data, more = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
@@ -157,24 +176,35 @@ def _guarded_step(run: Run) -> dict[str, float]:
     gen_state, data_pos = run.sample_gen.get_state(), run.data_pos
     try:
         metrics = rl_step(run)
-    except (GspoError, KeyboardInterrupt) as e:
+    except (GspoError, KeyboardInterrupt, _StepAbandoned) as e:
         untouched = not run.updating
         if untouched:
             run.sample_gen.set_state(gen_state)
             run.data_pos = data_pos
-            if run.last_saved < run.step and run.world == 1:
+            # a collective save needs every rank here: one process, or all agreed to stop
+            if run.last_saved < run.step and (run.world == 1 or isinstance(e, _StepAbandoned)):
                 run.save()
         where = f"the last checkpoint is step {run.last_saved}; continue with --resume"
         if untouched:
             where = f"progress is saved at step {run.step}; continue with --resume"
-        if isinstance(e, KeyboardInterrupt):
+        if isinstance(e, KeyboardInterrupt | _StepAbandoned):
             raise KeyboardInterrupt(where) from None
         raise GspoError(f"{e} ({where})") from None
     run.step += 1
     metrics = dist_utils.mean_metrics(metrics, run.dctx)
     every = run.cfg.eval_every
     if run.step == run.cfg.steps or (every and run.step % every == 0):
-        metrics.update(run.evaluate())
+        try:
+            metrics.update(run.evaluate())
+        except KeyboardInterrupt:  # the step itself is done: keep it, without its held-out score
+            if run.world > 1:
+                raise
+            run.log(run.step, metrics)
+            run.save()
+            raise KeyboardInterrupt(
+                f"progress is saved at step {run.step} (its held-out evaluation was cut short); "
+                "continue with --resume"
+            ) from None
     return metrics
 
 
@@ -219,27 +249,59 @@ def _closing(run: Run):  # noqa: ANN202
 
 
 class _StopFlag:
-    requested = False
+    requested = False  # a first Ctrl-C / SIGTERM came
+    done = False  # training is over (the handlers are being restored)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.busy: Callable[[], bool] = lambda: False  # in a phase that is let finish
 
 
 @contextmanager
 def _deferred_signals():  # noqa: ANN202
-    """SIGINT/SIGTERM set a flag the loop checks between steps; a second one raises at once."""
+    """SIGINT/SIGTERM set a flag the loop checks between steps and start the grace period, after which
+    the main thread is interrupted; a second one raises at once."""
     flag = _StopFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag  # signals reach the main thread only: nothing to defer
         return
+    main = threading.get_ident()
 
     def handler(signum: int, _frame: Any) -> None:
+        if flag.done:
+            return
         if flag.requested:
-            raise KeyboardInterrupt
+            raise StopNow
         flag.requested = True
         name = signal.Signals(signum).name
-        print(f"\ngspo: {name}: stopping after this step (again to stop now)", flush=True)
+        print(
+            f"\ngspo: {name}: stopping: the step in progress is finished and saved, or abandoned after "
+            f"{GRACE_S:g} s keeping the last finished step (again to stop now)",
+            flush=True,
+        )
+        threading.Thread(target=_grace, args=(flag, main), name="gspo-stop-grace", daemon=True).start()
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield flag
     finally:
+        with flag.lock:
+            flag.done = True
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _grace(flag: _StopFlag, main: int) -> None:
+    """After GRACE_S (and once no update or checkpoint write is in progress), interrupt the main thread
+    as a second signal would: a real signal also wakes blocking waits."""
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline or flag.busy():
+        time.sleep(0.1)
+        if flag.done:
+            return
+    with flag.lock:
+        if not flag.done:
+            print(
+                f"gspo: the step in progress did not finish within {GRACE_S:g} s: abandoning it", flush=True
+            )
+            signal.pthread_kill(main, signal.SIGINT)

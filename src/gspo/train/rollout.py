@@ -78,6 +78,10 @@ def collect_rollout(
     cfg: Config,
 ) -> tuple[RolloutData, dict[str, float]]:
     """G samples per prompt, rewards, group advantages -> RolloutData (groups contiguous)."""
+    if cfg.env:  # multi-turn: G trajectories per prompt, the environment's rewards (gspo.envs)
+        from gspo.envs.rollout import collect_env_rollout
+
+        return collect_env_rollout(engine, tokenizer, task, examples, prompt_ids, cfg)
     rep_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
     t0 = time.time()
     rb = engine.generate(rep_ids, cfg.max_new_tokens, cfg.temperature)
@@ -88,6 +92,10 @@ def score_rollout(
     rb: RolloutBatch, tokenizer: Any, task: Task, examples: list[Example], cfg: Config, t_gen: float
 ) -> tuple[RolloutData, dict[str, float]]:
     """Rewards and group advantages of sampled responses (``rb``: G rows per example, in order)."""
+    if getattr(rb, "obs_mask_BT", None) is not None:  # multi-turn trajectories, already scored by their env
+        from gspo.envs.rollout import score_episodes
+
+        return score_episodes(rb, tokenizer, len(examples), cfg, t_gen)
     G = cfg.group_size
     rep_ids = rb.prompt_ids
     completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
@@ -100,6 +108,7 @@ def score_rollout(
     eos = (rb.response_ids_BT == tokenizer.eos_token_id).any(-1).float()
     penalty_B = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
     rewards_NG = (torch.tensor(rewards, dtype=torch.float32) + penalty_B).view(len(examples), G)
+    check_finite_rewards(rewards_NG.view(-1), penalty_B, task.reward_name, cfg.overlong_penalty)
     adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
     if cfg.overlong_filter:  # a cut-off response says nothing about its (unseen) ending
         adv_B = torch.where(eos.bool(), adv_B, 0.0)
@@ -129,6 +138,21 @@ def score_rollout(
     return data, metrics
 
 
+def check_finite_rewards(
+    rewards_B: torch.Tensor, penalty_B: torch.Tensor, name: str, overlong_penalty: float
+) -> None:
+    """Rewards as trained (float32, overlong penalty added) must be finite: an inf would make every
+    advantage NaN and every update be skipped, blaming the learning rate."""
+    bad = (~rewards_B.isfinite()).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise GspoError(
+            f"reward function {name}: sample {i}'s reward plus the overlong penalty ({float(penalty_B[i]):g}, "
+            f"overlong_penalty={overlong_penalty:g}) is {float(rewards_B[i])} in float32, the rewards' "
+            "training dtype"
+        )
+
+
 def _sampler_routing(rb: RolloutBatch) -> dict[str, torch.Tensor] | None:
     """R3 data of an engine that reports the experts it routed (vLLM), in the ``rows`` layout."""
     if getattr(rb, "routed_experts", None) is None:
@@ -143,6 +167,10 @@ def evaluate(
     engine: RolloutEngine, tokenizer: Any, task: Task, prompt_ids: list[list[int]], cfg: Config
 ) -> dict[str, float]:
     """Greedy decoding on the held-out set: mean reward and accuracy (reward >= 1)."""
+    if cfg.env:  # with the same environment
+        from gspo.envs.rollout import evaluate_env
+
+        return evaluate_env(engine, tokenizer, task, prompt_ids, cfg)
     rb = engine.generate(prompt_ids, cfg.max_new_tokens, 1.0, greedy=True)
     completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
     ex = task.eval

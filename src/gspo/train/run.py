@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import nn
 
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
+from gspo.limits import check_resources
 from gspo.model.forward import PolicyLogprobs
 from gspo.model.load import load_model_and_tokenizer, save_pretrained
 from gspo.rollout.base import RolloutEngine
@@ -30,8 +32,10 @@ from gspo.train.logger import MetricsLogger, read_metrics
 from gspo.train.rollout import encode_prompts, evaluate
 from gspo.train.update import choose_layout
 
-# fields a resumed run may change: they steer the run, not the math of what it trains
-RESUMABLE_CHANGES = {"resume", "steps", "eval_every", "save_every", "progress", "threads", "wandb", "nproc"}
+# fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
+# may be moved or renamed and still resumed)
+RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
+RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name"}
 
 
 @dataclass
@@ -56,6 +60,9 @@ class Run:
     updating: bool = False  # inside the policy update of a step (weights may have changed)
     async_sampler: Any = None  # AsyncSampler with async_staleness > 0
     initial: dict[str, Any] = field(default_factory=dict)  # held-out metrics before RL
+    lock: int | None = None  # descriptor holding the run folder's lock (rank 0)
+    saving: bool = False  # writing a checkpoint (a stop lets it finish)
+    should_stop: Callable[[], bool] = lambda: False  # a Ctrl-C / SIGTERM came (long phases poll it)
 
     @property
     def rank(self) -> int:
@@ -73,15 +80,39 @@ class Run:
     # --------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, cfg: Config, should_stop: Callable[[], bool] = lambda: False) -> Run:
-        """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest checkpoint.
-        ``should_stop`` is polled by the warm start (Ctrl-C / SIGTERM)."""
-        from gspo.model.routing import is_moe
-        from gspo.train.sft import warm_start
-
+        """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest complete
+        checkpoint, holding the run folder's lock until :meth:`close`. ``should_stop`` is polled by
+        the warm start (Ctrl-C / SIGTERM)."""
         dctx = dist_utils.setup(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        resume_from, state = _check_run_dir(cfg, dctx.rank)
+        resume_from, state, lock = _check_run_dir(cfg, dctx)
+        try:
+            run = cls._build(cfg, dctx, resume_from, state, should_stop)
+        except BaseException as e:
+            if state is None and dctx.rank == 0:  # a new run that never finished step 0: leave no trace,
+                ckpt.remove_traces(cfg.run_dir)  # so the same command can simply be run again
+            ckpt.unlock_run_dir(lock)
+            if state is None and isinstance(e, KeyboardInterrupt) and not str(e):
+                raise KeyboardInterrupt(
+                    "stopped before step 0 was saved, so nothing was kept: run the same command again"
+                ) from None
+            raise
+        run.lock, run.should_stop = lock, should_stop
+        return run
+
+    @classmethod
+    def _build(
+        cls,
+        cfg: Config,
+        dctx: dist_utils.DistContext,
+        resume_from: Path | None,
+        state: dict[str, Any] | None,
+        should_stop: Callable[[], bool],
+    ) -> Run:
+        from gspo.model.routing import is_moe
+        from gspo.train.sft import warm_start
+
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -96,6 +127,7 @@ class Run:
                 f"config field 'routing_replay': {cfg.model} is not a MoE model (no routers to replay)"
             )
         choose_layout(PolicyLogprobs(model), cfg)  # a layout the model cannot take fails now
+        check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
         progress = cfg.progress and dctx.rank == 0
         if resume_from is not None:
             _load_weights(model, cfg, resume_from)
@@ -117,9 +149,9 @@ class Run:
         if state is not None:
             run._restore(state)
         if cfg.async_staleness:
-            from gspo.train.async_sampler import AsyncSampler
+            from gspo.train.async_sampler import AsyncSampler, in_flight_from_state
 
-            pending = state.get("in_flight") if state is not None else None
+            pending = in_flight_from_state(state["in_flight"]) if state and "in_flight" in state else None
             run.async_sampler = AsyncSampler(run.hf, tokenizer, train_ids, cfg, run.step, pending)
         run.logger = (
             MetricsLogger(cfg.run_dir, run.step if state else None, cfg.wandb, cfg.to_dict())
@@ -157,6 +189,13 @@ class Run:
 
     def save(self) -> None:
         """Checkpoint the last finished step (collective: every rank calls it)."""
+        self.saving = True
+        try:
+            self._save()
+        finally:
+            self.saving = False
+
+    def _save(self) -> None:
         _check_finite(self.policy, self.step, self.last_saved)
         gens = dist_utils.gather_objects(self.sample_gen.get_state(), self.dctx)
         model, full_sd = self.savable()
@@ -173,7 +212,9 @@ class Run:
                 "initial": self.initial,
             }
             if self.async_sampler is not None:  # sampled from versions this checkpoint does not hold
-                state["in_flight"] = self.async_sampler.in_flight(self.step)
+                from gspo.train.async_sampler import in_flight_to_state
+
+                state["in_flight"] = in_flight_to_state(self.async_sampler.in_flight(self.step))
             try:
                 ckpt.save_checkpoint(
                     self.cfg.run_dir, self.step, lambda p: save_hf(model, self.tokenizer, p, full_sd), state
@@ -209,47 +250,99 @@ class Run:
             self.async_sampler.publish(self.hf, version)
 
     def close(self) -> None:
-        """End the sampler process (if any)."""
-        if self.async_sampler is not None:
-            self.async_sampler.close()
+        """End the sampler process (if any) and release the run folder."""
+        try:
+            if self.async_sampler is not None:
+                self.async_sampler.close()
+        finally:
+            ckpt.unlock_run_dir(self.lock)
+            self.lock = None
 
 
 # ------------------------------------------------------------------------------------------------
 # the pieces of Run.open
 
 
-def _check_run_dir(cfg: Config, rank: int) -> tuple[Path | None, dict[str, Any] | None]:
-    """The checkpoint to resume from and its state (None, None for a fresh run); refuses to overwrite
-    an existing run, and refuses a resume that would change what the run trains."""
-    run_dir = cfg.run_dir
-    latest = ckpt.latest_checkpoint(run_dir)
-    if cfg.resume and latest is None:
-        raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints")
-    if not cfg.resume and latest is not None:
-        raise GspoError(
-            f"run folder {run_dir} already holds checkpoints; pass --resume to continue it or "
-            "--name to start a new run"
-        )
-    state = ckpt.load_trainer_state(latest) if latest is not None else None
-    if state is not None:
-        saved = state["config"]
-        changed = [
-            k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
-        ]
-        if changed:
-            k = changed[0]
-            raise GspoError(
-                f"--resume: config field '{k}' differs from the run being resumed ({saved[k]!r} -> "
-                f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
-                "a new run with --name"
-            )
-    if rank == 0:
+def _check_run_dir(
+    cfg: Config, dctx: dist_utils.DistContext
+) -> tuple[Path | None, dict[str, Any] | None, int | None]:
+    """The checkpoint to resume from, its state (None, None for a new run) and the run folder's lock
+    (rank 0). Rank 0 claims the folder (see :func:`_claim_run_dir`); every rank then resumes from the
+    checkpoint it chose, or fails with its error. Refuses a resume that would change what the run
+    trains."""
+    lock, path, state, note, error = None, None, None, "", None
+    if dctx.rank == 0:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise GspoError(f"config field 'output_dir': cannot create {run_dir}: {e.strerror}") from None
-        save_yaml(cfg, run_dir / "config.yaml")  # after a resume only RESUMABLE_CHANGES can differ
-    return latest, state
+            lock, path, state, note = _claim_run_dir(cfg)
+        except GspoError as e:
+            error = str(e)
+    error, path = dist_utils.gather_objects((error, path), dctx)[0]
+    if error is not None:
+        raise GspoError(error)
+    try:
+        if path is not None and state is None:  # the other ranks read what rank 0 verified
+            state = ckpt.load_trainer_state(path)
+        if state is not None:
+            saved = state["config"]
+            changed = [
+                k
+                for k, v in cfg.to_dict().items()
+                if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+            ]
+            if changed:
+                k = changed[0]
+                raise GspoError(
+                    f"--resume: config field '{k}' differs from the run being resumed ({saved[k]!r} -> "
+                    f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
+                    "a new run with --name"
+                )
+        if dctx.rank == 0:
+            if note:
+                print(f"gspo: {note}", file=sys.stderr, flush=True)
+            save_yaml(cfg, cfg.run_dir / "config.yaml")  # after a resume only RESUMABLE_CHANGES can differ
+    except BaseException:
+        ckpt.unlock_run_dir(lock)
+        raise
+    return path, state, lock
+
+
+def _claim_run_dir(cfg: Config) -> tuple[int, Path | None, dict[str, Any] | None, str]:
+    """Rank 0: lock the run folder (one writer), then pick the newest complete checkpoint to resume
+    (``--resume``) or make sure the folder holds no earlier run (``--overwrite`` deletes it). Returns
+    the lock, the checkpoint and its state (None for a new run) and the line to show about it."""
+    run_dir = cfg.run_dir
+    if cfg.resume and cfg.overwrite:
+        raise GspoError("--resume and --overwrite exclude each other: continue the run, or start it over")
+    if cfg.resume and not run_dir.is_dir():
+        raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints (no such run folder)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GspoError(f"config field 'output_dir': cannot create {run_dir}: {e.strerror}") from None
+    lock = ckpt.lock_run_dir(run_dir)
+    try:
+        if cfg.resume:
+            path, state, skipped = ckpt.newest_complete(run_dir)
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            if path is None:
+                raise GspoError(
+                    f"--resume: no complete checkpoint found under {run_dir}/checkpoints{why}; pass "
+                    "--overwrite instead of --resume to start the run over"
+                )
+            note = f"resuming from {path}" + (f"; skipped newer damaged checkpoints{why}" if skipped else "")
+            return lock, path, state, note
+        traces = ckpt.run_traces(run_dir)
+        if traces and not cfg.overwrite:
+            what = "checkpoints" if ckpt.step_folders(run_dir) else f"a run ({', '.join(traces)})"
+            raise GspoError(
+                f"run folder {run_dir} already holds {what}; pass --resume to continue it, --overwrite "
+                "to delete it and start over, or --name to start a new run"
+            )
+        ckpt.remove_traces(run_dir)  # --overwrite (nothing to remove otherwise)
+        return lock, None, None, ""
+    except BaseException:
+        ckpt.unlock_run_dir(lock)
+        raise
 
 
 def _load_task(
@@ -270,6 +363,9 @@ def _load_weights(model: nn.Module, cfg: Config, resume_from: Path) -> None:
 
     # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
     weights_dir = cfg.run_dir / "checkpoints" / "lora-base" if cfg.lora_rank else resume_from
+    why = ckpt.check_manifest(weights_dir) if cfg.lora_rank else ""
+    if why:  # the frozen base every checkpoint's adapters apply to: no other copy to fall back on
+        raise GspoError(f"--resume: {weights_dir}: {why}; start the run over with --overwrite")
     saved = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=next(model.parameters()).dtype)
     model.load_state_dict(saved.state_dict())
 
@@ -283,6 +379,7 @@ def _apply_lora(
 
     if resume_from is None and dctx.rank == 0:  # the frozen base, saved once; checkpoints then hold adapters
         save_pretrained(model, tokenizer, cfg.run_dir / "checkpoints" / "lora-base")
+        ckpt.write_manifest(cfg.run_dir / "checkpoints" / "lora-base")
     model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     if resume_from is not None:
         from peft import set_peft_model_state_dict

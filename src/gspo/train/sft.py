@@ -28,6 +28,11 @@ def warm_start(
     """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss.
     ``should_stop()`` true (a Ctrl-C / SIGTERM) ends it with KeyboardInterrupt: a partial warm start is
     not a state a run can resume from."""
+    if getattr(cfg, "env", None):  # a multi-turn task with demonstrations (tool calls): gspo.envs.sft
+        from gspo.envs.sft import DEMONSTRATIONS, warm_start_env
+
+        if cfg.task in DEMONSTRATIONS:
+            return warm_start_env(model, tokenizer, examples, prompt_ids, cfg, device, progress, should_stop)
     rng = random.Random(cfg.seed + 7)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     bar = Progress(cfg.sft_steps, "warm start", enabled=progress)

@@ -1,0 +1,107 @@
+"""The environment interface of multi-turn rollouts (one screen), its limits, and the one-step case.
+
+An environment plays one trajectory::
+
+    prompt = env.reset(example)          # str, or chat messages [{"role": ..., "content": ...}]
+    step = env.step(model_turn)          # Step(observation, reward): observation None = done
+    step = env.step(next_model_turn)     # ... while the observation is text and the limits allow
+
+A model turn ends at the tokenizer's EOS (the chat template's end-of-turn token for instruct models)
+or at the per-turn budget. The observation's tokens follow the turn in the same token sequence; the
+next model turn continues after them. The trajectory's reward is the sum of its steps' rewards.
+:class:`Limits` end a trajectory that goes on too long (``truncated``): the turn limit, the per-turn
+token budget and the per-trajectory budget (model and observation tokens after the prompt).
+A plain single-turn task is :class:`TaskEnv`: one step, scored by the task's reward, done.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gspo.errors import GspoError
+from gspo.tasks.datasets import Example, Prompt
+
+
+@dataclass
+class Step:
+    """What the environment answers to one model turn."""
+
+    observation: str | None  # text the model sees next; None: the trajectory is over
+    reward: float = 0.0  # added to the trajectory's reward
+
+
+class Env(Protocol):
+    """One trajectory's environment; a fresh one per trajectory (``factory()``)."""
+
+    def reset(self, example: Example) -> Prompt: ...
+
+    def step(self, model_turn: str) -> Step: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Budgets of one trajectory: turns, tokens per model turn, tokens after the prompt (all turns
+    and observations)."""
+
+    max_turns: int
+    max_turn_tokens: int
+    max_tokens: int
+
+
+EnvFactory = Callable[[], Env]
+
+
+class TaskEnv:
+    """A single-turn task as an environment: the one model turn is scored by ``reward`` (a
+    :data:`gspo.tasks.rewards.RewardFn`) and the trajectory is done."""
+
+    def __init__(self, reward: Callable[..., list[float]]) -> None:
+        self.reward = reward
+        self.example: Example | None = None
+
+    def reset(self, example: Example) -> Prompt:
+        self.example = example
+        return example.prompt
+
+    def step(self, model_turn: str) -> Step:
+        from gspo.tasks.datasets import prompt_text
+
+        ex = self.example
+        assert ex is not None, "step before reset"
+        return Step(None, float(self.reward([prompt_text(ex.prompt)], [model_turn], [ex.answer])[0]))
+
+
+def check_step(out: Any, name: str) -> Step:
+    """``out`` of ``env.step`` as a :class:`Step` (a ``(observation | None, reward)`` pair is accepted);
+    a wrong type or a non-finite reward is a one-line :class:`GspoError` naming the environment."""
+    if isinstance(out, tuple) and len(out) == 2:
+        out = Step(*out)
+    if not isinstance(out, Step):
+        raise GspoError(
+            f"environment {name}: step() returned {type(out).__name__}, expected Step(observation, reward) "
+            "or an (observation | None, reward) pair"
+        )
+    if out.observation is not None and not isinstance(out.observation, str):
+        raise GspoError(
+            f"environment {name}: step() observation is {type(out.observation).__name__}, expected str or None"
+        )
+    r = out.reward
+    if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
+        raise GspoError(f"environment {name}: step() reward must be a finite number, got {r!r}")
+    return Step(out.observation, float(r))
+
+
+def check_prompt(out: Any, name: str) -> Prompt:
+    """``out`` of ``env.reset``: a non-empty string or a list of ``{"role", "content"}`` messages."""
+    ok = isinstance(out, str) and out != ""
+    if isinstance(out, list):
+        ok = bool(out) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in out)
+    if not ok:
+        raise GspoError(
+            f"environment {name}: reset() returned {type(out).__name__} {str(out)[:40]!r}, expected a "
+            "non-empty prompt string or chat messages"
+        )
+    return out

@@ -1,0 +1,142 @@
+"""Environment by config (``env`` field) and the guarded calls the rollout makes into it.
+
+``tools`` (calculator + Python), ``tools:calc`` / ``tools:python`` (one of them), ``task`` (the
+single-turn task as a one-step environment), or a user factory ``pkg.mod:Name`` /
+``path/file.py:Name``: a class or function called with no arguments that returns a fresh
+environment (``reset(example)``, ``step(model_turn)``, :mod:`gspo.envs.base`). User environments get
+``reward_timeout_s`` per call; past it, or when they raise or return a wrong type, the run stops with
+one line naming the environment (``reward_on_error zero``: the trajectory ends with reward 0 and is
+counted, except for time-outs, which always stop).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gspo.envs.base import Env, Step, TaskEnv, check_prompt, check_step
+from gspo.errors import GspoError
+from gspo.tasks.datasets import Prompt
+
+TOOLS = ("calc", "python")
+
+
+@dataclass
+class EnvSpec:
+    """How to make one trajectory's environment, and how to call it."""
+
+    factory: Callable[[], Env]
+    name: str
+    timeout_s: float | None  # per reset/step call (user environments only)
+    on_error: str = "error"  # "error" or "zero" (the config's reward_on_error)
+
+
+def env_spec(
+    spec: str, reward: Callable[..., list[float]], timeout_s: float | None, on_error: str
+) -> EnvSpec:
+    """The :class:`EnvSpec` of a config's ``env`` value; ``reward`` is the task's reward."""
+    from gspo.envs.tools import ToolEnv
+
+    if spec == "task":
+        return EnvSpec(lambda: TaskEnv(reward), spec, None, on_error)
+    if spec == "tools" or spec.startswith("tools:"):
+        names = tuple(spec.partition(":")[2].split(",")) if ":" in spec else TOOLS
+        bad = [n for n in names if n not in TOOLS]
+        if bad:
+            raise GspoError(
+                f"config field 'env': unknown tool {bad[0]!r} in {spec!r} (tools: {', '.join(TOOLS)})"
+            )
+        if "python" in names:
+            _check_sandbox()
+        return EnvSpec(lambda: ToolEnv(reward, names), spec, None, on_error)
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise GspoError(
+            f"config field 'env': unknown environment {spec!r} (tools, tools:calc, tools:python, task, "
+            "pkg.module:Factory or path/file.py:Factory)"
+        )
+    module = _import(spec, target)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise GspoError(f"config field 'env': {target} has no callable {attr!r}")
+    return EnvSpec(factory, spec, timeout_s or None, on_error)
+
+
+def _import(spec: str, target: str) -> Any:
+    from gspo.tasks.rewards import import_file
+
+    if target.endswith(".py"):
+        return import_file(spec, target)
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError:
+        file = target.replace(".", os.sep) + ".py"
+        if os.path.isfile(file):
+            return import_file(spec, file)
+        raise GspoError(f"config field 'env': cannot import module {target!r} for {spec!r}") from None
+    except Exception as e:  # noqa: BLE001 (one line)
+        raise GspoError(f"config field 'env': importing {target!r} failed: {type(e).__name__}: {e}") from None
+
+
+def _check_sandbox() -> None:
+    from gspo.tasks.sandbox import REQUIRE_FS_ISOLATION, _fs_available, _unavailable_message
+
+    if REQUIRE_FS_ISOLATION and not _fs_available():
+        raise GspoError(
+            f"config field 'env': the python tool needs the code sandbox: {_unavailable_message()}"
+        )
+
+
+class EnvFailure(Exception):
+    """An environment call failed and ``on_error`` is ``zero``: the trajectory ends with reward 0."""
+
+
+def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
+    from gspo.tasks.timelimit import call_with_timeout
+
+    try:
+        if spec.timeout_s:
+            return call_with_timeout(fn, (arg,), spec.timeout_s, f"env {spec.name}")
+        return fn(arg)
+    except GspoError as e:
+        if "timed out" in str(e):
+            raise GspoError(
+                f"environment {spec.name}: {what}() did not return within {spec.timeout_s:g} s "
+                "(reward_timeout_s)"
+            ) from None
+        raise
+    except Exception as e:  # noqa: BLE001 (a user environment may raise anything)
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        err = GspoError(f"environment {spec.name}: {what}() raised {type(e).__name__}: {msg}".rstrip(": "))
+        if spec.on_error == "zero":
+            raise EnvFailure(str(err)) from None
+        raise err from None
+
+
+def make_env(spec: EnvSpec) -> Env:
+    try:
+        env = spec.factory()
+    except Exception as e:  # noqa: BLE001
+        raise GspoError(f"environment {spec.name}: making it raised {type(e).__name__}: {e}") from None
+    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        raise GspoError(f"environment {spec.name}: {type(env).__name__} has no reset()/step() methods")
+    return env
+
+
+def reset(spec: EnvSpec, env: Env, example: Any) -> Prompt:
+    """``env.reset(example)``, checked (a bad prompt is always an error: nothing to roll out)."""
+    return check_prompt(_call(spec, env.reset, example, "reset"), spec.name)
+
+
+def step(spec: EnvSpec, env: Env, model_turn: str) -> Step:
+    """``env.step(model_turn)``, checked; :class:`EnvFailure` under ``on_error = zero``."""
+    out = _call(spec, env.step, model_turn, "step")
+    try:
+        return check_step(out, spec.name)
+    except GspoError as e:
+        if spec.on_error == "zero":
+            raise EnvFailure(str(e)) from None
+        raise

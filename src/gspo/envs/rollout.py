@@ -1,0 +1,326 @@
+"""Multi-turn rollouts with any :class:`~gspo.rollout.base.RolloutEngine` (HF, vLLM).
+
+Each trajectory is one token sequence after its prompt: model turn, observation, model turn, ...
+``response_mask_BT`` marks the model's tokens (each turn's final EOS included), ``obs_mask_BT`` the
+observation tokens; the sampler's log-probs are there on the model's tokens only. Every turn is one
+``engine.generate`` call over the live trajectories, whose prompts are their whole context so far
+(prompt, earlier turns and observations, as token ids: nothing is re-tokenized). Deterministic given
+the engine's generator: exact resume holds as for single-turn rollouts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gspo.envs.base import Env, Limits
+from gspo.envs.load import EnvFailure, EnvSpec, env_spec, make_env, reset, step
+from gspo.errors import GspoError
+from gspo.rollout.base import RolloutBatch, RolloutEngine
+from gspo.tasks.datasets import Example, Prompt
+
+
+@dataclass
+class EnvRolloutBatch(RolloutBatch):
+    """A :class:`RolloutBatch` of trajectories: ``response_*`` hold model turns and observations."""
+
+    obs_mask_BT: torch.Tensor | None = None  # [B, T] 1 on observation tokens
+    reward_B: torch.Tensor | None = None  # [B] the environment's reward (sum over steps)
+    truncated_B: torch.Tensor | None = None  # [B] 1 where a limit, not the environment, ended it
+    turns_B: torch.Tensor | None = None  # [B] model turns
+    n_errors: int = 0  # trajectories ended by a failing environment (reward_on_error zero)
+
+
+def limits_of(cfg: Any) -> Limits:
+    return Limits(cfg.max_turns, cfg.max_new_tokens, cfg.max_trajectory_tokens)
+
+
+def encoder(tokenizer: Any, cfg: Any) -> Callable[[Prompt], list[int]]:
+    """A prompt from ``env.reset`` -> token ids, as the trainer encodes prompts (template, limits)."""
+    from gspo.train.rollout import encode_prompts
+
+    return lambda prompt: encode_prompts(tokenizer, [Example(prompt, "")], cfg)[0]
+
+
+def spec_of(cfg: Any, task: Any) -> EnvSpec:
+    return env_spec(cfg.env, task.reward, cfg.reward_timeout_s or None, cfg.reward_on_error)
+
+
+@dataclass
+class _Traj:
+    env: Env
+    context: list[int]  # prompt + everything after it so far
+    ids: list[int]
+    model: list[int]  # 1 on model tokens
+    logp: list[float]
+    reward: float = 0.0
+    turns: int = 0
+    truncated: bool = False
+    failed: bool = False
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    spec: EnvSpec,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    limits: Limits,
+    temperature: float,
+    greedy: bool = False,
+    encode: Callable[[Prompt], list[int]] | None = None,
+) -> EnvRolloutBatch:
+    """One trajectory per example (repeat an example G times for a group), played to its end.
+    ``prompt_ids`` are the examples' prompts encoded; a different prompt from ``env.reset`` is
+    encoded with ``encode`` (the trainer's :func:`~gspo.train.rollout.encode_prompts`)."""
+    trajs, prompt_ids = [], [list(p) for p in prompt_ids]
+    for b, ex in enumerate(examples):
+        env = make_env(spec)
+        prompt = reset(spec, env, ex)
+        if prompt != ex.prompt:
+            if encode is None:
+                raise GspoError(
+                    f"environment {spec.name}: reset() changed the prompt, which this caller cannot encode"
+                )
+            prompt_ids[b] = encode(prompt)
+        trajs.append(_Traj(env, list(prompt_ids[b]), [], [], []))
+    live = list(range(len(trajs)))
+    while live:
+        budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
+        rb = engine.generate([trajs[i].context for i in live], max(budget), temperature, greedy)
+        lens = rb.response_mask_BT.sum(-1).tolist()
+        ids_BT, logp_BT = rb.response_ids_BT.tolist(), rb.sampler_logp_BT.float().tolist()
+        live = [
+            i
+            for j, i in enumerate(live)
+            if _turn(trajs[i], ids_BT[j], logp_BT[j], min(lens[j], budget[j]), tokenizer, spec, limits)
+        ]
+    n_bad = sum(t.failed for t in trajs)
+    if n_bad and n_bad == len(trajs):
+        raise GspoError(f"environment {spec.name} failed on all {n_bad} trajectories of the batch")
+    return _to_batch(trajs, prompt_ids, tokenizer.pad_token_id, n_bad)
+
+
+def _turn(
+    t: _Traj, ids: list[int], logp: list[float], n: int, tokenizer: Any, spec: EnvSpec, limits: Limits
+) -> bool:
+    """Append one sampled model turn (its first ``n`` tokens) and the environment's answer to it;
+    True when the trajectory goes on."""
+    ids, eos = ids[:n], tokenizer.eos_token_id
+    t.ids += ids
+    t.model += [1] * n
+    t.logp += logp[:n]
+    t.turns += 1
+    ended = n > 0 and ids[-1] == eos
+    text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
+    try:
+        s = step(spec, t.env, text)
+    except EnvFailure:
+        t.failed, t.reward = True, 0.0
+        return False
+    t.reward += s.reward
+    if s.observation is None:
+        t.truncated = not ended  # cut off by the per-turn budget, yet scored (as a single-turn task)
+        return False
+    room = limits.max_tokens - len(t.ids)
+    if not ended or t.turns >= limits.max_turns or room <= 0:
+        t.truncated = True
+        return False
+    obs = tokenizer(s.observation, add_special_tokens=False).input_ids[:room]
+    t.ids += obs
+    t.model += [0] * len(obs)
+    t.logp += [0.0] * len(obs)
+    if len(t.ids) >= limits.max_tokens:  # no room left for a model token
+        t.truncated = True
+        return False
+    t.context = t.context + ids + obs
+    return True
+
+
+def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_bad: int) -> EnvRolloutBatch:
+    B, T = len(trajs), max([len(t.ids) for t in trajs] + [1])
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    model = torch.zeros((B, T), dtype=torch.long)
+    real = torch.zeros((B, T), dtype=torch.long)
+    logp = torch.zeros((B, T), dtype=torch.float32)
+    for b, t in enumerate(trajs):
+        n = len(t.ids)
+        ids[b, :n], model[b, :n], real[b, :n] = (
+            torch.tensor(t.ids, dtype=torch.long),
+            torch.tensor(t.model),
+            1,
+        )
+        logp[b, :n] = torch.tensor(t.logp, dtype=torch.float32)
+    return EnvRolloutBatch(
+        [list(p) for p in prompt_ids],
+        ids,
+        model,
+        logp,
+        obs_mask_BT=real - model,
+        reward_B=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        truncated_B=torch.tensor([t.truncated for t in trajs], dtype=torch.float32),
+        turns_B=torch.tensor([t.turns for t in trajs], dtype=torch.float32),
+        n_errors=n_bad,
+    )
+
+
+def collect_env_rollout(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Any,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    cfg: Any,
+) -> tuple[Any, dict[str, float]]:
+    """The multi-turn ``collect_rollout``: G trajectories per prompt -> RolloutData (groups contiguous)."""
+    G = cfg.group_size
+    t0 = time.time()
+    eb = run_episodes(
+        engine,
+        tokenizer,
+        spec_of(cfg, task),
+        [e for e in examples for _ in range(G)],
+        [p for p in prompt_ids for _ in range(G)],
+        limits_of(cfg),
+        cfg.temperature,
+        encode=encoder(tokenizer, cfg),
+    )
+    return score_episodes(eb, tokenizer, len(examples), cfg, time.time() - t0)
+
+
+def score_episodes(
+    eb: EnvRolloutBatch, tokenizer: Any, n_prompts: int, cfg: Any, t_gen: float
+) -> tuple[Any, dict[str, float]]:
+    """Group advantages of the environment's rewards; overlong handling on the trajectory's tokens
+    (the penalty against ``max_trajectory_tokens``, the filter on trajectories a limit cut off)."""
+    from gspo.advantages import group_advantages, overlong_penalty
+    from gspo.rollout.hf import left_pad
+    from gspo.train.batch import RolloutData
+    from gspo.train.rollout import check_finite_rewards
+
+    assert eb.obs_mask_BT is not None and eb.reward_B is not None and eb.truncated_B is not None
+    G = cfg.group_size
+    model_len_B = eb.response_mask_BT.sum(-1).float()
+    obs_len_B = eb.obs_mask_BT.sum(-1).float()
+    total_B = model_len_B + obs_len_B
+    penalty_B = overlong_penalty(
+        total_B, cfg.max_trajectory_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+    )
+    rewards_NG = (eb.reward_B.float() + penalty_B).view(n_prompts, G)
+    check_finite_rewards(rewards_NG.view(-1), penalty_B, f"of environment {cfg.env}", cfg.overlong_penalty)
+    adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
+    if cfg.overlong_filter:
+        adv_B = torch.where(eb.truncated_B.bool(), 0.0, adv_B)
+    p_ids, p_mask = left_pad(eb.prompt_ids, tokenizer.pad_token_id)
+    turns = eb.turns_B if eb.turns_B is not None else torch.ones_like(eb.reward_B)
+    metrics = {
+        "rollout/reward_mean": float(rewards_NG.mean()),
+        "rollout/reward_std": float(rewards_NG.std(correction=0)),
+        "rollout/solved_groups": float((rewards_NG.std(1, correction=0) == 0).float().mean()),
+        "rollout/response_len": float(model_len_B.mean()),
+        "rollout/response_len_max": float(model_len_B.max()),
+        "rollout/truncated_frac": float(eb.truncated_B.mean()),
+        "rollout/reward_errors": float(eb.n_errors),
+        "rollout/overlong_penalty": float(penalty_B.mean()),
+        "env/turns_mean": float(turns.mean()),
+        "env/multi_turn_frac": float((turns > 1).float().mean()),
+        "env/obs_len": float(obs_len_B.mean()),
+        "env/trajectory_len_max": float(total_B.max()),
+        "time/generate_s": t_gen,
+    }
+    data = RolloutData(
+        p_ids,
+        p_mask,
+        eb.response_ids_BT.cpu(),
+        eb.response_mask_BT.cpu(),
+        eb.sampler_logp_BT.float().cpu(),
+        adv_B,
+        rewards_NG.view(-1),
+        None,
+        eb.obs_mask_BT.cpu(),
+    )
+    return data, metrics
+
+
+@torch.no_grad()
+def evaluate_env(
+    engine: RolloutEngine, tokenizer: Any, task: Any, prompt_ids: list[list[int]], cfg: Any
+) -> dict[str, float]:
+    """Greedy held-out trajectories with the same environment: mean reward and accuracy (reward >= 1)."""
+    spec, lim = spec_of(cfg, task), limits_of(cfg)
+    eb = run_episodes(engine, tokenizer, spec, task.eval, prompt_ids, lim, 1.0, True, encoder(tokenizer, cfg))
+    r = np.asarray(eb.reward_B.tolist(), dtype=np.float64)
+    turns = eb.turns_B.numpy()
+    return {
+        "eval/reward_mean": float(r.mean()),
+        "eval/accuracy": float((r >= 1.0 - 1e-9).mean()),
+        "eval/multi_turn_frac": float((turns > 1).mean()),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# async rollouts (gspo.train.async_sampler): the sampler process plays the trajectories
+
+ENV_FIELDS = ("obs_mask_BT", "reward_B", "truncated_B", "turns_B")
+
+
+def env_fields(rb: RolloutBatch) -> dict[str, Any] | None:
+    """What a trajectory batch carries beyond a :class:`RolloutBatch` (numpy arrays and ``n_errors``),
+    to cross a process boundary or go into a checkpoint; None for a single-turn batch."""
+    if not isinstance(rb, EnvRolloutBatch):
+        return None
+    return {f: getattr(rb, f).numpy() for f in ENV_FIELDS} | {"n_errors": rb.n_errors}
+
+
+def with_env_fields(rb: RolloutBatch, fields: dict[str, Any] | None) -> RolloutBatch:
+    """``rb`` as an :class:`EnvRolloutBatch` again (inverse of :func:`env_fields`)."""
+    if fields is None:
+        return rb
+    arrays = {f: torch.as_tensor(fields[f]) for f in ENV_FIELDS}
+    out = EnvRolloutBatch(
+        rb.prompt_ids, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT,
+        **arrays, n_errors=int(fields["n_errors"]),
+    )  # fmt: skip
+    if hasattr(rb, "gen_s"):
+        out.gen_s = rb.gen_s  # type: ignore[attr-defined]
+    return out
+
+
+@dataclass
+class AsyncEnv:
+    """What the sampler process needs to play trajectories (made there from the trainer's config)."""
+
+    tokenizer: Any
+    spec: EnvSpec
+    train: list[Example]
+    limits: Limits
+    temperature: float
+    encode: Callable[[Prompt], list[int]]
+
+
+def async_env(cfg: Any, tokenizer: Any) -> AsyncEnv | None:
+    """In the sampler process: the task and environment of ``cfg`` (None without ``env``)."""
+    if not getattr(cfg, "env", None):
+        return None
+    from gspo.tasks import task_from_config
+
+    task = task_from_config(cfg)
+    return AsyncEnv(
+        tokenizer, spec_of(cfg, task), task.train, limits_of(cfg), cfg.temperature, encoder(tokenizer, cfg)
+    )
+
+
+def async_generate(
+    engine: RolloutEngine, env: AsyncEnv, idx: list[int], prompt_ids: list[list[int]], G: int
+) -> EnvRolloutBatch:
+    """The trajectories of the training prompts ``idx``, G each."""
+    examples = [env.train[i] for i in idx for _ in range(G)]
+    rep = [prompt_ids[i] for i in idx for _ in range(G)]
+    return run_episodes(
+        engine, env.tokenizer, env.spec, examples, rep, env.limits, env.temperature, encode=env.encode
+    )

@@ -1,0 +1,199 @@
+"""Tools a model calls from its turn: a calculator and Python, and the tool-calling environment.
+
+Tool-call formats parsed from a model turn (the first call in the turn is run):
+
+- tags: ``<calc>12+34</calc>``, ``<python>print(2**10)</python>``
+- the Hermes/Qwen chat-template format: ``<tool_call>{"name": "calc", "arguments": {"expression":
+  "12+34"}}</tool_call>`` (``python`` takes ``{"code": ...}``)
+- call form, for vocabularies without ``<`` or ``/`` (the embedded character tokenizer):
+  ``calc(12+34)``
+
+The observation is the tool's output, ``<output>...</output>`` after a tag or JSON call and
+``=...`` after a call-form call (``calc(12+34)=46``). A malformed call (unclosed tag, bad JSON,
+unknown tool, unbalanced parentheses, an expression the calculator refuses) gets an ``error: ...``
+observation, never an exception. A turn without a tool call is the answer: the task's reward scores
+it and the trajectory is done.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gspo.envs.base import Step
+from gspo.tasks.datasets import Example, Prompt, prompt_text
+
+MAX_EXPR_CHARS = 256
+MAX_DIGITS = 100  # calculator integers (operands and results) up to 10^100
+MAX_OUTPUT_CHARS = 512  # tool output shown to the model
+PYTHON_TIMEOUT_S = 5.0  # the code reward's sandbox limit
+
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+class ToolError(ValueError):
+    """A tool call the tool refuses: becomes an ``error: ...`` observation."""
+
+
+def _bounded(x: Any) -> Any:
+    if isinstance(x, int) and abs(x) >= 10**MAX_DIGITS:
+        raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        raise ToolError("result is not a finite number")
+    return x
+
+
+def _eval(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _bounded(_UNARY[type(node.op)](_eval(node.operand)))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        a, b = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow):
+            if abs(b) > 4 * MAX_DIGITS or (abs(a) > 1 and abs(b) * len(str(int(abs(a)))) > 4 * MAX_DIGITS):
+                raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
+        try:
+            return _bounded(_BINOPS[type(node.op)](a, b))
+        except ZeroDivisionError:
+            raise ToolError("division by zero") from None
+        except OverflowError:
+            raise ToolError("number too large") from None
+    raise ToolError(f"unsupported expression element {type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """Value of an arithmetic expression (``+ - * / // % **``, parentheses, int/float literals),
+    parsed with :mod:`ast` and evaluated node by node (never ``eval``); numbers bounded by
+    ``10^MAX_DIGITS``. Raises :class:`ToolError` on anything else."""
+    if len(expression) > MAX_EXPR_CHARS:
+        raise ToolError(f"expression longer than {MAX_EXPR_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        raise ToolError(f"cannot parse {expression.strip()[:40]!r}") from None
+    v = _eval(tree.body)
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() and abs(v) < 1e15 else format(v, ".12g")
+    return str(v)
+
+
+def python_tool(code: str, timeout_s: float = PYTHON_TIMEOUT_S) -> str:
+    """Run ``code`` in the code reward's sandbox (:func:`gspo.tasks.sandbox.run_untrusted`: same
+    isolation, same time limit); its stdout, or the last line of its error."""
+    from gspo.tasks.sandbox import run_untrusted
+
+    res = run_untrusted(code, timeout_s=timeout_s)
+    if res.timed_out:
+        raise ToolError(f"timed out after {timeout_s:g} s")
+    if res.returncode != 0:
+        lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+        raise ToolError(lines[-1] if lines else f"exit code {res.returncode}")
+    return res.stdout.rstrip("\n")
+
+
+@dataclass
+class ToolCall:
+    tool: str  # "calc" or "python"
+    argument: str
+    style: str  # "tag", "json" or "call"
+
+
+_NAMES = {"calc": "calc", "calculator": "calc", "python": "python"}
+_TAG = re.compile(r"<(calc|python|tool_call)>")
+
+
+def _call_form(text: str, start: int) -> ToolCall | str:
+    """``calc(...)`` from ``start`` (the ``calc(``): up to the matching parenthesis."""
+    depth, i0 = 0, start + len("calc")
+    for i in range(i0, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return ToolCall("calc", text[i0 + 1 : i], "call")
+    return "unbalanced parentheses in calc(...)"
+
+
+def parse_tool_call(text: str) -> ToolCall | str | None:
+    """The first tool call in ``text``; a string says why a call is malformed; None: no call."""
+    m, c = _TAG.search(text), text.find("calc(")
+    if m is None and c < 0:
+        return None
+    if m is None or (0 <= c < m.start()):
+        return _call_form(text, c)
+    name, body_start = m.group(1), m.end()
+    end = text.find(f"</{name}>", body_start)
+    if end < 0:
+        return f"unclosed <{name}>"
+    body = text[body_start:end]
+    if name != "tool_call":
+        return ToolCall(name, body, "tag")
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"tool_call is not valid JSON ({e.msg})"
+    if not isinstance(call, dict) or _NAMES.get(str(call.get("name"))) is None:
+        return f"unknown tool {call.get('name') if isinstance(call, dict) else call!r} (tools: calc, python)"
+    args = call.get("arguments", {})
+    if isinstance(args, str):  # some templates carry the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return "tool_call arguments are not valid JSON"
+    tool = _NAMES[str(call["name"])]
+    key = "expression" if tool == "calc" else "code"
+    if not isinstance(args, dict) or not isinstance(args.get(key), str):
+        return f'tool_call to {tool} needs arguments {{"{key}": "..."}}'
+    return ToolCall(tool, args[key], "json")
+
+
+def run_tool_call(call: ToolCall | str, tools: tuple[str, ...]) -> str:
+    """The observation text of a parsed call (``error: ...`` for a malformed or refused one)."""
+    if isinstance(call, str):
+        return f"<output>error: {call}</output>"
+    wrap = (lambda s: f"={s}") if call.style == "call" else (lambda s: f"<output>{s}</output>")  # noqa: E731
+    if call.tool not in tools:
+        return wrap(f"error: tool {call.tool} is not available (tools: {', '.join(tools)})")
+    try:
+        out = calculator(call.argument) if call.tool == "calc" else python_tool(call.argument)
+    except ToolError as e:
+        out = f"error: {e}"
+    if len(out) > MAX_OUTPUT_CHARS:
+        out = out[:MAX_OUTPUT_CHARS] + "...(truncated)"
+    return wrap(out)
+
+
+class ToolEnv:
+    """A task with tools: a turn with a tool call gets the tool's output; a turn without one is the
+    answer, scored by ``reward(prompts, completions, answers)``, and ends the trajectory."""
+
+    def __init__(
+        self, reward: Callable[..., list[float]], tools: tuple[str, ...] = ("calc", "python")
+    ) -> None:
+        self.reward, self.tools = reward, tools
+        self.example: Example | None = None
+
+    def reset(self, example: Example) -> Prompt:
+        self.example = example
+        return example.prompt
+
+    def step(self, model_turn: str) -> Step:
+        call = parse_tool_call(model_turn)
+        if call is not None:
+            return Step(run_tool_call(call, self.tools), 0.0)
+        ex = self.example
+        assert ex is not None, "step before reset"
+        return Step(None, float(self.reward([prompt_text(ex.prompt)], [model_turn], [ex.answer])[0]))

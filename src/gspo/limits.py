@@ -1,0 +1,177 @@
+"""Upper bounds of the numeric config fields: what the machine can hold, and sensible hard limits.
+
+:func:`check_config` runs in :meth:`gspo.config.Config.validate` (no model needed): hard bounds that
+keep absurd values (``1e50`` prompts, a 10**9 held-out set) from hanging or exhausting memory, and a
+lower-bound memory estimate of the batches against the available memory. :func:`check_resources`
+refines it once the model is loaded (KV cache, logits, activations, async weight copies, file
+descriptors). Both raise a one-line :class:`GspoError` naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+from gspo.errors import GspoError
+from gspo.tasks.timelimit import MAX_TIMEOUT_S
+
+# hard bounds: far above any real use, low enough that nothing downstream overflows or hangs on them
+MAX_COUNT = 10**9  # steps, warm-start steps, intervals
+MAX_BATCH = 10**6  # sequences of one batch (prompts x G, held-out set, warm-start batch)
+MAX_TOKENS = 10**6  # prompt / response tokens (longer than any model's context)
+INT_LIMITS = {
+    "seed": 2**32 - 1,  # numpy's seed range
+    "steps": MAX_COUNT, "sft_steps": MAX_COUNT, "warmup_steps": MAX_COUNT, "eval_every": MAX_COUNT,
+    "save_every": MAX_COUNT,
+    "prompts_per_step": MAX_BATCH, "group_size": MAX_BATCH, "eval_size": MAX_BATCH, "sft_batch_size": MAX_BATCH,
+    "micro_batch_size": MAX_BATCH, "num_minibatches": MAX_BATCH,
+    "max_new_tokens": MAX_TOKENS, "max_prompt_tokens": MAX_TOKENS, "overlong_buffer": MAX_TOKENS,
+    "logp_chunk_size": MAX_TOKENS,
+    "threads": 1024, "nproc": 1024, "lora_rank": 65536,
+    "dynamic_sampling_max_rounds": 1000, "max_turns": 1000, "max_trajectory_tokens": MAX_TOKENS,
+    "async_staleness": 64,  # K+1 weight copies in shared memory: more is never useful
+}  # fmt: skip
+FLOAT_LIMITS = {
+    # threading's timeouts overflow past ~9e9 s; a week is already "no limit" for one reward call
+    "reward_timeout_s": MAX_TIMEOUT_S,
+    # rewards are float32 in training: a penalty near its max (3.4e38) already sums to inf
+    "overlong_penalty": 1e30,
+    "temperature": 1e4,
+}
+MIN_TEMPERATURE = 1e-3  # logits / T overflow float32 to inf below about this (NaN probabilities)
+BYTES_PER_SEQUENCE = 1024  # at least: the Example, its token-id list and its row of the batch tensors
+BYTES_PER_RESPONSE_TOKEN = 24  # response ids + mask (int64) + sampler log-prob (float32)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new allocations (MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 (not installed, or no such information here)
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _bad(cfg: Any, field: str, msg: str) -> GspoError:
+    return GspoError(f"config field '{field}': {msg} (got {getattr(cfg, field)!r})")
+
+
+def check_config(cfg: Any) -> None:
+    """Hard upper bounds of every numeric field, then the batches' least memory against what is free."""
+    for f, hi in INT_LIMITS.items():
+        if getattr(cfg, f, 0) > hi:
+            raise _bad(cfg, f, f"must be <= {hi:,}")
+    if cfg.seed < 0:
+        raise _bad(cfg, "seed", "must be >= 0")
+    for f, hi in FLOAT_LIMITS.items():
+        if getattr(cfg, f) > hi:
+            raise _bad(cfg, f, f"must be <= {hi:g}")
+    if cfg.temperature < MIN_TEMPERATURE:
+        raise _bad(cfg, "temperature", f"must be >= {MIN_TEMPERATURE:g} (smaller overflows the logits)")
+    if cfg.prompts_per_step * cfg.group_size > MAX_BATCH:
+        raise _bad(cfg, "prompts_per_step", f"prompts_per_step x group_size must be <= {MAX_BATCH:,}")
+    free = available_memory()
+    if free is None:
+        return
+    per_seq = BYTES_PER_SEQUENCE + cfg.max_new_tokens * BYTES_PER_RESPONSE_TOKEN
+    for field, seqs in (
+        ("prompts_per_step", cfg.prompts_per_step * cfg.group_size),
+        ("eval_size", cfg.eval_size * _eval_draws(cfg.task)),
+        ("sft_batch_size", cfg.sft_batch_size),
+    ):
+        need = seqs * per_seq
+        if need > free:
+            raise _bad(cfg, field, f"needs at least {_gib(need)} of memory, {_gib(free)} is available")
+
+
+def _eval_draws(task: str) -> int:
+    """Examples drawn per held-out one: embedded and reasoning-gym tasks draw 4x to skip training ones."""
+    from gspo.tasks.synthetic import SYNTHETIC_TASKS
+
+    return 4 if task in SYNTHETIC_TASKS or task.startswith("rg:") else 1
+
+
+def _device_memory(device: Any) -> int | None:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except Exception:  # noqa: BLE001 (no driver, or a device index that does not exist)
+            return None
+    return available_memory()
+
+
+def check_resources(cfg: Any, model: Any) -> None:
+    """Memory of the largest batches with this model (KV cache of a generation chunk, logits and
+    activations of a training micro-batch and of a warm-start batch), the async sampler's weight
+    copies and their file descriptors, against what the model's device has free. Call after loading
+    the model, before any work."""
+    params = [p for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    c = model.config
+    get = lambda *names, default=1: next((getattr(c, n) for n in names if getattr(c, n, None)), default)  # noqa: E731
+    layers, hidden = get("num_hidden_layers", "n_layer"), get("hidden_size", "n_embd")
+    heads = get("num_attention_heads", "n_head")
+    kv_heads, head_dim = get("num_key_value_heads", default=heads), get("head_dim", default=hidden // heads)
+    vocab, elem = get("vocab_size"), params[0].element_size() if params else 4
+    T = cfg.max_prompt_tokens + cfg.max_new_tokens
+    per_token_kv = layers * 2 * kv_heads * head_dim * elem
+    per_token_act = layers * hidden * elem * 4  # a lower bound of what backward keeps per token
+    chunk = min(256, max(cfg.eval_size, cfg.prompts_per_step * cfg.group_size // cfg.nproc))  # HF engine
+    mb = cfg.micro_batch_size or max(
+        1, cfg.prompts_per_step * cfg.group_size // cfg.nproc // cfg.num_minibatches
+    )
+    logits = min(T, cfg.logp_chunk_size) * vocab * 4 * 2  # float32 log-softmax of one LM-head chunk
+    needs = {
+        "prompts_per_step": chunk * (T * per_token_kv + vocab * 4 * 2),
+        "micro_batch_size" if cfg.micro_batch_size else "num_minibatches": mb * (T * per_token_act + logits),
+        "sft_batch_size": (cfg.sft_batch_size * (T * per_token_act + logits)) if cfg.sft_steps else 0,
+        "async_staleness": (cfg.async_staleness + 1) * param_bytes if cfg.async_staleness else 0,
+    }
+    if cfg.lora_rank > hidden:  # a rank past the hidden size adds parameters and no expressiveness
+        raise _bad(cfg, "lora_rank", f"must be <= the model's hidden size {hidden}")
+    device = next((p.device for p in params), None)
+    free = _device_memory(device)
+    for field, need in needs.items():
+        if free is not None and need > free:
+            raise _bad(
+                cfg, field, f"needs about {_gib(need)} of memory with this model, {_gib(free)} is free"
+            )
+    if cfg.async_staleness:  # torch shares each tensor of each weight copy through its own descriptor
+        fds = (cfg.async_staleness + 1) * len(params) + 256
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY and fds > soft:
+            raise _bad(
+                cfg, "async_staleness",
+                f"needs about {fds} open files ({len(params)} tensors x {cfg.async_staleness + 1} weight copies), "
+                f"the limit is {soft} (ulimit -n)",
+            )  # fmt: skip
+
+
+def check_local_ranks(nproc: int) -> None:
+    """``gspo train --nproc N`` starts N processes on this machine, each with its own model: at most
+    4 per CPU core (or one per GPU). Checked where they are launched, not in the config: a config may
+    describe a multi-node world size (torchrun launches it, e.g. a recipe for 4 nodes)."""
+    cpus = os.cpu_count() or 1
+    if nproc > 4 * cpus:
+        import torch
+
+        if nproc > torch.cuda.device_count():
+            raise GspoError(
+                f"config field 'nproc': must be <= 4 x the {cpus} CPU cores (or the GPUs) of this machine "
+                f"to launch here (got {nproc}); for several machines start torchrun on each"
+            )

@@ -1,0 +1,454 @@
+"""Multi-turn rollouts with tools (gspo.envs): the interface, tools, masks, losses over the model's
+tokens only, budgets, bad environments, and a task the tiny model learns with the calculator."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gspo.config import Config
+from gspo.envs.base import Limits, Step
+from gspo.envs.load import EnvSpec, env_spec
+from gspo.envs.rollout import run_episodes
+from gspo.envs.tools import ToolEnv, calculator, parse_tool_call, run_tool_call
+from gspo.errors import GspoError
+from gspo.losses import LOSSES
+from gspo.rollout.base import RolloutBatch
+from gspo.tasks.datasets import Example
+
+TINY = dict(
+    model="embedded:tiny-dense", task="add_long", env="tools:calc", max_new_tokens=20, max_turns=2,
+    max_trajectory_tokens=40, sft_steps=20, sft_batch_size=16, steps=2, prompts_per_step=4, group_size=4,
+    eval_size=8, eval_every=0, threads=1, progress=False,
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# tools
+
+
+def test_calculator_values_and_refusals():
+    assert calculator("12+34") == "46"
+    assert calculator(" (2+3)*4 - 10/4 ") == "17.5"
+    assert calculator("2**10 // 3 % 7") == str(2**10 // 3 % 7)
+    assert calculator("-7/2") == "-3.5" and calculator("1/3") == format(1 / 3, ".12g")
+    assert calculator("123456789012+987654321098") == str(123456789012 + 987654321098)
+    for bad in [
+        "__import__('os').system('true')", "x+1", "[1]*3", "'a'*3", "2**10**10", "9**999", "10**100",
+        "1/0", "1%0", "", "1+", "f(1)", "(lambda: 1)()", "1 if 1 else 2", "1e308*10",
+        "1" * 300,
+    ]:  # fmt: skip
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_tool_call_formats_and_malformed_calls_never_raise():
+    assert run_tool_call(parse_tool_call("let me: <calc>12+34</calc> ok"), ("calc",)) == "<output>46</output>"
+    assert run_tool_call(parse_tool_call("calc(2*(3+4))"), ("calc",)) == "=14"
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    assert run_tool_call(parse_tool_call(call), ("calc",)) == "<output>42</output>"
+    assert parse_tool_call("the answer is 42") is None
+    env = ToolEnv(lambda p, c, a: [float(c[0] == a[0])], ("calc",))
+    env.reset(Example("add:1+2=", "3"))
+    for turn in [
+        "<calc>1+2", "<calc>os.system('x')</calc>", "<tool_call>{bad json</tool_call>",
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', '<tool_call>{"name": "calc"}</tool_call>',
+        "calc(1+(2", "<python>print(1)</python>", "calc(1/0)", "<tool_call>[1]</tool_call>",
+    ]:  # fmt: skip
+        s = env.step(turn)
+        assert s.observation is not None and "error:" in s.observation and s.reward == 0.0, turn
+    assert env.step("3") == Step(None, 1.0) and env.step("4") == Step(None, 0.0)
+
+
+def test_python_tool_runs_in_the_code_sandbox():
+    from gspo.envs.tools import python_tool
+    from gspo.tasks.sandbox import _fs_available
+
+    if not _fs_available():
+        pytest.skip("no Landlock: the sandbox refuses to run")
+    assert run_tool_call(parse_tool_call("<python>print(6*7)</python>"), ("python",)) == "<output>42</output>"
+    out = run_tool_call(parse_tool_call("<python>open('/etc/passwd').read()</python>"), ("python",))
+    assert out.startswith("<output>error:")
+    with pytest.raises(ValueError, match="timed out"):
+        python_tool("while True: pass", timeout_s=1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# losses over the model's tokens only
+
+
+def _trajectory_case(seed=0):
+    """Two groups of two trajectories: model tokens and observation tokens interleaved (obs mask), and
+    the same model tokens packed together (the observations removed)."""
+    g = torch.Generator().manual_seed(seed)
+    model_BT = torch.tensor(
+        [
+            [1, 1, 0, 0, 1, 1, 1, 0],
+            [1, 0, 0, 0, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0, 1, 1],
+        ]
+    )
+    obs_BT = torch.tensor(
+        [
+            [0, 0, 1, 1, 0, 0, 0, 0],
+            [0, 1, 1, 1, 0, 0, 0, 0],
+            [0, 0, 0, 0, 0, 0, 0, 0],
+            [0, 0, 1, 0, 1, 1, 0, 0],
+        ]
+    )
+    old = -torch.rand(4, 8, generator=g) * 2
+    logp = old + 0.3 * torch.randn(4, 8, generator=g)
+    # observation positions hold garbage: no loss may read them
+    old = torch.where(obs_BT.bool(), torch.tensor(123.0), old)
+    logp = torch.where(obs_BT.bool(), torch.tensor(-77.0), logp)
+    adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    T2 = int(model_BT.sum(-1).max())
+    packed_logp, packed_old, packed_mask = torch.zeros(4, T2), torch.zeros(4, T2), torch.zeros(4, T2)
+    for b in range(4):
+        idx = model_BT[b].bool().nonzero().squeeze(-1)
+        n = len(idx)
+        packed_logp[b, :n], packed_old[b, :n], packed_mask[b, :n] = logp[b, idx], old[b, idx], 1
+    return logp, old, adv_B, model_BT, obs_BT, packed_logp, packed_old, packed_mask
+
+
+@pytest.mark.parametrize("algo", list(LOSSES))
+def test_every_loss_sees_the_model_tokens_only(algo):
+    """A trajectory's loss and gradient equal those of its model tokens with the observations
+    removed; no gradient reaches an observation position."""
+    fn, lo, hi = LOSSES[algo]
+    logp, old, adv, model_BT, obs_BT, p_logp, p_old, p_mask = _trajectory_case()
+    x = logp.clone().requires_grad_(True)
+    loss, _ = fn(x, old, adv, model_BT, lo, hi)
+    loss.backward()
+    y = p_logp.clone().requires_grad_(True)
+    loss_p, _ = fn(y, p_old, adv, p_mask, lo, hi)
+    loss_p.backward()
+    torch.testing.assert_close(loss, loss_p, atol=1e-7, rtol=1e-6)
+    assert (x.grad[obs_BT.bool()] == 0).all() and (x.grad[(model_BT + obs_BT) == 0] == 0).all()
+    for b in range(4):
+        idx = model_BT[b].bool().nonzero().squeeze(-1)
+        torch.testing.assert_close(x.grad[b, idx], y.grad[b, : len(idx)], atol=1e-8, rtol=1e-6)
+
+
+def test_gspo_trajectory_closed_form():
+    """s_i = exp(mean over the model's tokens of logp - old_logp), |y_i| = the model's token count;
+    the gradient at a model token is -(1/B) A_i s_i / |y_i| (unclipped), 0 when clipped or observed."""
+    logp, old, adv, model_BT, obs_BT, *_ = _trajectory_case(1)
+    n_B = model_BT.sum(-1).float()
+    s_B = torch.exp(torch.where(model_BT.bool(), logp - old, 0.0).sum(-1) / n_B)
+    eps_l, eps_h = 0.5, 0.5  # wide: nothing clipped here
+    x = logp.clone().requires_grad_(True)
+    loss, _ = LOSSES["gspo"][0](x, old, adv, model_BT, eps_l, eps_h)
+    loss.backward()
+    torch.testing.assert_close(loss, -(s_B * adv).mean())
+    want = torch.where(model_BT.bool(), (-adv * s_B / n_B / 4)[:, None], 0.0)
+    torch.testing.assert_close(x.grad, want)
+    assert (x.grad[obs_BT.bool()] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["rows", "packed", "shared_prefix"])
+def test_training_forward_on_interleaved_trajectories(tiny_moe, layout):
+    """Model-token log-probs of a trajectory equal a plain forward over its whole sequence (the model
+    sees the observations), in every layout; observation positions get 0 and no gradient."""
+    from gspo.model.forward import make_layout, response_logprobs
+
+    model, _ = tiny_moe
+    model.eval()
+    p_ids = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [8, 9, 10, 11]])
+    p_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    r_ids = torch.tensor([[12, 13, 14, 15, 16, 0], [17, 18, 19, 20, 0, 0], [21, 22, 23, 24, 25, 26]])
+    model_BT = torch.tensor([[1, 0, 0, 1, 1, 0], [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 1]])
+    obs_BT = torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0, 1, 0, 1, 0, 0]])
+    lay = make_layout(p_ids, p_mask, r_ids, model_BT, layout, torch.float32, obs_mask_BT=obs_BT)
+    logp = response_logprobs(model, p_ids, p_mask, r_ids, model_BT, layout=lay)
+    for b in range(3):
+        real = torch.cat([p_ids[b][p_mask[b].bool()], r_ids[b][(model_BT[b] + obs_BT[b]).bool()]])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=real[None]).logits[0].float(), -1)
+        P = int(p_mask[b].sum())
+        k = 0
+        for t in range(6):
+            if model_BT[b, t] or obs_BT[b, t]:
+                if model_BT[b, t]:
+                    torch.testing.assert_close(logp[b, t], lp[P + k - 1, r_ids[b, t]], atol=2e-5, rtol=1e-5)
+                k += 1
+    assert (logp[~model_BT.bool()] == 0).all()
+    # gradient: only model tokens' log-probs carry it
+    model.zero_grad()
+    logp2 = response_logprobs(model, p_ids, p_mask, r_ids, model_BT, layout=lay)
+    loss, _ = LOSSES["gspo"][0](logp2, logp2.detach(), torch.tensor([1.0, -1.0, 0.5]), model_BT)
+    g = torch.autograd.grad(loss, logp2)[0]
+    assert (g[~model_BT.bool()] == 0).all() and (g[model_BT.bool()] != 0).all()
+    model.zero_grad()
+
+
+# ------------------------------------------------------------------------------------------------
+# rollout mechanics: masks, budgets, the one-step case
+
+
+class _ScriptEngine:
+    """Returns ``turn`` tokens (then EOS) for every row; sampler log-prob -0.5 on each."""
+
+    def __init__(self, turn, eos=1, pad=0):
+        self.turn, self.eos, self.pad, self.calls = turn, eos, pad, []
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=1.0, greedy=False):
+        self.calls.append((len(prompt_ids), max_new_tokens, [len(p) for p in prompt_ids]))
+        seq = (self.turn + [self.eos])[:max_new_tokens]
+        B, T = len(prompt_ids), len(seq)
+        ids = torch.tensor([seq] * B)
+        return RolloutBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
+
+
+class _CharTok:
+    eos_token_id, pad_token_id = 1, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids if i > 1)
+
+    def __call__(self, text, add_special_tokens=False):
+        class R:
+            input_ids = [ord(c) - 96 for c in text]
+
+        return R()
+
+
+class _EchoEnv:
+    """Observes 'xyz' after every turn, forever (a never-ending environment)."""
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, model_turn):
+        return Step("xyz", 0.25)
+
+
+@pytest.mark.parametrize("max_tokens", list(range(1, 22)))
+@pytest.mark.parametrize("turn_tokens", [1, 2, 4])
+def test_budgets_truncate_and_keep_masks_right(max_tokens, turn_tokens):
+    spec = EnvSpec(_EchoEnv, "echo", None)
+    eng = _ScriptEngine([2, 3, 4])  # "bcd" + EOS: 4 tokens per whole turn
+    lim = Limits(max_turns=3, max_turn_tokens=turn_tokens, max_tokens=max_tokens)
+    eb = run_episodes(eng, _CharTok(), spec, [Example("p", "")] * 2, [[5, 6]] * 2, lim, 1.0)
+    m, o = eb.response_mask_BT, eb.obs_mask_BT
+    assert ((m + o) <= 1).all() and (eb.truncated_B == 1).all()  # it never ends on its own
+    n = int((m + o)[0].sum())
+    assert n <= max_tokens and ((m + o)[:, :n] == 1).all() and ((m + o)[:, n:] == 0).all()
+    assert (eb.sampler_logp_BT[m.bool()] == -0.5).all() and (eb.sampler_logp_BT[~m.bool()] == 0).all()
+    # the sequence is turn, observation, turn, ... each cut to its budget, in order
+    want_ids, want_m, turns = [], [], 0
+    while len(want_ids) < max_tokens and turns < 3:
+        turn = ([2, 3, 4, 1])[: min(turn_tokens, max_tokens - len(want_ids))]
+        want_ids += turn
+        want_m += [1] * len(turn)
+        turns += 1
+        if turn[-1] != 1 or turns == 3:
+            break
+        obs = [24, 25, 26][: max_tokens - len(want_ids)]
+        want_ids += obs
+        want_m += [0] * len(obs)
+    assert eb.response_ids_BT[0, :n].tolist() == want_ids and m[0, :n].tolist() == want_m
+    assert eb.turns_B[0] == turns and eb.reward_B[0] == pytest.approx(0.25 * turns)
+    # every generate call got the whole context so far and at most the remaining budget
+    for _, budget, lens in eng.calls:
+        assert budget <= turn_tokens and all(L - 2 + budget <= max_tokens for L in lens)
+
+
+def test_single_turn_task_is_the_one_step_case(tiny_moe):
+    """env='task' (the task as a one-step environment) makes exactly the rollout data of the plain
+    single-turn path from the same generator state."""
+    from gspo.rollout.hf import HFRolloutEngine
+    from gspo.tasks import build_task
+    from gspo.train.rollout import collect_rollout, encode_prompts
+
+    model, tok = tiny_moe
+    task = build_task("reverse", "exact_match", 0, 8)
+    ex = task.train[:6]
+    out = []
+    for env in (None, "task"):
+        cfg = Config(env=env, max_new_tokens=8, max_trajectory_tokens=8, group_size=4, overlong_filter=True)
+        eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(3))
+        out.append(collect_rollout(eng, tok, task, ex, encode_prompts(tok, ex, cfg.validate()), cfg))
+    (a, ma), (b, mb) = out
+    for f in ("prompt_ids_BP", "response_ids_BT", "response_mask_BT", "sampler_logp_BT", "adv_B", "reward_B"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert a.obs_mask_BT is None and b.obs_mask_BT.sum() == 0
+    for k in ("rollout/reward_mean", "rollout/truncated_frac", "rollout/response_len"):
+        assert ma[k] == mb[k], k
+
+
+# ------------------------------------------------------------------------------------------------
+# bad environments
+
+
+def _write_env(tmp_path, body):
+    f = tmp_path / "myenv.py"
+    f.write_text(textwrap.dedent(body))
+    return f"{f}:Env"
+
+
+BAD_ENVS = {
+    "raises": (
+        "def step(self, turn):\n        raise RuntimeError('boom')",
+        "step() raised RuntimeError: boom",
+    ),
+    "wrong_type": ("def step(self, turn):\n        return 'done'", "step() returned str"),
+    "nan_reward": ("def step(self, turn):\n        return None, float('nan')", "finite number"),
+    "hangs": ("def step(self, turn):\n        import time; time.sleep(60)", "did not return within 0.5 s"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_ENVS))
+def test_bad_environment_is_one_line_naming_it(tmp_path, tiny_moe, kind):
+    from gspo.rollout.hf import HFRolloutEngine
+
+    body, msg = BAD_ENVS[kind]
+    spec_s = _write_env(
+        tmp_path, f"class Env:\n    def reset(self, ex):\n        return ex.prompt\n    {body}\n"
+    )
+    model, tok = tiny_moe
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    ex = [Example("rev:12=", "21")] * 2
+    ids = [tok("rev:12=", add_special_tokens=False).input_ids] * 2
+    spec = env_spec(spec_s, lambda *a: [0.0], 0.5, "error")
+    with pytest.raises(GspoError, match=re.escape(msg)) as e:
+        run_episodes(eng, tok, spec, ex, ids, Limits(2, 4, 16), 1.0)
+    assert "\n" not in str(e.value) and spec_s in str(e.value)
+    if kind != "hangs":  # reward_on_error zero: the trajectory scores 0; a batch where all fail stops
+        spec0 = env_spec(spec_s, lambda *a: [0.0], 0.5, "zero")
+        with pytest.raises(GspoError, match="failed on all 2 trajectories"):
+            run_episodes(eng, tok, spec0, ex, ids, Limits(2, 4, 16), 1.0)
+
+
+def test_cli_bad_environment_exits_2(tmp_path):
+    spec = _write_env(
+        tmp_path,
+        "class Env:\n    def reset(self, ex):\n        return 42\n    def step(self, t):\n        pass\n",
+    )
+    args = ["--env", spec, "--sft-steps", "0", "--steps", "1", "--model", "embedded:tiny-dense"]
+    args += ["--output-dir", str(tmp_path), "--eval-size", "4", "--threads", "1", "--no-progress"]
+    p = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", *args], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("gspo: error")]
+    assert len(lines) == 1 and "reset() returned int" in lines[0] and spec in lines[0]
+
+
+def test_unknown_env_and_config_checks():
+    with pytest.raises(GspoError, match="env"):
+        env_spec("nonsense", lambda *a: [0.0], None, "error")
+    with pytest.raises(GspoError, match="unknown tool"):
+        env_spec("tools:abacus", lambda *a: [0.0], None, "error")
+    with pytest.raises(GspoError, match="max_turns"):
+        Config(env="tools", max_turns=0).validate()
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end: the calculator task
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_with_tools_dynamic_sampling_overlong_and_exact_resume(tmp_path):
+    """A multi-turn run with dynamic sampling and the overlong filter resumes bit-identically from a
+    checkpoint between its multi-turn batches; its trajectories do call the tool."""
+    from gspo import train
+
+    cfg = dict(TINY, steps=3, dynamic_sampling=True, dynamic_sampling_max_rounds=1, overlong_filter=True,
+               overlong_buffer=4, output_dir=str(tmp_path))  # fmt: skip
+    full = train(Config(name="full", **cfg))
+    rows = _rows(full.run_dir)
+    assert all("env/turns_mean" in r for r in rows[1:])
+    part = train(Config(name="part", **{**cfg, "steps": 2}))
+    assert part.final_dir is not None
+    resumed = train(Config(name="part", resume=True, **cfg))
+    for (k, v), w in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+
+
+def test_async_multi_turn_rollouts_resume_exactly(tmp_path):
+    """With async_staleness the sampler process plays the trajectories; a checkpoint holding an
+    in-flight multi-turn batch resumes to the uninterrupted run's weights, bit for bit."""
+    from gspo import train
+
+    cfg = dict(TINY, steps=3, async_staleness=1, output_dir=str(tmp_path))
+    full = train(Config(name="full", **cfg))
+    rows = _rows(full.run_dir)
+    assert all(r["async/staleness"] >= 0 and "env/turns_mean" in r for r in rows[1:])
+    train(Config(name="part", **{**cfg, "steps": 2}))
+    resumed = train(Config(name="part", resume=True, **cfg))
+    for (k, v), w in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+
+
+# measured (this CPU, torch 2.13): seed 0 goes 0.23 -> 0.90 (step 20) / 0.94 (step 30). The warm start
+# learns to copy digits abruptly (induction-like, all or nothing): seeds 1-4 are at 0.98-1.00 after it,
+# seed 0 is the one caught mid-way; after RL every seed is at 0.94-1.00 (spread 0.06).
+LEARN = dict(
+    model="embedded:tiny-dense", task="add_long", env="tools:calc", max_new_tokens=20, max_turns=2,
+    max_trajectory_tokens=40, sft_steps=300, sft_batch_size=32, steps=20, lr=5e-4, prompts_per_step=16,
+    group_size=8, eval_size=100, eval_every=10, save_every=1000, seed=0, threads=1, progress=False,
+)  # fmt: skip
+
+
+def test_rl_with_the_calculator_raises_held_out_accuracy(tmp_path):
+    """add_long (4-digit sums) with the calculator: after a short warm start on tool-using
+    demonstrations, 20 GSPO steps raise greedy held-out accuracy by >= 0.4 (measured 0.23 -> 0.90);
+    ``gspo eval`` on the final model, with the run's own environment, agrees."""
+    from gspo import train
+    from gspo.evaluate import evaluate_checkpoint
+
+    res = train(Config(output_dir=str(tmp_path), name="calc", **LEARN))
+    assert res.final_accuracy - res.initial_accuracy >= 0.4, (res.initial_accuracy, res.final_accuracy)
+    rows = _rows(res.run_dir)
+    assert rows[-1]["eval/multi_turn_frac"] > 0.9  # it calls the tool
+    ev = evaluate_checkpoint(str(res.final_dir))
+    assert ev["eval/accuracy"] == pytest.approx(res.final_accuracy)
+
+
+def test_reset_may_change_the_prompt():
+    class Hint(_EchoEnv):
+        def reset(self, example):
+            return example.prompt + "z"
+
+    eng = _ScriptEngine([2])
+    tok = _CharTok()
+    enc = lambda p: tok(p).input_ids  # noqa: E731
+    eb = run_episodes(eng, tok, EnvSpec(Hint, "hint", None), [Example("ab", "")], [[1, 2]], Limits(1, 4, 8), 1.0,
+                      encode=enc)  # fmt: skip
+    assert eb.prompt_ids == [[1, 2, 26]] and eng.calls[0][2] == [3]
+    with pytest.raises(GspoError, match="changed the prompt"):
+        run_episodes(
+            eng, tok, EnvSpec(Hint, "hint", None), [Example("ab", "")], [[1, 2]], Limits(1, 4, 8), 1.0
+        )
+
+
+def test_overlong_penalty_and_filter_on_trajectories():
+    """The soft penalty counts a trajectory's tokens (model and observations) against
+    max_trajectory_tokens; the filter zeroes the advantage of trajectories a limit cut off."""
+    from gspo.envs.rollout import EnvRolloutBatch, score_episodes
+
+    model = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0]])
+    obs = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0]])
+    eb = EnvRolloutBatch(
+        [[5]] * 4, torch.ones(4, 6, dtype=torch.long), model, torch.zeros(4, 6), obs_mask_BT=obs,
+        reward_B=torch.tensor([1.0, 0.0, 1.0, 0.0]), truncated_B=torch.tensor([0.0, 1.0, 1.0, 0.0]),
+        turns_B=torch.tensor([2.0, 1.0, 1.0, 2.0]),
+    )  # fmt: skip
+    for filt in (False, True):
+        cfg = Config(
+            env="tools", group_size=4, max_trajectory_tokens=6, overlong_buffer=2, overlong_filter=filt
+        )
+        data, m = score_episodes(eb, _CharTok(), 1, cfg.validate(), 0.0)
+        # lengths 5, 6, 6, 4 of 6 with a buffer of 2: penalties -0.5, -1, -1, 0
+        torch.testing.assert_close(data.reward_B, torch.tensor([0.5, -1.0, 0.0, 0.0]))
+        assert torch.equal(data.obs_mask_BT, obs) and m["rollout/truncated_frac"] == 0.5
+        assert (data.adv_B[[1, 2]] == 0).all() == filt and (data.adv_B[[0, 3]] != 0).all()
