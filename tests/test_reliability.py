@@ -7,34 +7,14 @@ the last finished step; no process outlives the launcher.
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
-TINY = [
-    "--sft-steps", "5", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4",
-    "--max-new-tokens", "8", "--eval-every", "0", "--threads", "1", "--no-progress",
-]  # fmt: skip
-
-
-def _env():
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-
-
-def _gspo(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "gspo", *args], capture_output=True, text=True, env=_env(), timeout=timeout
-    )
-
-
-def _popen(*args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "gspo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_env(), **kw,
-    )  # fmt: skip
+from cli_helpers import TINY
+from cli_helpers import gspo as _gspo
+from cli_helpers import popen as _popen
 
 
 def _steps_logged(run: Path) -> int:

@@ -14,33 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import TINY
+from cli_helpers import gspo as _gspo
+from cli_helpers import popen as _popen
 
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.train import checkpoint as ckpt
 from gspo.train.run import _claim_run_dir
-
-TINY = [
-    "--sft-steps", "5", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4",
-    "--max-new-tokens", "8", "--eval-every", "0", "--threads", "1", "--no-progress",
-]  # fmt: skip
-
-
-def _env():
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-
-
-def _gspo(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "gspo", *args], capture_output=True, text=True, env=_env(), timeout=timeout
-    )
-
-
-def _popen(*args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "gspo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_env(), **kw,
-    )  # fmt: skip
 
 
 def _lines(text: str) -> list[str]:

@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+from cli_helpers import procs_with as _procs_with
 
 from gspo.tasks import sandbox
 from gspo.tasks.sandbox import run_untrusted
@@ -22,20 +23,6 @@ def _unconfined_ok_without_landlock(monkeypatch):
     closed); tests/test_sandbox_filesystem.py covers the refusal itself."""
     if sandbox.landlock_abi() == 0:
         monkeypatch.setattr(sandbox, "REQUIRE_FS_ISOLATION", False)
-
-
-def _procs_with(token: str) -> list[int]:
-    """PIDs (host view) whose command line contains ``token``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if token.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 @pytest.fixture

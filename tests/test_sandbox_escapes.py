@@ -23,6 +23,7 @@ import time
 import uuid
 
 import pytest
+from cli_helpers import procs_with as _procs_with
 
 from gspo.tasks import sandbox
 from gspo.tasks.sandbox import run_untrusted
@@ -52,20 +53,6 @@ def _namespaces():
 
 needs_pid_ns = pytest.mark.usefixtures("_namespaces")
 MODES = {"plain": None, "harness": "assert True\n"}
-
-
-def _procs_with(token: str) -> list[int]:
-    """PIDs (host view) whose command line contains ``token``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if token.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 def _wait_for(pred, timeout: float) -> bool:

@@ -54,6 +54,7 @@ def warm_start_env(
     from gspo.model.forward import make_layout, response_logprobs
     from gspo.rollout.hf import left_pad
     from gspo.train.logger import Progress
+    from gspo.train.sft import nll_step
 
     make = DEMONSTRATIONS[cfg.task]
     rng = random.Random(cfg.seed + 7)
@@ -80,11 +81,7 @@ def warm_start_env(
         r, m, o = r.to(device), m.to(device), o.to(device)
         lay = make_layout(p_ids, p_mask, r, m, "rows", obs_mask_BT=o)
         logp = response_logprobs(model, p_ids, p_mask, r, m, 1.0, cfg.logp_chunk_size, layout=lay)
-        loss = -(logp * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = nll_step(model, opt, logp, m)
         if step % 10 == 0 or step == cfg.sft_steps - 1:
             loss_v = float(loss.detach())
         bar.update(step + 1, f"nll {loss_v:.3f}")

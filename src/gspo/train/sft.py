@@ -58,14 +58,23 @@ def warm_start(
             r_ids[k, : len(a)], r_mask[k, : len(a)] = torch.tensor(a), 1
         r_ids, r_mask = r_ids.to(device), r_mask.to(device)
         logp = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, 1.0, cfg.logp_chunk_size)
-        loss = -(logp * r_mask).sum() / r_mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = nll_step(model, opt, logp, r_mask)
         if step % 10 == 0 or step == cfg.sft_steps - 1:
             loss_v = float(loss.detach())
         bar.update(step + 1, f"nll {loss_v:.3f}")
     bar.close()
     opt.zero_grad(set_to_none=True)  # no warm-start gradient may outlive it (e.g. on a LoRA-frozen base)
     return loss_v
+
+
+def nll_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, logp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """One supervised step: the mean NLL of the masked tokens, a clipped gradient, an optimizer step.
+    Returns the loss (not synced: the caller reads it only now and then)."""
+    loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss

@@ -1,0 +1,43 @@
+"""Running the real ``gspo`` command, and finding what it left running, from tests (a module, not a
+test file: pytest does not collect it)."""
+
+import os
+import subprocess
+import sys
+
+# a run that finishes in seconds: a short warm start, small batches, one thread, no progress bar
+TINY = [
+    "--sft-steps", "5", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4",
+    "--max-new-tokens", "8", "--eval-every", "0", "--threads", "1", "--no-progress",
+]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def gspo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gspo", *args], capture_output=True, text=True, env=env(), timeout=timeout
+    )
+
+
+def popen(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gspo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env(), **kw,
+    )  # fmt: skip
+
+
+def procs_with(token: str) -> list[int]:
+    """PIDs (host view) whose command line contains ``token``: what a test left running."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if token.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
