@@ -293,6 +293,44 @@ def test_run_name_must_stay_inside_the_output_folder(tmp_path, capsys, name):
     _train(capsys, tmp_path, "--name", name, want="config field 'name': must be a plain folder name")
 
 
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "x" * 300])
+def test_run_name_without_control_characters_and_not_too_long(tmp_path, capsys, name):
+    _train(capsys, tmp_path, "--name", name, want="config field 'name': must be at most 200 bytes")
+
+
+def test_answer_longer_than_the_context_is_refused_before_the_warm_start(tmp_path, capsys):
+    """A 200,000-character answer (the sweep's run was killed for memory after 83 s): one line naming
+    the example, before the first supervised step."""
+    rows = [{"prompt": f"rev:{i}=", "answer": str(i)[::-1]} for i in range(30)]
+    rows.append({"prompt": "x", "answer": "9" * 200_000})
+    f = _write_jsonl(tmp_path / "big.jsonl", rows)
+    args = [*FAST, "--sft-steps", "5", "--eval-size", "4"]
+    line = _one_line(
+        capsys, ["train", *args, "--task", f, "--output-dir", str(tmp_path / "o")], "warm start:"
+    )
+    assert "answer tokens, more than the model's context" in line
+
+
+def test_threads_left_by_user_code_do_not_keep_the_command_alive(tmp_path):
+    """A reward that starts a non-daemon thread and returns: the finished command still exits (with a
+    warning line), instead of hanging until killed."""
+    import subprocess
+    import sys
+
+    leak = tmp_path / "leak.py"
+    leak.write_text(
+        "import threading, time\n"
+        "def reward(prompts, completions, answers):\n"
+        "    threading.Thread(target=time.sleep, args=(3600,)).start()\n"
+        "    return [float(c == a) for c, a in zip(completions, answers)]\n"
+    )
+    cmd = [sys.executable, "-m", "gspo", "train", *FAST, "--output-dir", str(tmp_path), "--name", "r",
+           "--reward", f"{leak}:reward"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gspo: warning: user code left" in r.stderr and "exiting anyway" in r.stderr
+
+
 def test_config_built_in_python_is_type_checked():
     from gspo.config import Config
 

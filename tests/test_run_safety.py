@@ -92,6 +92,12 @@ def _flip_byte(p: Path) -> None:
     p.write_bytes(bytes(data))
 
 
+def _drop_weights_entry(folder: Path) -> None:
+    """Weights deleted and their manifest entry with them: consistent files, but nothing to load."""
+    (folder / "model.safetensors").unlink()
+    ckpt.write_manifest(folder)
+
+
 DAMAGE = {
     "truncated-trainer-state": (lambda f: _truncate(f / "trainer_state.pt"), "trainer_state.pt has"),
     "torn-trainer-state": (
@@ -103,6 +109,11 @@ DAMAGE = {
     "deleted-trainer-state": (lambda f: (f / "trainer_state.pt").unlink(), "trainer_state.pt is missing"),
     "changed-weights": (lambda f: _flip_byte(f / "model.safetensors"), "does not match its checksum"),
     "no-manifest": (lambda f: (f / "manifest.json").unlink(), "no manifest.json"),
+    "deeply-nested-manifest": (
+        lambda f: (f / "manifest.json").write_text("[" * 100_000 + "]" * 100_000),
+        "manifest.json is unreadable (RecursionError)",
+    ),
+    "weights-missing-from-manifest-and-disk": (_drop_weights_entry, "manifest.json lists no weights"),
 }
 
 
@@ -316,3 +327,27 @@ def test_compare_run_again_reuses_finished_runs_and_continues_unfinished_ones(ba
     for step in ckpt.step_folders(run):
         (step / "model.safetensors").unlink()
     assert _plan(cfg) == cfg and not run.exists()
+
+
+def test_step_folders_are_ordered_by_step_number(tmp_path):
+    """step-2 is older than step-000010, and a folder that is no step is never taken as the newest."""
+    for name in ("step-000010", "step-2", "step-abc", "step-000003.tmp"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert [p.name for p in ckpt.step_folders(tmp_path)] == ["step-2", "step-000010"]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "folder"])
+def test_the_lock_file_is_never_followed_through_a_symlink_nor_a_folder(base_run, tmp_path, kind):
+    """A `.gspo.lock` that is a symlink (to a file of someone else's) or a folder: one line, exit 2, and
+    the file it points to is untouched."""
+    run = _copy(base_run, tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    if kind == "symlink":
+        (run / ckpt.LOCK).symlink_to(victim)
+    else:
+        (run / ckpt.LOCK).mkdir()
+    r = _gspo("train", *TINY, "--steps", "3", "--output-dir", str(tmp_path), "--name", "r", "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert _lines(r.stderr)[-1].startswith(f"gspo: error: run folder {run}: ") and ckpt.LOCK in r.stderr
+    assert victim.read_text() == "precious"

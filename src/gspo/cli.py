@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import typing
 from typing import Any
 
@@ -269,5 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``gspo`` command: :func:`main`, then exit even when user code (a reward, an environment) left
+    a non-daemon thread running, which would keep the finished process alive forever."""
+    rc = main()
+    stray = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if any(t.is_alive() for t in stray):
+        print(
+            f"gspo: warning: user code left {len(stray)} thread(s) running; exiting anyway", file=sys.stderr
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -367,6 +367,10 @@ class Config:
             not self.name.strip() or self.name.strip(".") == "" or any(c in self.name for c in "/\\\0")
         ):  # '.', '..' or a path would put the run outside <output_dir>/<its own folder>
             raise bad("name", "must be a plain folder name (not '.' or '..', no '/' or '\\')")
+        if self.name is not None and (
+            any(ord(c) < 32 or ord(c) == 127 for c in self.name) or len(self.name.encode()) > 200
+        ):  # a newline breaks every printed path; filesystems stop at 255 bytes (with suffixes added)
+            raise bad("name", "must be at most 200 bytes without control characters (newline, tab, ...)")
         return self
 
     @property

@@ -22,7 +22,9 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,9 @@ def step_folders(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    # by step number, not name: step-2 is older than step-000010; a name that is no step is skipped
+    steps = [p for p in root.glob("step-*") if p.is_dir() and re.fullmatch(r"step-\d+", p.name)]
+    return sorted(steps, key=lambda p: int(p.name.split("-")[1]))
 
 
 def check_manifest(path: Path, required: tuple[str, ...] = ()) -> str:
@@ -142,7 +146,7 @@ def check_manifest(path: Path, required: tuple[str, ...] = ()) -> str:
         entries = [(str(name), want.get("size"), want.get("sha256")) for name, want in files.items()]
     except FileNotFoundError:
         return f"no {MANIFEST} (written last: incomplete, or written by an older gspo)"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__})"
     missing = [r for r in required if r not in files]
     if missing:
@@ -158,9 +162,15 @@ def check_manifest(path: Path, required: tuple[str, ...] = ()) -> str:
     return ""
 
 
+def _manifest_names(path: Path) -> list[str]:
+    return list(json.loads((path / MANIFEST).read_text())["files"])
+
+
 def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
     """``(trainer state, "")`` for a complete checkpoint, else ``(None, why not)``."""
-    why = check_manifest(path, (TRAINER_STATE,))
+    why = check_manifest(path, (TRAINER_STATE, "config.json"))
+    if not why and not any(n.endswith(".safetensors") for n in _manifest_names(path)):
+        why = f"{MANIFEST} lists no weights (*.safetensors)"
     if why:
         return None, why
     try:
@@ -206,7 +216,17 @@ def lock_run_dir(run_dir: Path) -> int:
 
     from gspo.errors import GspoError
 
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    path = run_dir / LOCK
+    try:  # never through a symlink (it would truncate the file it points to), never a folder or a FIFO
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise GspoError(
+            f"run folder {run_dir}: cannot use {LOCK} as its lock file ({e.strerror}); it must be a plain "
+            "file: remove it"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GspoError(f"run folder {run_dir}: {LOCK} is not a plain file; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

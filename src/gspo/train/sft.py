@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from gspo.config import Config
+from gspo.errors import GspoError
 from gspo.model.forward import response_logprobs
 from gspo.rollout.hf import left_pad
 from gspo.tasks.datasets import Example
@@ -39,6 +40,7 @@ def warm_start(
     answers = [
         tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples
     ]
+    _check_lengths(model, prompt_ids, answers, examples)
     loss_v = float("nan")
     model.train()
     for step in range(cfg.sft_steps):
@@ -78,3 +80,20 @@ def nll_step(
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return loss
+
+
+def _check_lengths(
+    model: torch.nn.Module, prompt_ids: list[list[int]], answers: list[list[int]], examples: list[Example]
+) -> None:
+    """A prompt + answer longer than the model's context cannot be trained on (and a huge answer would
+    exhaust memory in the first batch): refused before the first step, naming the example."""
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not ctx:
+        return
+    for i, (p, a) in enumerate(zip(prompt_ids, answers, strict=True)):
+        if len(p) + len(a) > ctx:
+            raise GspoError(
+                f"warm start: training example {i} (answer {examples[i].answer[:40]!r}...) has {len(p)} prompt "
+                f"+ {len(a)} answer tokens, more than the model's context of {ctx} (drop or shorten it, "
+                "or use sft_steps=0)"
+            )
