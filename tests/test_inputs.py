@@ -454,3 +454,13 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"gspo {__version__}"
+
+
+def test_bad_environment_spec_fails_before_the_warm_start(tmp_path, capsys):
+    """`--env file.py:Missing` with a warm start of a million steps: the one line comes at once, not
+    after the warm start (before the fix: only once the warm start was done)."""
+    envs = tmp_path / "envs.py"
+    envs.write_text("class Fine:\n    def reset(self, ex):\n        return ex.prompt\n")
+    args = ["--model", "embedded:tiny-dense", "--task", "add_long", "--sft-steps", "1000000"]
+    args += ["--env", f"{envs}:Missing", "--max-trajectory-tokens", "40"]
+    _train(capsys, tmp_path, *args, want=f"config field 'env': {envs} has no callable 'Missing'")

@@ -121,6 +121,10 @@ class Run:
         if not cfg.keep_dropout:
             disable_dropout(model)
         task, train_ids, eval_ids = _load_task(cfg, model, tokenizer)
+        if cfg.env:  # a bad environment spec fails now, not after the warm start
+            from gspo.envs.rollout import spec_of
+
+            spec_of(cfg, task)
         moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
         if cfg.routing_replay and not moe:
             raise GspoError(
