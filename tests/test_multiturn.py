@@ -300,6 +300,7 @@ BAD_ENVS = {
     "wrong_type": ("def step(self, turn):\n        return 'done'", "step() returned str"),
     "nan_reward": ("def step(self, turn):\n        return None, float('nan')", "finite number"),
     "hangs": ("def step(self, turn):\n        import time; time.sleep(60)", "did not return within 0.5 s"),
+    "system_exit": ("def step(self, turn):\n        raise SystemExit(3)", "step() raised SystemExit: 3"),
 }
 
 
@@ -452,3 +453,50 @@ def test_overlong_penalty_and_filter_on_trajectories():
         torch.testing.assert_close(data.reward_B, torch.tensor([0.5, -1.0, 0.0, 0.0]))
         assert torch.equal(data.obs_mask_BT, obs) and m["rollout/truncated_frac"] == 0.5
         assert (data.adv_B[[1, 2]] == 0).all() == filt and (data.adv_B[[0, 3]] != 0).all()
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "calc((((-1e300)**.5)**2*((-1e300)**.5)**2)**2)",  # overflow inside the power pre-check
+        "<calc>((-1)**0.5)//1</calc>",  # a complex number reaching //
+        "<calc>((-1)**0.5)%2</calc>",
+        "calc((-1)**.5)",  # a complex result
+        "<tool_call>" + "[" * 3000 + "</tool_call>",  # JSON nested too deep
+        '<tool_call>{"name": "calc", "arguments": ' + "[" * 3000 + "}</tool_call>",
+        "<tool_call>" + "9" * 5000 + "</tool_call>",  # past int's digit limit
+    ],
+)
+def test_hostile_tool_calls_get_an_error_observation_never_an_exception(turn):
+    """What a policy can write must never stop the run: every such call is answered with an error."""
+    env = ToolEnv(lambda *a: [0.0])
+    env.reset(Example("q", "a"))
+    out = env.step(turn)
+    assert out.observation is not None and "error" in out.observation and out.reward == 0.0, out
+
+
+def test_environment_steps_accept_numpy_rewards_and_unencodable_text(tmp_path, tiny_moe):
+    """A numpy float32 reward is a number; an observation with a lone surrogate is tokenized (replaced),
+    and a 50 MB observation is cut before tokenizing (the step returns at once)."""
+    import numpy as np
+
+    from gspo.envs.base import check_step
+
+    assert check_step((None, np.float32(1.0)), "e").reward == 1.0
+    assert check_step(("a\ud800b", 0.0), "e").observation == "a?b"
+    with pytest.raises(GspoError, match="finite number"):
+        check_step((None, np.True_), "e")
+    from gspo.rollout.hf import HFRolloutEngine
+
+    spec_s = _write_env(
+        tmp_path,
+        "class Env:\n    def reset(self, ex):\n        self.n = 0\n        return ex.prompt\n"
+        "    def step(self, turn):\n        self.n += 1\n"
+        "        return ('9' * 50_000_000, 0.0) if self.n == 1 else (None, 1.0)\n",
+    )
+    model, tok = tiny_moe
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    ids = [tok("rev:12=", add_special_tokens=False).input_ids]
+    out = run_episodes(eng, tok, env_spec(spec_s, lambda *a: [0.0], 0, "error"), [Example("rev:12=", "21")],
+                       ids, Limits(2, 4, 16), 1.0)  # fmt: skip
+    assert out is not None

@@ -17,9 +17,12 @@ A plain single-turn task is :class:`TaskEnv`: one step, scored by the task's rew
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example, Prompt
@@ -89,9 +92,13 @@ def check_step(out: Any, name: str) -> Step:
             f"environment {name}: step() observation is {type(out.observation).__name__}, expected str or None"
         )
     r = out.reward
-    if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
+    # any real number (numpy's float32 included), never a bool
+    if isinstance(r, bool | np.bool_) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
         raise GspoError(f"environment {name}: step() reward must be a finite number, got {r!r}")
-    return Step(out.observation, float(r))
+    obs = out.observation
+    if obs is not None:  # a lone surrogate cannot be tokenized: replaced, as invalid bytes are
+        obs = obs.encode("utf-8", "replace").decode("utf-8")
+    return Step(obs, float(r))
 
 
 def check_prompt(out: Any, name: str) -> Prompt:

@@ -95,6 +95,7 @@ class EnvFailure(Exception):
 
 
 def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
+    from gspo.tasks.rewards import _is_interrupt
     from gspo.tasks.timelimit import call_with_timeout
 
     try:
@@ -108,7 +109,9 @@ def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
                 "(reward_timeout_s)"
             ) from None
         raise
-    except Exception as e:  # noqa: BLE001 (a user environment may raise anything)
+    except BaseException as e:  # noqa: BLE001 (a user environment may raise anything, SystemExit too)
+        if _is_interrupt(e):  # its time limit, or a real Ctrl-C / SIGTERM of the trainer
+            raise
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         err = GspoError(f"environment {spec.name}: {what}() raised {type(e).__name__}: {msg}".rstrip(": "))
         if spec.on_error == "zero":
@@ -117,9 +120,13 @@ def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
 
 
 def make_env(spec: EnvSpec) -> Env:
+    from gspo.tasks.rewards import _is_interrupt
+
     try:
         env = spec.factory()
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 (SystemExit from a constructor included)
+        if _is_interrupt(e):
+            raise
         raise GspoError(f"environment {spec.name}: making it raised {type(e).__name__}: {e}") from None
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         raise GspoError(f"environment {spec.name}: {type(env).__name__} has no reset()/step() methods")

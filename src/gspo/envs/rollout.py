@@ -131,7 +131,8 @@ def _turn(
     if not ended or t.turns >= limits.max_turns or room <= 0:
         t.truncated = True
         return False
-    obs = tokenizer(s.observation, add_special_tokens=False).input_ids[:room]
+    # cut the text first: tokenizing a 50 MB observation to keep `room` tokens would hang the step
+    obs = tokenizer(s.observation[: 64 * room + 64], add_special_tokens=False).input_ids[:room]
     t.ids += obs
     t.model += [0] * len(obs)
     t.logp += [0.0] * len(obs)

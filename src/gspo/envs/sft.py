@@ -65,7 +65,10 @@ def warm_start_env(
     for step in range(cfg.sft_steps):
         if should_stop():
             bar.close()
-            raise KeyboardInterrupt(f"stopped during the warm start (step {step} of {cfg.sft_steps})")
+            raise KeyboardInterrupt(
+                f"stopped during the warm start (step {step} of {cfg.sft_steps}); no RL step had finished, "
+                "so nothing was saved: run the same command again to start over"
+            )
         idx = [rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)]
         seqs = [demo_tokens(tokenizer, make(examples[i], rng)) for i in idx]
         p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id, device)

@@ -54,6 +54,8 @@ def _bounded(x: Any) -> Any:
         raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
     if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
         raise ToolError("result is not a finite number")
+    if not isinstance(x, int | float):  # e.g. (-1) ** 0.5 is complex in Python
+        raise ToolError("result is not a real number")
     return x
 
 
@@ -64,14 +66,15 @@ def _eval(node: ast.AST) -> int | float:
         return _bounded(_UNARY[type(node.op)](_eval(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         a, b = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow):
-            if abs(b) > 4 * MAX_DIGITS or (abs(a) > 1 and abs(b) * len(str(int(abs(a)))) > 4 * MAX_DIGITS):
-                raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
         try:
+            if isinstance(node.op, ast.Pow) and (
+                abs(b) > 4 * MAX_DIGITS or (abs(a) > 1 and abs(b) * len(str(int(abs(a)))) > 4 * MAX_DIGITS)
+            ):
+                raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
             return _bounded(_BINOPS[type(node.op)](a, b))
         except ZeroDivisionError:
             raise ToolError("division by zero") from None
-        except OverflowError:
+        except (OverflowError, ValueError):
             raise ToolError("number too large") from None
     raise ToolError(f"unsupported expression element {type(node).__name__}")
 
@@ -171,6 +174,8 @@ def run_tool_call(call: ToolCall | str, tools: tuple[str, ...]) -> str:
         out = calculator(call.argument) if call.tool == "calc" else python_tool(call.argument)
     except ToolError as e:
         out = f"error: {e}"
+    except (Exception, RecursionError) as e:  # a policy's input must never stop the run: it is told why
+        out = f"error: {type(e).__name__}"
     if len(out) > MAX_OUTPUT_CHARS:
         out = out[:MAX_OUTPUT_CHARS] + "...(truncated)"
     return wrap(out)
@@ -191,7 +196,10 @@ class ToolEnv:
         return example.prompt
 
     def step(self, model_turn: str) -> Step:
-        call = parse_tool_call(model_turn)
+        try:
+            call = parse_tool_call(model_turn)
+        except (ValueError, RecursionError) as e:  # JSON nested too deep, or a number past int's limit
+            call = f"tool_call cannot be parsed ({type(e).__name__})"
         if call is not None:
             return Step(run_tool_call(call, self.tools), 0.0)
         ex = self.example
