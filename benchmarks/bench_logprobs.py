@@ -40,7 +40,7 @@ def _rss_bytes() -> int:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from gspo.model.logprobs import logprobs_from_hidden, naive_logprobs_from_hidden
+    from gspo.model.lm_head import logprobs_from_hidden, naive_logprobs_from_hidden
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -155,7 +155,7 @@ def main() -> None:
         worker(args)
         return
 
-    from gspo.model.logprobs import DEFAULT_CHUNK_SIZE
+    from gspo.model.lm_head import DEFAULT_CHUNK_SIZE
 
     chunk_sizes = args.chunk_sizes or [DEFAULT_CHUNK_SIZE]
     gib = 2**30

@@ -280,7 +280,9 @@ class GspoContender:
         import torch
 
         from gspo.rollout.hf import HFRolloutEngine
+        from gspo.rollout.sampler import SyncSampler
         from gspo.train import run as RN
+        from gspo.train.plan import plan_update
 
         sh = inp.sh
         self.inp, self.sh = inp, sh
@@ -299,17 +301,19 @@ class GspoContender:
             self.vllm = False
         self.gen = _TimedGenerate(self.engine.generate)
         self.engine.generate = self.gen
+        self.sampler = SyncSampler(self.engine, inp.tok, inp.task, self.cfg)
+        self.plan = plan_update(self.cfg, self.model, sh.kind == "moe")
 
     def step(self, r: int) -> dict[str, Any]:
-        from gspo.train import rollout as RO
+        from gspo.train import scoring as RO
         from gspo.train import update as U
 
         ex, ids = self.inp.batch(r)
         t0 = _now()
         with _vllm_ignore_eos() if self.vllm else contextlib.nullcontext():
-            data, _ = RO.collect_rollout(self.engine, self.inp.tok, self.inp.task, ex, ids, self.cfg)
+            data, _ = RO.collect_rollout(self.sampler, self.inp.tok, self.inp.task, ex, ids, self.cfg)
         self.engine.sleep()
-        U.policy_update(self.model, self.opt, self.sched, data, self.cfg, 1, self.sh.kind == "moe")
+        U.policy_update(self.model, self.opt, self.sched, data, self.plan, 1)
         self.engine.sync_weights()
         tot = _since(t0)
         n = int(data.response_mask_BT.sum())
@@ -325,12 +329,12 @@ class FloorContender:
 
     def __init__(self, inp: Inputs) -> None:
         self.g = GspoContender(inp)
-        from gspo.train import update as U
+        from gspo.train.plan import choose_layout
 
-        self.layout = U.choose_layout(self.g.model, self.g.cfg)
+        self.layout = choose_layout(self.g.model, self.g.cfg)
 
     def step(self, r: int) -> dict[str, Any]:
-        from gspo.model.forward import response_logprobs
+        from gspo.model.logprobs import response_logprobs
         from gspo.rollout.hf import left_pad
         from gspo.train import batch as BA
 
@@ -539,7 +543,7 @@ def profile_step(c: GspoContender, r: int) -> dict[str, Any]:
     functions) and the top torch ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import gspo.model.forward as F
+    import gspo.model.logprobs as F
     import gspo.rollout.hf as H
     from gspo.train import update as U
 

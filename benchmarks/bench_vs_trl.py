@@ -43,15 +43,18 @@ from typing import Any
 import torch
 
 from gspo.config import Config
-from gspo.model.forward import response_logprobs
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
+from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, left_pad
+from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
+from gspo.tasks.prompts import encode_prompts
 from gspo.tasks.synthetic import synthetic_examples
 from gspo.train import batch as BA
-from gspo.train import rollout as RO
 from gspo.train import run as RN
+from gspo.train import scoring as RO
 from gspo.train import update as U
+from gspo.train.plan import choose_layout, plan_update
 
 PROMPTS, G, NEW_TOKENS, MINIBATCHES = 8, 8, 8, 4
 LR, BETAS = 3e-4, (0.9, 0.99)
@@ -96,7 +99,7 @@ class Setup:
         self.tok = build_char_tokenizer()
         self.task = build_task("reverse", "exact_match", 0, 8)
         self.examples = synthetic_examples("reverse", PROMPTS * n_rollouts, 0)
-        self.prompt_ids = RO.encode_prompts(self.tok, self.examples, _cfg())
+        self.prompt_ids = encode_prompts(self.tok, self.examples, _cfg())
 
     def batch(self, r: int) -> tuple[list[Any], list[list[int]]]:
         s = slice(r * PROMPTS, (r + 1) * PROMPTS)
@@ -205,8 +208,8 @@ def gspo_stepper(kind: str, su: Setup, cfg: Config) -> Stepper:
     def step(r: int) -> dict[str, tuple[float, float]]:
         ex, ids = su.batch(r)
         t0 = _now()
-        data, _ = RO.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
-        U.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
+        data, _ = RO.collect_rollout(SyncSampler(engine, su.tok, su.task, cfg), su.tok, su.task, ex, ids, cfg)
+        U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
         return {"": _since(t0)}
 
     return step
@@ -217,7 +220,7 @@ def floor_stepper(kind: str, su: Setup) -> Stepper:
     4 x (``response_logprobs`` in gspo's layout, trivial loss, backward, AdamW step)."""
     cfg = _cfg()
     model, opt, _, engine = _gspo_state(kind, su, cfg)
-    layout = U.choose_layout(model, cfg)
+    layout = choose_layout(model, cfg)
 
     def step(r: int) -> dict[str, tuple[float, float]]:
         _, ids = su.batch(r)
@@ -354,9 +357,11 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
                     totals.clear()
                 ex, ids = su.batch(r)
                 t0 = time.process_time()
-                data, _ = RO.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
+                data, _ = RO.collect_rollout(
+                    SyncSampler(engine, su.tok, su.task, cfg), su.tok, su.task, ex, ids, cfg
+                )
                 t1 = time.process_time()
-                U.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
+                U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
                 t2 = time.process_time()
                 totals["collect_rollout"] += t1 - t0
                 totals["policy_update"] += t2 - t1
@@ -381,8 +386,8 @@ def torch_op_profile(kind: str, su: Setup, n: int, rows: int) -> str:
 
     def step(r: int) -> None:
         ex, ids = su.batch(r)
-        data, _ = RO.collect_rollout(engine, su.tok, su.task, ex, ids, cfg)
-        U.policy_update(model, opt, sched, data, cfg, 1, kind == "moe")
+        data, _ = RO.collect_rollout(SyncSampler(engine, su.tok, su.task, cfg), su.tok, su.task, ex, ids, cfg)
+        U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
 
     step(0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

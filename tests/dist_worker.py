@@ -34,10 +34,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from gspo.config import Config
-    from gspo.model.forward import PolicyLogprobs
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
+    from gspo.model.logprobs import PolicyLogprobs
     from gspo.train import distributed as D
     from gspo.train.batch import RolloutData
+    from gspo.train.plan import plan_update
     from gspo.train.update import policy_update
 
     blob = torch.load(args.data, weights_only=False)
@@ -61,7 +62,9 @@ def main() -> None:
         rollout = D.rollout_model(model, ctx)
         opt = make_optimizer(run["opt"], trainable, run["lr"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        metrics = D.mean_metrics(policy_update(model, opt, sched, local, cfg, world, is_moe=True), ctx)
+        metrics = D.mean_metrics(
+            policy_update(model, opt, sched, local, plan_update(cfg, model, True), world), ctx
+        )
         D.sync_rollout_model(model, rollout, ctx)
         sd = D.full_state_dict(model, ctx)
         osd = D.optimizer_state_dict(model, opt, ctx)

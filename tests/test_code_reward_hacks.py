@@ -7,6 +7,7 @@ the exploit working. Tests are the answer field, as in a dataset row.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -243,7 +244,7 @@ ATTACKS = {
     "stat_result_patch_and_relay": WRONG
     + (  # hijack the verdict pipe, fake its identity, relay
         # (pointless by design: the harness writes the token only after the tests passed)
-        "import os, sys\ni = sys.orig_argv.index('-c')\nvfd = int(sys.orig_argv[i + 4])\n"
+        "import os, sys\ni = [a.endswith('boot.py') for a in sys.orig_argv].index(True)\nvfd = int(sys.orig_argv[i + 3])\n"
         "st = os.fstat(vfd)\ndev, ino = st.st_dev, st.st_ino\n"
         "os.stat_result.st_dev = property(lambda s: dev)\nos.stat_result.st_ino = property(lambda s: ino)\n"
         "os.stat_result.__getitem__ = lambda s, k: (ino, dev)[k - 1] if k in (1, 2) else 0\n"
@@ -253,7 +254,7 @@ ATTACKS = {
     ),
     "dup2_and_relay": WRONG
     + (
-        "import os, sys\ni = sys.orig_argv.index('-c')\nvfd = int(sys.orig_argv[i + 4])\n"
+        "import os, sys\ni = [a.endswith('boot.py') for a in sys.orig_argv].index(True)\nvfd = int(sys.orig_argv[i + 3])\n"
         "real = os.dup(vfd)\nr, w = os.pipe()\nos.dup2(w, vfd)\n"
         "if os.fork() == 0:\n    os.close(w)\n    os.close(vfd)\n    data = os.read(r, 64)\n"
         "    os.write(real, data)\n    os._exit(0)\nos.close(r)\n"
@@ -266,13 +267,14 @@ ATTACKS = {
     "reexec_harness": WRONG + "import os, sys\nos.execv(sys.executable, sys.orig_argv)\n",
     "reexec_harness_with_own_nonce": WRONG
     + (
-        "import os, sys, marshal\nargv = sys.orig_argv\ni = argv.index('-c')\n"
-        "n_fd, c_fd = int(argv[i + 2]), int(argv[i + 3])\n"
+        "import os, sys, marshal\nargv = sys.orig_argv\ni = [a.endswith('boot.py') for a in argv].index(True)\n"
+        "n_fd, c_fd = int(argv[i + 1]), int(argv[i + 2])\n"
         "for fd, data in ((n_fd, b'f' * 64), (c_fd, b'\\n' + marshal.dumps(compile('pass', 't', 'exec')))):\n"
         "    m = os.memfd_create('x', 0)\n    os.write(m, data)\n    os.lseek(m, 0, 0)\n    os.dup2(m, fd)\n"
         "os.execv(sys.executable, argv)\n"
     ),
-    "exec_harness_source": WRONG + "import sys\ni = sys.orig_argv.index('-c')\nexec(sys.orig_argv[i + 1])\n",
+    "exec_harness_source": WRONG
+    + "import sys\ni = [a.endswith('boot.py') for a in sys.orig_argv].index(True)\nexec(open(sys.orig_argv[i]).read())\n",
     "subprocess_reads_parent_memory": WRONG
     + (
         "import subprocess, sys, os\nsubprocess.run([sys.executable, '-c', "
@@ -445,7 +447,8 @@ def test_protected_functions_do_no_global_lookups():
     LOAD_GLOBAL/LOAD_NAME/closure reads a patched builtin or module could intercept."""
     import dis
 
-    code = compile(sandbox._PROTECTED, "protected", "exec")
+    path = Path(sandbox.__file__).with_name("protected.py")
+    code = compile(path.read_text(), str(path), "exec")
     funcs = [c for c in code.co_consts if hasattr(c, "co_code")]
     assert len(funcs) >= 15
     for fn in funcs:

@@ -41,7 +41,8 @@ def test_compare_two_seeds_two_workers_writes_ci_report(tmp_path):
             assert not (tmp_path / f"{v}-s{s}" / "checkpoints").exists()  # finished: only final/ kept
         # one warm start per seed, shared: identical initial accuracy across variants
         assert len({r[0]["eval/accuracy"] for r in rows.values()}) == 1
-    assert "## Per variant: mean [95% CI over seeds, Student t]" in text
+    assert "## Per variant: mean [raw 95% CI over seeds, Student t]" in text
+    assert "## Pre-registration" in text and "every result below is exploratory" in text
     for v in VARIANTS:
         assert f"| {v} | 2 | " in text  # n = 2 seeds, with intervals
     assert "| gspo - grpo | " in text and "| grpo_replay - grpo | " in text
@@ -104,21 +105,43 @@ def _write_runs(out: Path, finals: dict[str, list[float]]) -> None:
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+PRESET = """
+description: constructed runs
+runtime: none
+seeds: [0, 1, 2, 3, 4, 5, 6, 7]
+variants: [gspo, grpo]
+primary:
+  - {metric: acc_final, contrast: gspo - grpo, direction: greater}
+family: {name: test, size: 1}
+"""
+
+
 @pytest.mark.parametrize(
     ("gspo_minus_grpo", "verdict"), [(0.2, "consistent"), (-0.2, "inconsistent"), (0.0, "inconclusive")]
 )
 def test_report_verdict_follows_the_data(tmp_path, gspo_minus_grpo, verdict):
-    """Five seeds whose GSPO - GRPO final accuracy is +0.2 (+-0.01), -0.2 or 0 (+-0.01): the report's
-    verdict on "GSPO trains more efficiently (final accuracy)" is the one the numbers imply."""
-    from gspo.compare import write_report
+    """Eight seeds whose GSPO - GRPO final accuracy is +0.2 (+-0.01), -0.2 or 0 (+-0.01): the declared
+    endpoint "GSPO - GRPO final accuracy > 0" gets the verdict the numbers imply (exact sign-flip p
+    2/256 when every seed agrees), and the same claim undeclared gets none."""
+    from gspo.compare import load_preset, write_report
     from gspo.config import Config
 
-    jitter = [0.01, -0.01, 0.0, 0.005, -0.005]
+    jitter = [0.01, -0.01, 0.0, 0.005, -0.005, 0.002, -0.002, 0.004]
     grpo = [0.5 + j for j in jitter]
     gspo = [0.5 + gspo_minus_grpo + j * (1 if gspo_minus_grpo else -1) for j in jitter]
     _write_runs(tmp_path, {"gspo": gspo, "grpo": grpo})
-    text = write_report(tmp_path, ["gspo", "grpo"], list(range(5)), Config(**TINY)).read_text()
-    row = next(
+    (tmp_path / "p.yaml").write_text(PRESET)
+    preset = load_preset(str(tmp_path / "p.yaml"))
+    text = write_report(tmp_path, ["gspo", "grpo"], list(range(8)), Config(**TINY), preset=preset).read_text()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| acc_final: gspo - grpo > 0 |"))
+    assert row.rsplit("|", 2)[-2].strip() == f"**{verdict}**", row
+    claim = next(
         ln for ln in text.splitlines() if ln.startswith("| GSPO trains more efficiently than GRPO (final")
     )
-    assert row.rsplit("|", 2)[-2].strip() == verdict, row
+    assert f"pre-registered: **{verdict}**" in claim, claim
+    # undeclared (no preset): the same numbers are exploratory, with no verdict anywhere
+    text = write_report(tmp_path, ["gspo", "grpo"], list(range(8)), Config(**TINY)).read_text()
+    claim = next(
+        ln for ln in text.splitlines() if ln.startswith("| GSPO trains more efficiently than GRPO (final")
+    )
+    assert "exploratory: no verdict" in claim and verdict not in claim.split("|")[-2]

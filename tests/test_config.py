@@ -3,9 +3,10 @@
 import dataclasses
 
 import pytest
+import yaml
 
 from gspo.cli import build_parser, main
-from gspo.config import Config, coerce, field_docs, make_config
+from gspo.config import GROUPS, Config, coerce, field_docs, load_yaml, make_config, save_yaml
 from gspo.errors import GspoError
 
 
@@ -16,6 +17,44 @@ def test_every_field_has_a_docstring():
     assert missing == []
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "--group-size" in help_text and "Responses sampled per prompt" in help_text
+    squeezed = "".join(help_text.split())  # argparse wraps lines (also at hyphens)
+    for f in dataclasses.fields(Config):
+        assert "--" + f.name.replace("_", "-") in help_text
+        assert "".join(docs[f.name].split()) in squeezed, f.name
+
+
+def test_groups_compose_one_flat_config():
+    """Each group declares its own fields; Config inherits them all, in the order config.yaml lists."""
+    names = [f.name for g in GROUPS for f in dataclasses.fields(g)]
+    assert names == [f.name for f in dataclasses.fields(Config)]
+    assert len(GROUPS) > 5 and len(set(names)) == len(names)
+    cfg = dataclasses.replace(Config(), seed=1, lr=0.5)
+    assert (cfg.seed, cfg.lr, dataclasses.asdict(cfg)["lr"], cfg.to_dict()["seed"]) == (1, 0.5, 0.5, 1)
+
+
+def _other_value(f: dataclasses.Field):
+    """A value of the field's type other than its default (not necessarily a valid config)."""
+    if f.name in ("eps_low", "eps_high", "mismatch_high"):  # float | None
+        return 0.25
+    if isinstance(f.default, bool):
+        return not f.default
+    if isinstance(f.default, (int, float)):
+        return f.default + 1
+    return "value-of-" + f.name
+
+
+def test_every_field_round_trips_through_yaml(tmp_path):
+    """default -> config.yaml -> load is the same Config; so is a changed value of every field, and the
+    YAML keys are the flat field names (config.yaml of existing runs keeps loading)."""
+    p = tmp_path / "config.yaml"
+    save_yaml(Config(), p)
+    assert make_config(str(p)) == Config()
+    assert list(yaml.safe_load(p.read_text())) == [f.name for f in dataclasses.fields(Config)]
+    changed = Config(**{f.name: _other_value(f) for f in dataclasses.fields(Config)})
+    assert all(getattr(changed, f.name) != f.default for f in dataclasses.fields(Config))
+    save_yaml(changed, p)
+    assert load_yaml(str(p)) == changed.to_dict()
+    assert Config(**load_yaml(str(p))) == changed
 
 
 def test_paper_defaults():
@@ -42,6 +81,12 @@ def test_yaml_then_cli_override(tmp_path):
         ("algo: ppo\n", "config field 'algo': must be one of gspo, gspo_token, grpo"),
         ("group_size: 0\n", "config field 'group_size': must be >= 1"),
         ("a: [1\n", ":2: invalid YAML"),
+        ("zzz: 1\nsteps: x\n", "unknown config key 'zzz'"),  # the first bad key of the file
+        ("steps: x\nzzz: 1\n", "config key 'steps' expects int, got 'x'"),
+        ("steps: true\n", "config key 'steps' expects int, got True"),
+        ("resume: t\n", "config key 'resume' expects bool, got 't'"),
+        ("device:\n", "config key 'device' must not be empty"),
+        ("seed: 1.0e+50\n", "config field 'seed': must be <= 4,294,967,295"),  # an int, out of range
     ],
 )
 def test_bad_yaml_names_the_key(tmp_path, text, msg):
@@ -62,6 +107,13 @@ def test_coerce_types():
         coerce("routing_replay", "maybe", "cli")
     with pytest.raises(GspoError, match="expects int"):
         coerce("steps", 1.5, "cli")
+    with pytest.raises(GspoError, match="expects int"):
+        coerce("steps", "2.0", "cli")  # Python's int syntax, not pydantic's looser one
+    assert coerce("steps", 2.0, "yaml") == 2 and coerce("steps", " 1_000 ", "cli") == 1000
+    assert coerce("name", 2024, "yaml") == "2024" and coerce("device", "none", "cli") == "none"
+    assert coerce("mismatch_high", "NULL", "cli") is None and coerce("progress", "Off", "cli") is False
+    with pytest.raises(GspoError, match=r"^cli: unknown config key 'stepz' \(did you mean steps\?\)$"):
+        coerce("stepz", 1, "cli")
 
 
 def test_minibatch_divisibility_is_checked():

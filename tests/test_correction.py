@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gspo.correction import (
+    CORRECTIONS,
     icepop_weights,
     mismatch_metrics,
     sequence_mask,
@@ -211,6 +212,67 @@ def test_mismatch_metrics_keys_follow_the_naming_rule():
     )
     assert all(k.endswith(("_min", "_max", "_tok", "_seq")) for k in full)
     assert len(full) == len(base) + 9
+    with_abs = mismatch_metrics(OLD, SAMPLER, MASK, abs_diff=True)  # sequence means, no _tok
+    assert set(with_abs) - set(base) == {"token_abs_logp_diff", "seq_abs_logp_diff"}
+    assert mismatch_metrics(OLD, SAMPLER, MASK, estimators=False) == {}
+
+
+def test_abs_diff_metrics_hand_computed():
+    """token_abs_logp_diff: each sequence's mean |d|, averaged over sequences; seq_abs_logp_diff: mean
+    of |l_i| (rows: d = [.1, .3] | [1, .8, .9] | empty | [-.2, -.1, 0, .1])."""
+    m = mismatch_metrics(OLD, _sampler_with_garbage(), MASK, estimators=False, abs_diff=True)
+    assert set(m) == {"token_abs_logp_diff", "seq_abs_logp_diff"}
+    assert abs(m["token_abs_logp_diff"].item() - (0.2 + 0.9 + 0.1) / 3) < ATOL
+    assert abs(m["seq_abs_logp_diff"].item() - (0.2 + 0.9 + 0.05) / 3) < ATOL
+
+
+def test_abs_diff_metrics_equal_the_trainers_former_formula_bitwise():
+    """In float32, the abs-diff metrics are bit for bit what gspo.train.update computed inline before it
+    called mismatch_metrics (so the logged numbers do not move)."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 50, generator=g) > 0.3).float()
+    mask[2] = 0
+    sampler = -torch.rand(6, 50, generator=g) * 5
+    old = sampler + torch.randn(6, 50, generator=g) * 0.05
+    m = mismatch_metrics(old, sampler, mask, estimators=False, abs_diff=True)
+    n_B = mask.sum(-1).clamp(min=1)
+    d_BT = torch.where(mask.bool(), old - sampler, 0.0)
+    n_seq = (mask.sum(-1) > 0).sum().clamp(min=1)
+    assert torch.equal(m["token_abs_logp_diff"], (d_BT.abs().sum(-1) / n_B).sum() / n_seq)
+    assert torch.equal(m["seq_abs_logp_diff"], (d_BT.sum(-1) / n_B).abs().sum() / n_seq)
+
+
+def test_corrections_registry_matches_the_functions():
+    """CORRECTIONS[name] returns the loss weight, the loss mask and the metrics of that correction:
+    exactly what the functions above give (the trainer's former if/elif chain)."""
+    assert list(CORRECTIONS) == ["none", "seq_tis", "seq_mask", "token_mask"]
+    old, sampler = OLD, _sampler_with_garbage()
+    cap, lo, hi = 1.5, 0.9, 1.3
+    base = dict(estimators=True, abs_diff=True)
+    want = {
+        "none": (None, MASK, mismatch_metrics(old, sampler, MASK, estimators=False, abs_diff=True)),
+        "seq_tis": (
+            sequence_tis_weights(old, sampler, MASK, cap),
+            MASK,
+            mismatch_metrics(old, sampler, MASK, **base, tis_cap=cap),
+        ),
+        "seq_mask": (
+            sequence_mask(old, sampler, MASK, lo, hi),
+            MASK,
+            mismatch_metrics(old, sampler, MASK, **base, seq_bounds=(lo, hi)),
+        ),
+        "token_mask": (
+            None,
+            MASK * token_mask(old, sampler, MASK, lo, hi),
+            mismatch_metrics(old, sampler, MASK, **base, token_bounds=(lo, hi)),
+        ),
+    }
+    for name, (w, m_BT, metrics) in want.items():
+        got_w, got_mask, got_metrics = CORRECTIONS[name](old, sampler, MASK, cap=cap, lo=lo, hi=hi)
+        assert (got_w is None) == (w is None) and (w is None or torch.equal(got_w, w)), name
+        assert torch.equal(got_mask, m_BT), name
+        assert got_metrics.keys() == metrics.keys(), name
+        assert all(torch.equal(got_metrics[k], metrics[k]) for k in metrics), name
 
 
 def test_mismatch_metrics_invariant_to_padding_content():
@@ -310,3 +372,16 @@ def test_sequence_mask_and_tis_combine_by_multiplication():
     g = torch.autograd.grad(fn(logp, old, adv, mask, 0.2, 0.27, weight=tis * keep)[0], logp)[0]
     assert torch.allclose(g, (tis * keep)[:, None] * g0, atol=ATOL, rtol=0)
     assert torch.all(g[keep == 0] == 0)
+
+
+def test_every_correction_metric_has_a_declared_reduction():
+    """The trainer combines micro-batch metrics by gspo.train.update.METRICS: every key a correction
+    returns (prefixed ``mismatch/``) is declared there, token-weighted exactly when it ends in _tok."""
+    from gspo.train.update import METRICS, TOKEN
+
+    for name, correction in CORRECTIONS.items():
+        _, _, metrics = correction(OLD, SAMPLER, MASK, cap=2.0, lo=0.5, hi=2.0)
+        for k in metrics:
+            assert f"mismatch/{k}" in METRICS, (name, k)
+            if k.endswith("_tok"):
+                assert METRICS[f"mismatch/{k}"] == TOKEN, (name, k)

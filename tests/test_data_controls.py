@@ -67,8 +67,10 @@ def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
     """The soft penalty enters the rewards (so cut-off responses get advantages of their own), and the
     filter then gives every cut-off response (no EOS) advantage 0 while the others keep theirs."""
     from gspo.rollout.hf import HFRolloutEngine
+    from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
-    from gspo.train.rollout import collect_rollout, encode_prompts
+    from gspo.tasks.prompts import encode_prompts
+    from gspo.train.scoring import collect_rollout
 
     model, tok = tiny_moe
     task = build_task("reverse", "exact_match", 0, 8)
@@ -77,7 +79,9 @@ def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
         cfg = Config(max_new_tokens=3, overlong_buffer=2, overlong_filter=filt, group_size=8).validate()
         eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
         ex = task.train[:8]
-        data, m = collect_rollout(eng, tok, task, ex, encode_prompts(tok, ex, cfg), cfg)
+        data, m = collect_rollout(
+            SyncSampler(eng, tok, task, cfg), tok, task, ex, encode_prompts(tok, ex, cfg), cfg
+        )
         cut_B = ~(data.response_ids_BT == tok.eos_token_id).any(-1)
         out[filt] = (data, cut_B, m)
     data, cut_B, m = out[False]
@@ -94,7 +98,7 @@ def test_dropout_is_off_in_training_unless_kept():
     """A GPT-2 with dropout 0.5 everywhere: two training-mode forwards agree once dropout is disabled."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gspo.train.run import disable_dropout
+    from gspo.train.sft import disable_dropout
 
     torch.manual_seed(0)
     cfg = GPT2Config(
@@ -112,7 +116,7 @@ def test_chat_prompts_are_templated_and_rewards_see_the_user_text():
     --chat-template, and the reward gets the last user message as text."""
     from gspo.model.load import build_char_tokenizer
     from gspo.tasks.datasets import Example, prompt_text
-    from gspo.train.rollout import encode_prompts
+    from gspo.tasks.prompts import encode_prompts
 
     tok = build_char_tokenizer()
     tok.chat_template = (

@@ -15,6 +15,7 @@ import torch
 from gspo.config import Config
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
 from gspo.train.batch import RolloutData
+from gspo.train.plan import plan_update
 from gspo.train.update import policy_update
 
 pytest.importorskip("torch.distributed")
@@ -96,7 +97,7 @@ def _single(run: dict, data: RolloutData, vocab: int):
         model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     opt = make_optimizer(run["opt"], [p for p in model.parameters() if p.requires_grad], run["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    metrics = policy_update(model, opt, sched, data, cfg, 1, is_moe=True)
+    metrics = policy_update(model, opt, sched, data, plan_update(cfg, model, True), 1)
     return model, metrics
 
 

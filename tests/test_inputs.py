@@ -134,7 +134,7 @@ def test_absurd_numbers_are_refused_before_work(tmp_path, capsys, flag, value, w
 
 
 def test_batches_are_checked_against_available_memory(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("gspo.limits.available_memory", lambda: 64 << 20)  # a 64 MiB machine
+    monkeypatch.setattr("gspo.memory.available_memory", lambda: 64 << 20)  # a 64 MiB machine
     _train(capsys, tmp_path, "--eval-size", "100000", want="config field 'eval_size': needs at least")
     _train(capsys, tmp_path, "--prompts-per-step", "20000", "--group-size", "4",
            want="config field 'prompts_per_step': needs at least")  # fmt: skip
@@ -163,7 +163,7 @@ def test_model_aware_check_counts_the_async_weight_copies_and_their_files(monkey
         GspoError, match=r"config field 'async_staleness': needs about \d+ open files.*ulimit -n"
     ):
         check_resources(Config(async_staleness=64), model)
-    monkeypatch.setattr("gspo.limits.available_memory", lambda: 4 << 20)  # 9 copies of 0.9 MB do not fit
+    monkeypatch.setattr("gspo.memory.available_memory", lambda: 4 << 20)  # 9 copies of 0.9 MB do not fit
     small = dict(
         prompts_per_step=2, group_size=2, num_minibatches=1, eval_size=2, max_prompt_tokens=16, sft_steps=0
     )
@@ -360,7 +360,7 @@ def test_reward_that_overflows_float32_names_the_reward():
 def test_reward_plus_overlong_penalty_checked_finite_in_float32():
     import torch
 
-    from gspo.train.rollout import check_finite_rewards
+    from gspo.train.scoring import check_finite_rewards
 
     check_finite_rewards(torch.tensor([1.0, 0.0]), torch.zeros(2), "r", 1.0)
     with pytest.raises(GspoError, match="reward function r: sample 1's reward plus the overlong penalty"):
@@ -446,14 +446,19 @@ def test_reward_timeout_past_what_threading_can_wait_is_one_line():
 def test_unknown_flag_names_the_subcommand_help(capsys):
     _one_line(capsys, ["train", "--bogus"], "unrecognized arguments: --bogus (see 'gspo train --help')")
     _one_line(capsys, ["eval", "x", "--bogus"], "(see 'gspo eval --help')")
+    _one_line(capsys, ["compare", "--bogus"], "unrecognized arguments: --bogus (see 'gspo compare --help')")
 
 
 def test_version(capsys):
+    """``gspo --version``: the installed package's version (metadata), exit 0."""
+    from importlib.metadata import version
+
     from gspo import __version__
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"gspo {__version__}"
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"gspo {version('gspo')}"
+    assert version("gspo") == __version__
 
 
 def test_bad_environment_spec_fails_before_the_warm_start(tmp_path, capsys):

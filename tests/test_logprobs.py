@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gspo.model.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_hidden, naive_logprobs_from_hidden
+from gspo.model.lm_head import DEFAULT_CHUNK_SIZE, logprobs_from_hidden, naive_logprobs_from_hidden
 
 
 def _close(actual, expected, rtol, atol):

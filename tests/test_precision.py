@@ -3,6 +3,7 @@
 import json
 
 from gspo import Config, train
+from gspo.train.plan import pi_old_source
 
 
 def test_bf16_sampler_is_a_synced_copy_and_its_mismatch_is_measured(tmp_path):
@@ -13,8 +14,8 @@ def test_bf16_sampler_is_a_synced_copy_and_its_mismatch_is_measured(tmp_path):
         rollout_dtype="bfloat16", steps=4, sft_steps=60, eval_size=8, prompts_per_step=8, group_size=4,
         max_new_tokens=8, eval_every=0, threads=1, progress=False, lr=3e-3, output_dir=str(tmp_path),
     )  # fmt: skip
-    assert cfg.resolved_old_logp() == "recompute"
-    assert Config().resolved_old_logp() == "rollout"
+    assert pi_old_source(cfg) == "recompute"
+    assert pi_old_source(Config()) == "rollout"
     res = train(cfg)
     rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     diffs = [r["mismatch/token_abs_logp_diff"] for r in rows]

@@ -165,7 +165,7 @@ def test_prompts_the_tokenizer_cannot_read_warn_or_refuse(capsys):
     from gspo.errors import GspoError
     from gspo.model.load import build_char_tokenizer
     from gspo.tasks.datasets import Example
-    from gspo.train.rollout import encode_prompts
+    from gspo.tasks.prompts import encode_prompts
 
     tok = build_char_tokenizer()
     encode_prompts(tok, [Example("rev:12=", "21"), Example("rev:\u00c4\u00d6=", "x")], Config())

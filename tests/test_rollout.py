@@ -2,7 +2,7 @@
 
 import torch
 
-from gspo.model.forward import response_logprobs
+from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, _sample, left_pad
 
 
@@ -100,7 +100,7 @@ def test_completion_texts_match_the_tokenizers_own_decode():
     """The one-call backend decode gives transformers' strings: final EOS dropped, special tokens
     skipped, padding ignored; a tokenizer that cleans up spaces takes transformers' own path."""
     from gspo.model.load import build_char_tokenizer
-    from gspo.train.rollout import completion_texts
+    from gspo.tasks.prompts import completion_texts
 
     tok = build_char_tokenizer()
     rows = [tok("ab c").input_ids + [tok.eos_token_id], tok("x .y").input_ids, [tok.eos_token_id], []]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from gspo.compat import transformers_moe
 from gspo.errors import GspoError
 from gspo.model import routing as R
 
@@ -233,7 +234,7 @@ def test_unsupported_router_or_block_gives_helpful_error():
 
 def _registered_routers():
     out = []
-    for (mod_name, cls_name), fn in R._SCORE_FNS.items():
+    for (mod_name, cls_name), fn in transformers_moe.SCORE_FNS.items():
         try:
             out.append(pytest.param(getattr(importlib.import_module(mod_name), cls_name), fn, id=cls_name))
         except (ImportError, AttributeError):

@@ -317,17 +317,17 @@ def test_compare_run_again_reuses_finished_runs_and_continues_unfinished_ones(ba
     run, continues an unfinished one from its newest complete checkpoint, and redoes one without."""
     import yaml
 
-    from gspo.compare import _plan
+    from gspo.compare import plan_run
 
     run = _copy(base_run, tmp_path)
     saved = yaml.safe_load((run / "config.yaml").read_text())
     cfg = Config(**{**saved, "output_dir": str(tmp_path), "name": "r"})
-    assert _plan(cfg) is None
+    assert plan_run(cfg) is None
     shutil.rmtree(run / "final")
-    assert _plan(cfg).resume
+    assert plan_run(cfg).resume
     for step in ckpt.step_folders(run):
         (step / "model.safetensors").unlink()
-    assert _plan(cfg) == cfg and not run.exists()
+    assert plan_run(cfg) == cfg and not run.exists()
 
 
 def test_step_folders_are_ordered_by_step_number(tmp_path):

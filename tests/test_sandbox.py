@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import procs_with as _procs_with
 
 from gspo.tasks import sandbox
-from gspo.tasks.sandbox import run_untrusted
+from gspo.tasks.sandbox import confine, run_untrusted
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX only")
 
@@ -219,7 +219,7 @@ def test_netns_used_when_root():
 
 def test_user_task_count_sees_this_process():
     """The RLIMIT_NPROC base count (used when not root) includes at least this process's threads."""
-    assert sandbox._user_task_count(os.getuid()) >= 1
+    assert sandbox.host.user_task_count(os.getuid()) >= 1
 
 
 def test_bad_arguments():
@@ -228,3 +228,18 @@ def test_bad_arguments():
         run_untrusted("pass", timeout_s=0)
     with pytest.raises(ValueError):
         run_untrusted("pass", memory_mb=0)
+
+
+@pytest.mark.parametrize("machine", sorted(confine.SECCOMP))
+@pytest.mark.parametrize("metadata", [False, True])
+def test_seccomp_program_is_well_formed(machine, metadata):
+    """The classic-BPF filter the launcher loads: jumps forward within the program and in a byte,
+    every path ends in a return, and the refused syscall numbers are all there."""
+    prog = confine.seccomp_program(metadata, machine)
+    assert len(prog) < 4096 and prog[-1][0] == confine.RET
+    for i, (code, jt, jf, _k) in enumerate(prog):
+        if code in (confine.JEQ, confine.JGE, confine.JSET):
+            assert 0 <= jt <= 255 and 0 <= jf <= 255 and i + 1 + max(jt, jf) < len(prog)
+    table = confine.SECCOMP[machine]
+    checked = {k for code, _, _, k in prog if code == confine.JEQ}
+    assert set(table["deny"]) <= checked and (set(table["meta"]) <= checked) == metadata

@@ -84,7 +84,7 @@ def token():
 
 def _host_dirs(pid: int) -> list[str]:
     """Work dirs of trainer ``pid`` visible on the host (none with a private tmpfs)."""
-    parents = {tempfile.gettempdir(), "/tmp", sandbox._tmpfs_mountpoint() or "/tmp"}
+    parents = {tempfile.gettempdir(), "/tmp", sandbox.host.tmpfs_mountpoint() or "/tmp"}
     return [d for p in parents for d in glob.glob(os.path.join(p, f"gspo-sandbox-{pid}-*"))]
 
 
@@ -227,7 +227,7 @@ def test_detached_children_dead_when_program_exits(token, mode):
 
 
 def _launcher_of_this_process() -> list[int]:
-    """PIDs of the sandbox launchers this process started (direct children running the bootstrap)."""
+    """PIDs of the sandbox launchers this process started (direct children running boot.py)."""
     me = str(os.getpid())
     found = []
     for entry in os.listdir("/proc"):
@@ -240,7 +240,7 @@ def _launcher_of_this_process() -> list[int]:
                 cmd = f.read()
         except (OSError, IndexError):
             continue
-        if ppid == me and b"# gspo sandbox launcher" in cmd:
+        if ppid == me and sandbox.host.BOOT.encode() + b"\x00{" in cmd:  # boot.py, then its JSON config
             found.append(int(entry))
     return found
 
@@ -298,9 +298,9 @@ def test_trainer_killed_leaves_nothing(token, mode):
         trainer.wait(10)
         assert _wait_for(lambda: _procs_with(token) == [], 3.0), _procs_with(token)
         assert _host_dirs(trainer.pid) == []
-        cgroups = sandbox._memory_cgroup_parent()
+        cgroups = sandbox.host.memory_cgroup_parent()
         if cgroups:  # its (empty) memory cgroup goes at the next start
-            sandbox._sweep_stale_dirs.cache_clear()
+            sandbox.host.sweep_stale_dirs.cache_clear()
             run_untrusted("pass")
             assert glob.glob(os.path.join(cgroups, f"gspo-sandbox-{trainer.pid}-*")) == []
     finally:
@@ -326,7 +326,7 @@ def test_stale_host_dirs_of_dead_trainers_removed(monkeypatch, tmp_path):
     hour_ago = time.time() - 3600
     for d in (stale, alive):
         os.utime(d, (hour_ago, hour_ago))
-    sandbox._sweep_stale_dirs.cache_clear()
+    sandbox.host.sweep_stale_dirs.cache_clear()
     try:
         r = run_untrusted("import os\nprint(os.getcwd())\n")
         assert r.ok and not r.private_tmpfs, r.stderr
@@ -334,7 +334,7 @@ def test_stale_host_dirs_of_dead_trainers_removed(monkeypatch, tmp_path):
         assert not stale.exists() and alive.exists() and recent.exists()
         assert _host_dirs(os.getpid()) == [] and not os.path.exists(r.stdout.strip())
     finally:
-        sandbox._sweep_stale_dirs.cache_clear()
+        sandbox.host.sweep_stale_dirs.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,7 +426,7 @@ def test_total_memory_across_processes_limited():
     """Forked children each within memory_mb (the per-process address-space limit) but far over it
     together: where a memory cgroup per call is available they share memory_mb + max_disk_mb, and the
     excess is killed (SIGKILL from the cgroup's OOM killer)."""
-    if sandbox._memory_cgroup_parent() is None:
+    if sandbox.host.memory_cgroup_parent() is None:
         pytest.skip("no cgroup-v1 memory controller to make a cgroup per call in: limits are per process")
     code = textwrap.dedent(
         """

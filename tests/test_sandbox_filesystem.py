@@ -54,7 +54,7 @@ def test_reads_outside_are_refused(outside, target):
         f"import os\ntry:\n    print(open({path!r}).read()[:40])\nexcept OSError as e:\n    print('DENIED', e.errno)\n"
     )
     assert r.ok, r.stderr
-    hidden = r.private_tmpfs and path.startswith(str(sandbox._tmpfs_mountpoint()) + "/")
+    hidden = r.private_tmpfs and path.startswith(str(sandbox.host.tmpfs_mountpoint()) + "/")
     assert r.stdout.startswith("DENIED 2" if hidden else "DENIED 13"), r.stdout
     assert r.filesystem_isolation == "landlock"
 
@@ -215,3 +215,77 @@ def test_fail_closed_without_landlock(monkeypatch):
         assert run_untrusted("print(2)", require_fs_isolation=False).ok  # warned once per process
     monkeypatch.setattr(sandbox, "REQUIRE_FS_ISOLATION", False)
     assert run_untrusted("print(3)").filesystem_isolation == "none"
+
+
+@needs_landlock
+@pytest.mark.parametrize("tests", [None, "assert True"])
+def test_child_files_readable_not_writable(tests):
+    """The program may read the two package files it runs (boot.py, shim.py), and cannot change,
+    replace or chmod them (later calls run them); nothing else of the package is readable."""
+    files = [sandbox.host.BOOT, sandbox.host.SHIM]
+    harness = os.path.join(sandbox.host.PACKAGE_DIR, "harness.py")
+    code = (
+        "import os\n"
+        f"for p in {files!r}:\n"
+        "    print('READ', len(open(p, 'rb').read()) > 0)\n"
+        "    for name, f in (('append', lambda: open(p, 'ab')), ('rename', lambda: os.rename(p, p + '.x')),\n"
+        "                    ('chmod', lambda: os.chmod(p, 0o777)), ('unlink', lambda: os.unlink(p))):\n"
+        "        try:\n"
+        "            f()\n"
+        "            print('CHANGED', name)\n"
+        "        except OSError as e:\n"
+        "            print('DENIED', name, e.errno)\n"
+        "try:\n"
+        f"    open({harness!r}).read()\n"
+        "    print('READ harness')\n"
+        "except OSError as e:\n"
+        "    print('DENIED harness', e.errno)\n"
+    )
+    r = _run(code, tests=tests)
+    assert r.ok and r.passed in (None, True), r.stderr
+    assert r.stdout.count("READ True") == 2 and r.stdout.count("DENIED") == 9, r.stdout
+    assert "CHANGED" not in r.stdout
+    assert all(os.stat(p).st_mode & 0o777 == os.stat(harness).st_mode & 0o777 for p in files)
+
+
+@needs_landlock
+@pytest.mark.parametrize("tests", [None, "assert True"])
+def test_package_modules_not_importable(tests):
+    """``-I``: the directory of boot.py/shim.py is not on the program's sys.path, and Landlock hides
+    the project's source (an editable install's path): none of the sandbox's modules import."""
+    code = (
+        "import sys\n"
+        "for m in ('boot', 'shim', 'harness', 'protected', 'confine', 'gspo', 'gspo.tasks.sandbox'):\n"
+        "    try:\n"
+        "        __import__(m)\n"
+        "        print('IMPORTED', m)\n"
+        "    except ImportError:\n"
+        "        print('NO', m)\n"
+        "print(any(p.endswith('sandbox') for p in sys.path))\n"
+    )
+    r = _run(code, tests=tests)
+    assert r.ok and r.passed in (None, True), r.stderr
+    assert "IMPORTED" not in r.stdout and r.stdout.count("NO ") == 7 and r.stdout.endswith("False\n"), (
+        r.stdout
+    )
+
+
+def test_writable_by_others(tmp_path):
+    """Without Landlock only permissions guard the files later calls run: a world-writable file, or a
+    world-writable directory above it that is not sticky, is named."""
+    d = tmp_path / "pkg"
+    d.mkdir()
+    f = d / "boot.py"
+    f.write_text("")
+    for p in (tmp_path, d):
+        p.chmod(0o755)
+    f.chmod(0o644)
+    assert sandbox.host.writable_by_others(str(f)) is None
+    f.chmod(0o666)
+    assert sandbox.host.writable_by_others(str(f)) == str(f)
+    f.chmod(0o644)
+    d.chmod(0o777)
+    assert sandbox.host.writable_by_others(str(f)) == str(d)
+    d.chmod(0o1777)  # sticky: others cannot replace what they do not own
+    assert sandbox.host.writable_by_others(str(f)) is None
+    assert sandbox.host.writable_by_others(sandbox.host.BOOT) is None  # this checkout

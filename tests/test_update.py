@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from gspo.config import Config
-from gspo.model.forward import response_logprobs
+from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, left_pad
 from gspo.train.batch import RolloutData
+from gspo.train.plan import plan_update
 from gspo.train.update import policy_update
 
 
@@ -29,7 +30,7 @@ def _run(model, data, **kw):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     cfg = Config(prompts_per_step=2, group_size=8, log_volatility=False, max_grad_norm=0, **kw).validate()
-    metrics = policy_update(m, opt, sched, data, cfg, 1, is_moe=True)
+    metrics = policy_update(m, opt, sched, data, plan_update(cfg, m, True), 1)
     return m, metrics
 
 
@@ -67,7 +68,7 @@ def test_layouts_give_the_same_logprobs_entropy_and_grads(tiny_moe, batch, layou
 def test_small_batches_take_the_plain_lm_head_with_the_same_result(tiny_moe, batch, monkeypatch):
     """Below PLAIN_HEAD_MAX_LOGITS the LM head runs under plain autograd instead of the chunked kernel:
     same log-probs, entropies and gradients (the tiny model's batches take the plain path)."""
-    from gspo.model import forward as F
+    from gspo.model import logprobs as F
 
     model, _ = tiny_moe
     assert batch.response_mask_BT.sum() * model.config.vocab_size <= F.PLAIN_HEAD_MAX_LOGITS
@@ -92,7 +93,7 @@ def test_shared_prefix_layout_closed_form():
     """Two rows share prompt [5, 6] (a third row has prompt [4]): one sequence
     [5, 6, 7, 8, 9] with positions [0, 1, 2, 3, 2], each response seeing the prompt and itself only,
     and the first token of each response predicted from the prompt's last token."""
-    from gspo.model.forward import make_layout
+    from gspo.model.logprobs import make_layout
 
     p_ids = torch.tensor([[5, 6], [5, 6], [4, 0]])
     p_mask = torch.tensor([[1, 1], [1, 1], [1, 0]])  # padding on either side
@@ -125,7 +126,7 @@ def test_shared_prefix_layout_closed_form():
 
 def test_shared_prefix_falls_back_to_rows_without_shared_prompts():
     """No two rows share a prompt: the plain causal per-row layout (no mask), real tokens left-aligned."""
-    from gspo.model.forward import make_layout
+    from gspo.model.logprobs import make_layout
 
     p_ids, p_mask = torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]])
     r_ids, r_mask = torch.tensor([[8, 0], [9, 9]]), torch.tensor([[1, 0], [1, 1]])
@@ -151,17 +152,15 @@ def test_micro_batching_and_packing_do_not_change_the_update(tiny_moe, batch, kw
 
 
 def _count_forwards(model, data, **kw):
-    from gspo.train.update import choose_layout
-
     m = copy.deepcopy(model)
     cfg = Config(prompts_per_step=2, group_size=8, **kw).validate()
-    choose_layout(m, cfg)  # the one-time layout probe of a model is not part of an update
+    plan = plan_update(cfg, m, True)  # the one-time layout probe of a model is not part of an update
     calls = []
     base = getattr(m, m.base_model_prefix)
     h = base.register_forward_pre_hook(lambda *a: calls.append(1))
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    policy_update(m, opt, sched, data, cfg, 1, is_moe=True)
+    policy_update(m, opt, sched, data, plan, 1)
     h.remove()
     return len(calls)
 
@@ -187,25 +186,29 @@ def test_volatility_from_the_training_forward_equals_a_separate_look(tiny_moe, b
     """The volatility the update takes from minibatch 2's training forward equals a separate no-grad
     look at minibatch 2 right after the first optimizer step (the forward it saves)."""
     from gspo.train import update as U
-    from gspo.train.batch import split_minibatches as real_split
 
     model, _ = tiny_moe
     m = copy.deepcopy(model)
     cfg = Config(prompts_per_step=2, group_size=8, num_minibatches=4, max_grad_norm=0, algo="grpo").validate()
-    split = []
+    plan, prepared, real_prepare = plan_update(cfg, m, True), [], U.with_pi_old
 
-    def recording_split(*a, **k):
-        split.append(real_split(*a, **k))
-        return split[-1]
+    def recording_prepare(*a, **k):
+        prepared.append(real_prepare(*a, **k))
+        return prepared[-1]
 
-    monkeypatch.setattr(U, "split_minibatches", recording_split)
+    monkeypatch.setattr(U, "with_pi_old", recording_prepare)
     opt = torch.optim.SGD(m.parameters(), lr=5.0)
     looked = []
-    opt.register_step_post_hook(
-        lambda *_: looked or looked.append(U.measure_volatility(U.as_policy(m), split[0][1], cfg))
-    )
+
+    def look(*_):  # minibatch 2, right after the first optimizer step, against pi_old's routing
+        mbs = prepared[0][1]
+        looked or looked.append(
+            U.measure_volatility(U.as_policy(m), mbs, [mb.old_routing for mb in mbs], plan)
+        )
+
+    opt.register_step_post_hook(look)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    got = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+    got = policy_update(m, opt, sched, batch, plan, 1)
     assert 0.0 < got["moe/volatility"] <= 1.0
     vols = sorted(looked[0])
     assert len(vols) >= 3 and [got[k] for k in vols] == pytest.approx([looked[0][k] for k in vols], abs=1e-6)
@@ -235,7 +238,7 @@ def test_volatility_is_zero_without_change_and_positive_with_it(tiny_moe, batch,
             routing_replay=replay,
             algo="grpo",
         ).validate()
-        out = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+        out = policy_update(m, opt, sched, batch, plan_update(cfg, m, True), 1)
         assert check(out["moe/volatility"]), (lr, out["moe/volatility"])
         assert {"moe/volatility/layer0", "moe/volatility/layer1"} <= out.keys()
 
@@ -245,7 +248,7 @@ def test_prefix_sharing_on_needs_a_model_that_takes_4d_masks():
     error naming the field; ``auto`` falls back to per-row sequences."""
     from gspo.errors import GspoError
     from gspo.model.load import load_model_and_tokenizer
-    from gspo.train.update import choose_layout as _layout
+    from gspo.train.plan import choose_layout as _layout
 
     model, _ = load_model_and_tokenizer("embedded:tiny-dense")
     assert _layout(model, Config(prefix_sharing="auto").validate()) == "shared_prefix"
@@ -262,8 +265,8 @@ def test_other_architectures_get_a_layout_that_is_exact(arch):
     log-probs equal the per-row layout's."""
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from gspo.model.forward import shared_prefix_is_exact, takes_additive_mask
-    from gspo.train.update import choose_layout as _layout
+    from gspo.model.logprobs import shared_prefix_is_exact, takes_additive_mask
+    from gspo.train.plan import choose_layout as _layout
 
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -293,7 +296,7 @@ def test_models_that_post_process_logits_get_their_own_logits(arch):
     the sampler's (which samples from those logits too)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteMoeConfig, GraniteMoeForCausalLM
 
-    from gspo.model.forward import lm_head_is_plain
+    from gspo.model.logprobs import lm_head_is_plain
 
     torch.manual_seed(0)
     small = dict(vocab_size=40, hidden_size=32, intermediate_size=32, num_hidden_layers=2)
@@ -333,7 +336,7 @@ def test_gradient_clipping_closed_form(tiny_moe, batch, max_norm):
     cfg = Config(
         prompts_per_step=2, group_size=8, num_minibatches=1, log_volatility=False, max_grad_norm=max_norm
     ).validate()
-    metrics = policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+    metrics = policy_update(m, opt, sched, batch, plan_update(cfg, m, True), 1)
     step = torch.linalg.vector_norm(
         torch.stack([(p - b).norm() for p, b in zip(m.parameters(), before, strict=True)])
     )
@@ -345,10 +348,38 @@ def test_gradient_clipping_closed_form(tiny_moe, batch, max_norm):
 def test_attn_implementation_is_read_where_transformers_sets_it():
     """gspo reads the attention kernel in one place, from a field transformers keeps private
     (``config._attn_implementation``); this fails if transformers moves it."""
-    from gspo.model.forward import attn_implementation
     from gspo.model.load import load_model_and_tokenizer
+    from gspo.model.logprobs import attn_implementation
 
     model, _ = load_model_and_tokenizer("embedded:tiny-dense")
     for impl in ("eager", "sdpa"):
         model.set_attn_implementation(impl)
         assert attn_implementation(model) == impl
+
+
+@pytest.mark.parametrize(
+    "kw, want",
+    [
+        (
+            {},
+            dict(
+                pi_old="rollout", trainer_pi_old=False, replay=None, volatility="free", volatility_minibatch=1
+            ),
+        ),
+        (dict(old_logp="recompute"), dict(pi_old="recompute", trainer_pi_old=True)),
+        (dict(dtype="bfloat16"), dict(pi_old="recompute", trainer_pi_old=True)),  # auto: numerics differ
+        (dict(async_staleness=1), dict(pi_old="rollout")),  # auto: the batch's own policy
+        (dict(mismatch_correction="seq_tis"), dict(pi_old="rollout", trainer_pi_old=True)),
+        (dict(routing_replay=True), dict(replay="R2", volatility="forward")),
+        (dict(num_minibatches=1), dict(volatility="forward", volatility_minibatch=0)),
+        (dict(log_volatility=False), dict(volatility=None, volatility_minibatch=None)),
+        (dict(algo="grpo"), dict(eps_low=0.2, eps_high=0.27, aggregation="seq_mean_token_mean")),
+    ],
+)
+def test_the_update_plan_is_decided_once_from_the_config(tiny_moe, kw, want):
+    """Each decision of an update (where pi_old comes from, replay, how volatility is measured, the
+    clip range) is a field of the plan, resolved from the config in one place."""
+    model, _ = tiny_moe
+    plan = plan_update(Config(**kw).validate(), model, is_moe=True)
+    assert {k: getattr(plan, k) for k in want} == want
+    assert plan_update(Config(**kw).validate(), model, is_moe=False).volatility is None  # dense: no experts

@@ -14,9 +14,10 @@ import torch
 
 from gspo.config import Config
 from gspo.losses import LOSSES
-from gspo.model.forward import response_logprobs
+from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, left_pad
 from gspo.train.batch import RolloutData
+from gspo.train.plan import plan_update
 from gspo.train.update import policy_update
 
 
@@ -92,7 +93,7 @@ def test_update_step_gradient_is_the_whole_minibatch_loss_gradient(tiny_moe, bat
     m = copy.deepcopy(model)
     opt = _Recorder(m.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    policy_update(m, opt, sched, batch, cfg, 1, is_moe=True)
+    policy_update(m, opt, sched, batch, plan_update(cfg, m, True), 1)
     assert len(opt.seen) == 2
     init = [p.detach().clone() for p in model.parameters()]
     for i, (params, grads) in enumerate(opt.seen):
@@ -135,7 +136,7 @@ def test_mismatch_correction_enters_the_update_as_the_pure_functions_say(tiny_mo
     m = copy.deepcopy(model)
     opt = _Recorder(m.parameters(), lr=0.05)
     metrics = policy_update(
-        m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), far, cfg, 1, is_moe=True
+        m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), far, plan_update(cfg, m, True), 1
     )
     rows = far.rows(slice(None))
     with torch.no_grad():

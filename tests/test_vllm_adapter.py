@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gspo.rollout.vllm as gv
+from gspo.compat import transformers_model
 from gspo.errors import GspoError
 from gspo.rollout.base import RolloutBatch
 from gspo.rollout.vllm import (
@@ -91,9 +92,9 @@ def test_sync_weights_stream_layer_by_layer(tiny_moe, monkeypatch):
     state-dict order: embeddings, layer 0, layer 1, final norm; and nothing is written to disk."""
     model, _ = tiny_moe
     calls = []
-    real = gv._revert_weight_conversion
+    real = transformers_model.revert_weight_conversion
     monkeypatch.setattr(
-        gv, "_revert_weight_conversion", lambda m, sd: calls.append(sorted(sd)) or real(m, sd)
+        transformers_model, "revert_weight_conversion", lambda m, sd: calls.append(sorted(sd)) or real(m, sd)
     )
     monkeypatch.setattr(type(model), "save_pretrained", lambda *a, **k: pytest.fail("sync wrote to disk"))
     it = hf_checkpoint_weights(model)

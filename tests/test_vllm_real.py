@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 import gspo.rollout.vllm as gv  # noqa: E402
 from gspo.errors import GspoError  # noqa: E402
-from gspo.model.forward import response_logprobs  # noqa: E402
 from gspo.model.load import load_model_and_tokenizer  # noqa: E402
+from gspo.model.logprobs import response_logprobs  # noqa: E402
 from gspo.model.routing import capture_routing, replay_routing  # noqa: E402
 from gspo.rollout.hf import left_pad  # noqa: E402
 from gspo.rollout.vllm import VLLMRolloutEngine, routing_rows_layout  # noqa: E402
@@ -243,7 +243,7 @@ def test_routed_experts_match_hf_routing(moe_r3):
     for r, p, n in zip(b.routed_experts, prompts, lens, strict=True):
         assert r.dtype == torch.long and tuple(r.shape) == (len(p) + n - 1, 2, 2)
     routing = routing_rows_layout(b)
-    from gspo.model.forward import make_layout
+    from gspo.model.logprobs import make_layout
 
     ids, m = left_pad(prompts, engine.pad_token_id)
     lay = make_layout(ids, m, b.response_ids_BT, b.response_mask_BT, "rows")

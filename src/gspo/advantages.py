@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo.errors import GspoError
+
 SCALES = ("group", "batch", "none")
 
 
@@ -88,3 +90,18 @@ def overlong_penalty(len_B: torch.Tensor, max_len: int, buffer: int, factor: flo
         return torch.zeros_like(len_B, dtype=torch.float32)
     over_B = (len_B.float() - (max_len - buffer)).clamp(min=0, max=buffer)
     return -factor * over_B / buffer
+
+
+def check_finite_rewards(
+    rewards_B: torch.Tensor, penalty_B: torch.Tensor, name: str, overlong_penalty: float
+) -> None:
+    """Rewards as trained (float32, overlong penalty added) must be finite: an inf would make every
+    advantage NaN and every update be skipped, blaming the learning rate."""
+    bad = (~rewards_B.isfinite()).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise GspoError(
+            f"reward function {name}: sample {i}'s reward plus the overlong penalty ({float(penalty_B[i]):g}, "
+            f"overlong_penalty={overlong_penalty:g}) is {float(rewards_B[i])} in float32, the rewards' "
+            "training dtype"
+        )

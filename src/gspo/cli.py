@@ -12,7 +12,7 @@ import threading
 import typing
 from typing import Any
 
-from gspo.config import Config, _field_type, coerce, field_docs
+from gspo.config import Config, field_docs, field_type, parse_values
 from gspo.errors import GspoError
 
 
@@ -22,7 +22,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        typ = _field_type(f)
+        typ = field_type(f.name)
         default = f.default
         help_ = f"{docs.get(f.name, '')} [default: {default}]".replace("%", "%%")
         if typ is bool:
@@ -34,8 +34,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
 
 
 def _overrides(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The config flags given (not None), converted like YAML values: one parsing path for both."""
     names = {f.name for f in dataclasses.fields(Config)} - set(skip)
-    return {k: coerce(k, v, "command line") for k, v in vars(ns).items() if k in names and v is not None}
+    return parse_values({k: v for k, v in vars(ns).items() if k in names and v is not None}, "command line")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,11 +54,21 @@ class _Parser(argparse.ArgumentParser):
     _subcommands: dict[str | None, argparse.ArgumentParser] = {}
 
 
+def _version() -> str:
+    """The installed distribution's version; the package's own when run from a source tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gspo")
+    except PackageNotFoundError:
+        from gspo import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
-    from gspo import __version__
-
-    parser.add_argument("--version", action="version", version=f"gspo {__version__}")
+    parser.add_argument("--version", action="version", version=f"gspo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     parser._subcommands = sub.choices  # type: ignore[assignment]
 

@@ -21,28 +21,33 @@ token mask into ``mask``::
                             normalizer=n, weight=w_B)
     metrics.update(mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, tis_cap=2.0))
 
+or, the way the trainer does, through the registry :data:`CORRECTIONS` (name -> function returning the
+loss's weight, its token mask and these metrics)::
+
+    weight, loss_mask_BT, metrics = CORRECTIONS["seq_tis"](old_logp_BT, sampler_logp_BT, mask_BT,
+                                                           cap=2.0, lo=0.5, hi=2.0)
+
 Metric keys: ``*_min`` / ``*_max`` are minima / maxima, keys ending in ``_tok`` are averages over
 response tokens, all others averages over the sequences that have at least one response token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from gspo.losses import MAX_LOG_RATIO, _compute_dtype, _k3, _masked_log_ratio, _ratio_stats, _sequence_mean
+from gspo.losses import MAX_LOG_RATIO, k3_kl, loss_inputs, ratio_stats, sequence_mean
 
 Tensor = torch.Tensor
 
 
 def _mismatch(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(d_BT, l_B, n_tok_B): detached masked per-token log-ratio (0 on padding), its per-row mean (0
-    for empty rows) and the token counts, in at least float32."""
-    dtype = _compute_dtype(old_logp, sampler_logp)
-    old_logp, sampler_logp = old_logp.detach().to(dtype), sampler_logp.detach().to(dtype)
-    mask_BT = mask.detach().to(dtype)
-    d_BT = _masked_log_ratio(old_logp, sampler_logp, mask_BT)
-    n_tok_B = mask_BT.sum(-1)
-    return d_BT, _sequence_mean(d_BT, n_tok_B), n_tok_B
+    for empty rows) and the token counts, in at least float32: the losses' prologue, pi_old against
+    pi_sampler."""
+    inp = loss_inputs(old_logp.detach(), sampler_logp.detach(), mask.detach())
+    return inp.log_r_BT, sequence_mean(inp.log_r_BT, inp.n_tok_B), inp.n_tok_B
 
 
 def _check_bounds(lo: float, hi: float) -> None:
@@ -138,6 +143,8 @@ def mismatch_metrics(
     sampler_logp: Tensor,
     mask: Tensor,
     *,
+    estimators: bool = True,
+    abs_diff: bool = False,
     tis_cap: float | None = None,
     seq_bounds: tuple[float, float] | None = None,
     token_bounds: tuple[float, float] | None = None,
@@ -148,11 +155,15 @@ def mismatch_metrics(
     With d_it = old_logp_it - sampler_logp_it (tokens sampled from pi_sampler), l_i its per-sequence
     mean, rho = e^l, k = e^d:
 
-    - ``mismatch_k1_tok``: mean over tokens of -d (k1 estimate of KL(pi_sampler || pi_old) per token);
-      ``mismatch_k3_tok``: mean over tokens of k - 1 - d (k3 estimate, >= 0 termwise).
-    - ``mismatch_k1_seq``: mean over sequences of -l_i (the same per-token KL, averaging each
-      sequence's tokens first); ``mismatch_k3_seq``: mean over sequences of rho_i - 1 - l_i.
-    - ``mismatch_ratio_tok_min`` / ``_max`` (k), ``mismatch_ratio_seq`` / ``_seq_min`` / ``_seq_max`` (rho).
+    - ``estimators`` (default True):
+      ``mismatch_k1_tok``: mean over tokens of -d (k1 estimate of KL(pi_sampler || pi_old) per token);
+      ``mismatch_k3_tok``: mean over tokens of k - 1 - d (k3 estimate, >= 0 termwise);
+      ``mismatch_k1_seq``: mean over sequences of -l_i (the same per-token KL, averaging each
+      sequence's tokens first); ``mismatch_k3_seq``: mean over sequences of rho_i - 1 - l_i;
+      ``mismatch_ratio_tok_min`` / ``_max`` (k), ``mismatch_ratio_seq`` / ``_seq_min`` / ``_seq_max`` (rho).
+    - ``abs_diff``: ``token_abs_logp_diff`` (each sequence's mean |d_it|, averaged over sequences) and
+      ``seq_abs_logp_diff`` (mean over sequences of |l_i|): the trainer logs these wherever it knows its
+      own pi_old, whatever the correction.
     - ``tis_cap`` given (:func:`sequence_tis_weights`): ``tis_weight_seq`` (mean weight),
       ``tis_trunc_frac_seq`` / ``tis_trunc_frac_tok`` (share of sequences with rho_i > cap, and of
       tokens in them).
@@ -182,20 +193,22 @@ def mismatch_metrics(
         bad_B = (bad_B & has_tok_B).to(n_tok_B.dtype)
         return bad_B.sum() / n_seq, (bad_B * n_tok_B).sum() / n_tok
 
-    l_clamped_B = l_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    rho_B = torch.exp(l_clamped_B)
     k_BT = torch.exp(d_BT)
-    out = {
-        "mismatch_k1_tok": -d_BT.sum() / n_tok,
-        "mismatch_k3_tok": _k3(d_BT, n_tok_B),
-        "mismatch_k1_seq": seq_mean(-l_B),
-        "mismatch_k3_seq": seq_mean(torch.expm1(l_clamped_B) - l_clamped_B),
-    }
-    tok = _ratio_stats("r", torch.exp(d_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), valid_BT)
-    out["mismatch_ratio_tok_min"], out["mismatch_ratio_tok_max"] = tok["r_min"], tok["r_max"]
-    seq = _ratio_stats("r", rho_B, has_tok_B)
-    out["mismatch_ratio_seq"] = seq["r_mean"]
-    out["mismatch_ratio_seq_min"], out["mismatch_ratio_seq_max"] = seq["r_min"], seq["r_max"]
+    out: dict[str, Tensor] = {}
+    if estimators:
+        l_clamped_B = l_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        out["mismatch_k1_tok"] = -d_BT.sum() / n_tok
+        out["mismatch_k3_tok"] = k3_kl(d_BT, n_tok_B)
+        out["mismatch_k1_seq"] = seq_mean(-l_B)
+        out["mismatch_k3_seq"] = seq_mean(torch.expm1(l_clamped_B) - l_clamped_B)
+        tok = ratio_stats("r", torch.exp(d_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), valid_BT)
+        out["mismatch_ratio_tok_min"], out["mismatch_ratio_tok_max"] = tok["r_min"], tok["r_max"]
+        seq = ratio_stats("r", torch.exp(l_clamped_B), has_tok_B)
+        out["mismatch_ratio_seq"] = seq["r_mean"]
+        out["mismatch_ratio_seq_min"], out["mismatch_ratio_seq_max"] = seq["r_min"], seq["r_max"]
+    if abs_diff:
+        out["token_abs_logp_diff"] = seq_mean(d_BT.abs().sum(-1) / n_tok_B.clamp(min=1))
+        out["seq_abs_logp_diff"] = seq_mean(l_B.abs())
     if tis_cap is not None:
         _check_cap(tis_cap)
         out["tis_weight_seq"] = seq_mean(torch.exp(l_B).clamp(max=tis_cap))
@@ -215,3 +228,49 @@ def mismatch_metrics(
         _check_cap(token_tis_cap)
         out["tok_tis_trunc_frac_tok"], out["tok_tis_trunc_frac_seq"] = tok_frac(k_BT > token_tis_cap)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# registry: one entry per ``mismatch_correction`` setting
+
+#: (old_logp, sampler_logp, mask, *, cap, lo, hi) -> (the loss's ``weight`` or None, the loss's
+#: ``mask``, :func:`mismatch_metrics` for that correction, ``abs_diff`` included)
+CorrectionFn = Callable[..., tuple[Tensor | None, Tensor, dict[str, Tensor]]]
+
+
+def _no_correction(
+    old: Tensor, sampler: Tensor, mask: Tensor, *, cap: float, lo: float, hi: float
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+    return None, mask, mismatch_metrics(old, sampler, mask, estimators=False, abs_diff=True)
+
+
+def _seq_tis(
+    old: Tensor, sampler: Tensor, mask: Tensor, *, cap: float, lo: float, hi: float
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+    weight_B = sequence_tis_weights(old, sampler, mask, cap)
+    return weight_B, mask, mismatch_metrics(old, sampler, mask, abs_diff=True, tis_cap=cap)
+
+
+def _seq_mask(
+    old: Tensor, sampler: Tensor, mask: Tensor, *, cap: float, lo: float, hi: float
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+    keep_B = sequence_mask(old, sampler, mask, lo, hi)
+    return keep_B, mask, mismatch_metrics(old, sampler, mask, abs_diff=True, seq_bounds=(lo, hi))
+
+
+def _token_mask(
+    old: Tensor, sampler: Tensor, mask: Tensor, *, cap: float, lo: float, hi: float
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+    # IcePop: masked tokens leave the loss as padding does (denominators included)
+    loss_mask_BT = mask * token_mask(old, sampler, mask, lo, hi).to(mask.dtype)
+    return None, loss_mask_BT, mismatch_metrics(old, sampler, mask, abs_diff=True, token_bounds=(lo, hi))
+
+
+#: name -> correction (the values of ``Config.mismatch_correction``): ``cap`` is the TIS truncation,
+#: ``[lo, hi]`` the band of kept ratios; each entry reads only what it needs.
+CORRECTIONS: dict[str, CorrectionFn] = {
+    "none": _no_correction,
+    "seq_tis": _seq_tis,
+    "seq_mask": _seq_mask,
+    "token_mask": _token_mask,
+}

@@ -69,9 +69,10 @@ def _resolve_saved_paths(
 def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load ``path`` with ``from_pretrained`` and report held-out reward / accuracy (greedy decoding)."""
     from gspo.model.load import load_model_and_tokenizer
-    from gspo.rollout.hf import HFRolloutEngine
+    from gspo.rollout.factory import make_engine
     from gspo.tasks import task_from_config
-    from gspo.train.rollout import encode_prompts, evaluate
+    from gspo.tasks.prompts import encode_prompts
+    from gspo.train.scoring import evaluate
 
     folder = Path(path)
     if not folder.is_dir():
@@ -87,7 +88,7 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     model.to(device)
     check_resources(cfg, model)
     t = task_from_config(cfg)
-    engine = HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    engine = make_engine(cfg, model, tokenizer)
     out = evaluate(engine, tokenizer, t, encode_prompts(tokenizer, t.eval, cfg), cfg)
     settings = str(run_yaml) if run_yaml else "defaults"
     return {"checkpoint": path, "task": cfg.task, "n": len(t.eval), "settings": settings, **out}

@@ -13,6 +13,7 @@ import os
 import resource
 from typing import Any
 
+from gspo import memory
 from gspo.errors import GspoError
 from gspo.tasks.timelimit import MAX_TIMEOUT_S
 
@@ -44,23 +45,6 @@ BYTES_PER_SEQUENCE = 1024  # at least: the Example, its token-id list and its ro
 BYTES_PER_RESPONSE_TOKEN = 24  # response ids + mask (int64) + sampler log-prob (float32)
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available for new allocations (MemAvailable), None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # noqa: BLE001 (not installed, or no such information here)
-        return None
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -83,7 +67,7 @@ def check_config(cfg: Any) -> None:
         raise _bad(cfg, "temperature", f"must be >= {MIN_TEMPERATURE:g} (smaller overflows the logits)")
     if cfg.prompts_per_step * cfg.group_size > MAX_BATCH:
         raise _bad(cfg, "prompts_per_step", f"prompts_per_step x group_size must be <= {MAX_BATCH:,}")
-    free = available_memory()
+    free = memory.available_memory()
     if free is None:
         return
     per_seq = BYTES_PER_SEQUENCE + cfg.max_new_tokens * BYTES_PER_RESPONSE_TOKEN
@@ -112,7 +96,7 @@ def _device_memory(device: Any) -> int | None:
             return int(torch.cuda.mem_get_info(device)[0])
         except Exception:  # noqa: BLE001 (no driver, or a device index that does not exist)
             return None
-    return available_memory()
+    return memory.available_memory()
 
 
 def check_resources(cfg: Any, model: Any) -> None:

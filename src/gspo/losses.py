@@ -3,7 +3,9 @@
 All functions are pure tensor-in/tensor-out: no config objects, no ``.item()`` host syncs and no
 distributed calls. Shapes: ``B`` sequences, ``T`` response positions (padded). ``mask_BT`` is 1 on
 response tokens and 0 on padding / prompt positions. Each loss returns ``(loss, metrics)`` where
-``loss`` is a scalar to *minimize* and ``metrics`` maps names to detached 0-dim tensors.
+``loss`` is a scalar to *minimize* and ``metrics`` maps names to detached 0-dim tensors. Every loss
+starts from the same prologue, :func:`loss_inputs` (compute dtype, mask, token counts, masked
+log-ratio), so they differ only in their objective and metrics.
 
 Normalization is explicit: ``normalizer`` is the number of sequences (GSPO, GSPO-token, SAPO, GMPO,
 and the ``"seq_mean_token_mean"`` aggregation of GRPO, SAPO-token and CISPO) or tokens (their
@@ -27,6 +29,7 @@ key is an average over the sequences that have at least one response token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -58,28 +61,19 @@ def _masked_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> 
     return torch.where(mask_BT.bool(), logp_BT - old_logp_BT, torch.zeros_like(logp_BT)).clamp(-lim, lim)
 
 
-def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Length-normalized sequence log-ratio ``(1/|y_i|) sum_t (logp - old_logp)`` -> ``[B]``.
-
-    Rows with no response tokens get 0 (ratio 1). Not clamped; callers clamp before ``exp``.
-    """
-    n_tok_B = mask_BT.sum(-1).to(logp_BT.dtype)
-    return _sequence_mean(_masked_log_ratio(logp_BT, old_logp_BT, mask_BT), n_tok_B)
-
-
-def _sequence_mean(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
+def sequence_mean(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
     """Per-row mean of a masked log-ratio (0 on padding) over its ``n_tok_B`` tokens; 0 for empty rows."""
     return log_r_BT.sum(-1) / n_tok_B.clamp(min=1)
 
 
-def _k3(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
+def k3_kl(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
     """k3 estimator of KL(pi_old || pi_theta), e^r - 1 - r averaged over tokens (Schulman 2020), from
     a masked log-ratio (0 on padding, where k3 is 0)."""
     log_r_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return (torch.expm1(log_r_BT) - log_r_BT).sum() / n_tok_B.sum().clamp(min=1)
 
 
-def _ratio_stats(prefix: str, ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
+def ratio_stats(prefix: str, ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
     """Mean/min/max of ``ratio`` over ``valid`` entries (any shape); NaN-free when none are valid."""
     ratio = ratio.detach()
     n = valid.sum().clamp(min=1)
@@ -93,12 +87,8 @@ def _ratio_stats(prefix: str, ratio: Tensor, valid: Tensor) -> dict[str, Tensor]
     }
 
 
-def _clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
-    """Where the clipped branch wins the min (zero gradient): low side for A<0, high side for A>0."""
-    low = (ratio < 1.0 - eps_low) & (adv < 0)
-    high = (ratio > 1.0 + eps_high) & (adv > 0)
-    return low, high
-
+# ----------------------------------------------------------------------------------------------
+# the shared prologue
 
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
 
@@ -108,85 +98,165 @@ def _check_aggregation(aggregation: str) -> None:
         raise ValueError(f"aggregation must be 'seq_mean_token_mean' or 'token_mean', got {aggregation!r}")
 
 
-def _token_advantages(advantages: Tensor, valid_BT: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[B]`` or ``[B, T]`` advantages as ``[B, T]`` in ``dtype``, 0 on padding (a NaN there cannot leak)."""
-    adv_BT = advantages.to(dtype)
-    if adv_BT.dim() == 1:
-        adv_BT = adv_BT[:, None].expand(valid_BT.shape)
-    return torch.where(valid_BT, adv_BT, torch.zeros_like(adv_BT))
+@dataclass(frozen=True)
+class LossInputs:
+    """What every loss computes first from ``(logp, old_logp, mask)``, in the compute dtype (at least
+    float32, see :func:`loss_inputs`). ``log_r_BT`` carries ``logp``'s gradient; the rest is constant."""
+
+    logp_BT: Tensor  # log pi_theta
+    old_logp_BT: Tensor  # log pi_old
+    mask_BT: Tensor  # 1.0 on response tokens, 0.0 elsewhere
+    valid_BT: Tensor  # mask_BT as bool
+    n_tok_B: Tensor  # |y_i|: response tokens per row
+    has_tok_B: Tensor  # rows with at least one response token
+    log_r_BT: Tensor  # logp - old_logp, exactly 0 on padding, clamped to +-_log_ratio_limit
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.logp_BT.dtype
+
+    def seq_advantages(self, advantages_B: Tensor) -> Tensor:
+        """``[B]`` advantages, 0 on rows without tokens (their objective is exactly 0, and a NaN A
+        there cannot reach the gradient)."""
+        return torch.where(self.has_tok_B, advantages_B.to(self.dtype), 0.0)
+
+    def token_advantages(self, advantages: Tensor) -> Tensor:
+        """``[B]`` or ``[B, T]`` advantages as ``[B, T]``, 0 on padding (a NaN there cannot leak)."""
+        adv_BT = advantages.to(self.dtype)
+        if adv_BT.dim() == 1:
+            adv_BT = adv_BT[:, None].expand(self.valid_BT.shape)
+        return torch.where(self.valid_BT, adv_BT, torch.zeros_like(adv_BT))
+
+    def weigh_sequences(self, obj_B: Tensor, weight: Tensor | None) -> Tensor:
+        """``obj_B`` times a ``[B]`` stop-gradient weight (0 on rows without tokens); None: unchanged."""
+        if weight is None:
+            return obj_B
+        B = self.has_tok_B.shape[0]
+        if weight.dim() != 1 or weight.shape[0] != B:
+            raise ValueError(
+                f"weight must have shape [B] = [{B}] for a sequence-level loss, got {tuple(weight.shape)}"
+            )
+        w_B = weight.detach().to(self.dtype)
+        return obj_B * torch.where(self.has_tok_B, w_B, torch.zeros_like(w_B))
+
+    def weigh_tokens(self, obj_BT: Tensor, weight: Tensor | None) -> Tensor:
+        """``obj_BT`` times a ``[B]`` (per sequence) or ``[B, T]`` (per token) stop-gradient weight,
+        0 on padding; None: unchanged."""
+        if weight is None:
+            return obj_BT
+        w = weight.detach().to(self.dtype)
+        if w.dim() == 1 and w.shape[0] == self.valid_BT.shape[0]:
+            w = w[:, None].expand(self.valid_BT.shape)
+        elif w.shape != self.valid_BT.shape:
+            raise ValueError(
+                f"weight must have shape [B] or [B, T] = {list(self.valid_BT.shape)}, got {tuple(w.shape)}"
+            )
+        return obj_BT * torch.where(self.valid_BT, w, torch.zeros_like(w))
+
+    def sequence_loss(self, obj_B: Tensor, normalizer: float | Tensor | None) -> Tensor:
+        """-(1/N) sum_i obj_i, N = B by default."""
+        n = obj_B.shape[0] if normalizer is None else normalizer
+        return -obj_B.sum() / n
+
+    def token_loss(self, obj_BT: Tensor, normalizer: float | Tensor | None, aggregation: str) -> Tensor:
+        """Loss from a per-token objective that is 0 on padding: per-sequence token mean summed over
+        sequences / N (N = B by default), or sum over all tokens / N (N = tokens by default)."""
+        if aggregation == "seq_mean_token_mean":
+            return self.sequence_loss(obj_BT.sum(-1) / self.n_tok_B.clamp(min=1), normalizer)
+        n = self.mask_BT.sum().clamp(min=1) if normalizer is None else normalizer
+        return -obj_BT.sum() / n
 
 
-def _sequence_weight(weight: Tensor, has_tok_B: Tensor, dtype: torch.dtype) -> Tensor:
-    """A ``[B]`` stop-gradient per-sequence multiplier, 0 on rows without response tokens."""
-    if weight.dim() != 1 or weight.shape[0] != has_tok_B.shape[0]:
-        raise ValueError(
-            f"weight must have shape [B] = [{has_tok_B.shape[0]}] for a sequence-level loss,"
-            f" got {tuple(weight.shape)}"
-        )
-    w_B = weight.detach().to(dtype)
-    return torch.where(has_tok_B, w_B, torch.zeros_like(w_B))
+def loss_inputs(logp: Tensor, old_logp: Tensor, mask: Tensor) -> LossInputs:
+    """The prologue every loss shares (and :mod:`gspo.correction`, with pi_old / pi_sampler)."""
+    dtype = _compute_dtype(logp, old_logp)
+    logp_BT, old_logp_BT, mask_BT = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
+    n_tok_B = mask_BT.sum(-1)
+    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, mask_BT)
+    return LossInputs(logp_BT, old_logp_BT, mask_BT, mask_BT.bool(), n_tok_B, n_tok_B > 0, log_r_BT)
 
 
-def _token_weight(weight: Tensor, valid_BT: Tensor, dtype: torch.dtype) -> Tensor:
-    """A ``[B]`` (per sequence) or ``[B, T]`` (per token) stop-gradient multiplier as ``[B, T]``, 0 on padding."""
-    w = weight.detach().to(dtype)
-    if w.dim() == 1 and w.shape[0] == valid_BT.shape[0]:
-        w = w[:, None].expand(valid_BT.shape)
-    elif w.shape != valid_BT.shape:
-        raise ValueError(
-            f"weight must have shape [B] or [B, T] = {list(valid_BT.shape)}, got {tuple(w.shape)}"
-        )
-    return torch.where(valid_BT, w, torch.zeros_like(w))
+def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Length-normalized sequence log-ratio ``(1/|y_i|) sum_t (logp - old_logp)`` -> ``[B]``.
+
+    Rows with no response tokens get 0 (ratio 1). Not clamped; callers clamp before ``exp``.
+    """
+    n_tok_B = mask_BT.sum(-1).to(logp_BT.dtype)
+    return sequence_mean(_masked_log_ratio(logp_BT, old_logp_BT, mask_BT), n_tok_B)
 
 
-def _aggregate(
-    obj_BT: Tensor,
-    mask_BT: Tensor,
-    n_tok_B: Tensor,
-    normalizer: float | Tensor | None,
-    aggregation: str,
-) -> Tensor:
-    """Loss from a per-token objective that is 0 on padding: per-sequence token mean summed over
-    sequences / N (N = B by default), or sum over all tokens / N (N = number of tokens by default)."""
-    if aggregation == "seq_mean_token_mean":
-        n = obj_BT.shape[0] if normalizer is None else normalizer
-        return -(obj_BT.sum(-1) / n_tok_B.clamp(min=1)).sum() / n
-    n = mask_BT.sum().clamp(min=1) if normalizer is None else normalizer
-    return -obj_BT.sum() / n
+# ----------------------------------------------------------------------------------------------
+# metrics shared by several losses
 
 
-def _token_clip_metrics(
-    low_BT: Tensor, high_BT: Tensor, valid_BT: Tensor, n_tok_B: Tensor, has_tok_B: Tensor
-) -> dict[str, Tensor]:
-    """Fractions of tokens clipped low / high, over all tokens and per sequence (then averaged over
-    sequences), for a loss that clips token by token."""
-    low_BT, high_BT = low_BT & valid_BT, high_BT & valid_BT
-    n_tok = n_tok_B.sum().clamp(min=1)
-    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
-    seq_low_B = low_BT.sum(-1) / n_tok_B.clamp(min=1)
-    seq_high_B = high_BT.sum(-1) / n_tok_B.clamp(min=1)
-    out = {
-        "clip_frac_tok_low": low_BT.sum() / n_tok,
-        "clip_frac_tok_high": high_BT.sum() / n_tok,
-        "clip_frac_seq_low": seq_low_B.sum() / n_seq,
-        "clip_frac_seq_high": seq_high_B.sum() / n_seq,
-    }
+def _clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """Where the clipped branch wins the min (zero gradient): low side for A<0, high side for A>0."""
+    low = (ratio < 1.0 - eps_low) & (adv < 0)
+    high = (ratio > 1.0 + eps_high) & (adv > 0)
+    return low, high
+
+
+def _with_totals(out: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Adds ``clip_frac_tok`` / ``clip_frac_seq``, the sums of their low and high sides."""
     out["clip_frac_tok"] = out["clip_frac_tok_low"] + out["clip_frac_tok_high"]
     out["clip_frac_seq"] = out["clip_frac_seq_low"] + out["clip_frac_seq_high"]
     return out
 
 
-def _token_ratio_metrics(
-    log_r_BT: Tensor, valid_BT: Tensor, n_tok_B: Tensor, has_tok_B: Tensor
-) -> dict[str, Tensor]:
-    """Token ratio stats (``ratio_*``), sequence ratio s_i stats (``seq_ratio_*``) and the k3 KL, from
-    the detached masked log-ratio (0 on padding)."""
+def _token_clip_metrics(inp: LossInputs, low_BT: Tensor, high_BT: Tensor) -> dict[str, Tensor]:
+    """Fractions of tokens clipped low / high, over all tokens and per sequence (then averaged over
+    sequences), for a loss that clips token by token."""
+    low_BT, high_BT = low_BT & inp.valid_BT, high_BT & inp.valid_BT
+    n_tok = inp.n_tok_B.sum().clamp(min=1)
+    n_seq = inp.has_tok_B.sum().clamp(min=1).to(inp.n_tok_B.dtype)
+    seq_low_B = low_BT.sum(-1) / inp.n_tok_B.clamp(min=1)
+    seq_high_B = high_BT.sum(-1) / inp.n_tok_B.clamp(min=1)
+    return _with_totals(
+        {
+            "clip_frac_tok_low": low_BT.sum() / n_tok,
+            "clip_frac_tok_high": high_BT.sum() / n_tok,
+            "clip_frac_seq_low": seq_low_B.sum() / n_seq,
+            "clip_frac_seq_high": seq_high_B.sum() / n_seq,
+        }
+    )
+
+
+def _token_ratio_metrics(inp: LossInputs) -> dict[str, Tensor]:
+    """Token ratio stats (``ratio_*``), sequence ratio s_i stats (``seq_ratio_*``) and the k3 KL."""
+    log_r_BT = inp.log_r_BT.detach()
     log_w_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    out = _ratio_stats("ratio", torch.exp(log_w_BT), valid_BT)
-    s_B = torch.exp(_sequence_mean(log_r_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    out.update(_ratio_stats("seq_ratio", s_B, has_tok_B))
-    out["approx_kl"] = _k3(log_w_BT, n_tok_B)
+    out = ratio_stats("ratio", torch.exp(log_w_BT), inp.valid_BT)
+    s_B = torch.exp(sequence_mean(log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    out.update(ratio_stats("seq_ratio", s_B, inp.has_tok_B))
+    out["approx_kl"] = k3_kl(log_w_BT, inp.n_tok_B)
     return out
+
+
+def _sequence_clip_metrics(
+    inp: LossInputs, s_B: Tensor, adv_B: Tensor, eps_low: float, eps_high: float
+) -> dict[str, Tensor]:
+    """Clip fractions for a sequence-level ratio, per sequence and weighted by tokens; its stats."""
+    s_B = s_B.detach()
+    low_B, high_B = _clip_masks(s_B, adv_B, eps_low, eps_high)
+    # [low, high] x [sequences, tokens] in one product; rows without tokens weigh 0 in both columns
+    w_B2 = torch.stack([inp.has_tok_B.to(inp.n_tok_B.dtype), inp.n_tok_B], -1)
+    frac_22 = torch.stack([low_B, high_B]).to(w_B2.dtype) @ w_B2 / w_B2.sum(0).clamp(min=1)
+    (seq_low, tok_low), (seq_high, tok_high) = frac_22
+    seq, tok = frac_22.sum(0)
+    out = {
+        "clip_frac_seq_low": seq_low,
+        "clip_frac_seq_high": seq_high,
+        "clip_frac_tok_low": tok_low,
+        "clip_frac_tok_high": tok_high,
+        "clip_frac_seq": seq,
+        "clip_frac_tok": tok,
+    }
+    out.update(ratio_stats("ratio", s_B, inp.has_tok_B))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO (arXiv 2507.18071) and the GRPO baseline
 
 
 def gspo_loss(
@@ -212,48 +282,16 @@ def gspo_loss(
         normalizer: sequences averaged over by the whole optimizer step (default ``B``).
         weight: optional ``[B]`` stop-gradient multiplier of each sequence's term (TIS weight, 0/1 mask).
     """
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    # rows without response tokens contribute 0; zeroing A there keeps a NaN A out of the gradient
-    adv_B = torch.where(has_tok_B, advantages.to(logp.dtype), 0.0)
-    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)  # shared by the ratio and the KL metric
-    log_s_B = _sequence_mean(log_r_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_B = inp.seq_advantages(advantages)
+    log_s_B = sequence_mean(inp.log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     s_B = torch.exp(log_s_B)
     # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
-    if weight is not None:
-        obj_B = obj_B * _sequence_weight(weight, has_tok_B, dtype)
-    n = logp.shape[0] if normalizer is None else normalizer
-    loss = -obj_B.sum() / n
-    metrics = _sequence_metrics(s_B, adv_B, n_tok_B, has_tok_B, eps_low, eps_high)
-    metrics["approx_kl"] = _k3(log_r_BT.detach(), n_tok_B)
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
+    metrics = _sequence_clip_metrics(inp, s_B, adv_B, eps_low, eps_high)
+    metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
     return loss, metrics
-
-
-def _sequence_metrics(
-    s_B: Tensor, adv_B: Tensor, n_tok_B: Tensor, has_tok_B: Tensor, eps_low: float, eps_high: float
-) -> dict[str, Tensor]:
-    """Clip fractions for a sequence-level ratio, per sequence and weighted by tokens."""
-    s_B = s_B.detach()
-    low_B, high_B = _clip_masks(s_B, adv_B, eps_low, eps_high)
-    # [low, high] x [sequences, tokens] in one product; rows without tokens weigh 0 in both columns
-    w_B2 = torch.stack([has_tok_B.to(n_tok_B.dtype), n_tok_B], -1)
-    frac_22 = torch.stack([low_B, high_B]).to(w_B2.dtype) @ w_B2 / w_B2.sum(0).clamp(min=1)
-    (seq_low, tok_low), (seq_high, tok_high) = frac_22
-    seq, tok = frac_22.sum(0)
-    out = {
-        "clip_frac_seq_low": seq_low,
-        "clip_frac_seq_high": seq_high,
-        "clip_frac_tok_low": tok_low,
-        "clip_frac_tok_high": tok_high,
-        "clip_frac_seq": seq,
-        "clip_frac_tok": tok,
-    }
-    out.update(_ratio_stats("ratio", s_B, has_tok_B))
-    return out
 
 
 def gspo_token_loss(
@@ -276,53 +314,41 @@ def gspo_token_loss(
         advantages: ``[B, T]`` per-token advantages (a ``[B]`` tensor is broadcast over tokens).
         weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier (see the module docstring).
     """
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    adv_BT = advantages.to(dtype)
-    if adv_BT.dim() == 1:
-        adv_BT = adv_BT[:, None].expand_as(logp)
-    adv_BT = torch.where(mask_BT.bool(), adv_BT, torch.zeros_like(adv_BT))
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT).detach()  # the ratio's value and the KL metric
-    raw_log_s_B = _sequence_mean(log_r_BT, n_tok_B)
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_BT = inp.token_advantages(advantages)
+    log_r_BT = inp.log_r_BT.detach()  # the ratio's value and the KL metric
+    raw_log_s_B = sequence_mean(log_r_BT, inp.n_tok_B)
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # the clamps pass no gradient outside [-MAX, MAX] (sequence) or +-lim (token, see
     # _masked_log_ratio); mirror that so GSPO-token == GSPO there too
     in_range_B = (raw_log_s_B >= -MAX_LOG_RATIO) & (raw_log_s_B <= MAX_LOG_RATIO)
-    tok_ok_BT = (logp.detach() - old_logp).abs() <= _log_ratio_limit(logp)
-    grad_BT = mask_BT.bool() & in_range_B[:, None] & tok_ok_BT
-    safe_logp_BT = torch.where(grad_BT, logp, torch.zeros_like(logp))
+    tok_ok_BT = (inp.logp_BT.detach() - inp.old_logp_BT).abs() <= _log_ratio_limit(inp.logp_BT)
+    grad_BT = inp.valid_BT & in_range_B[:, None] & tok_ok_BT
+    safe_logp_BT = torch.where(grad_BT, inp.logp_BT, torch.zeros_like(inp.logp_BT))
     # value: exactly s_i on every token (x - sg[x] == 0, whereas (log_s + x) - x rounds at the scale
     # of |x|: ~1e-6 in float32 for logp ~ -20); gradient: s_i * d logp_it
     log_s_BT = log_s_B[:, None] + (safe_logp_BT - safe_logp_BT.detach())
     s_BT = torch.exp(log_s_BT)
     obj_BT = torch.minimum(s_BT * adv_BT, s_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
-    if weight is not None:
-        obj_BT = obj_BT * _token_weight(weight, mask_BT.bool(), dtype)
-    obj_B = (obj_BT * mask_BT).sum(-1) / n_tok_B.clamp(min=1)
-    n = logp.shape[0] if normalizer is None else normalizer
-    loss = -obj_B.sum() / n
+    obj_BT = inp.weigh_tokens(obj_BT, weight)
+    loss = inp.token_loss(obj_BT * inp.mask_BT, normalizer, "seq_mean_token_mean")
 
-    s_det_BT = s_BT.detach()
-    valid_BT = mask_BT.bool()
-    low_BT, high_BT = _clip_masks(s_det_BT, adv_BT, eps_low, eps_high)
-    n_tok = mask_BT.sum().clamp(min=1)
+    low_BT, high_BT = _clip_masks(s_BT.detach(), adv_BT, eps_low, eps_high)
+    n_tok = inp.mask_BT.sum().clamp(min=1)
     # a sequence counts as clipped when the majority of its tokens are (with A_it = A_i: all or none)
-    low_B = (low_BT & valid_BT).sum(-1) * 2 > n_tok_B
-    high_B = (high_BT & valid_BT).sum(-1) * 2 > n_tok_B
-    n_seq = has_tok_B.sum().clamp(min=1).to(mask_BT.dtype)
-    metrics = {
-        "clip_frac_tok_low": (low_BT & valid_BT).sum() / n_tok,
-        "clip_frac_tok_high": (high_BT & valid_BT).sum() / n_tok,
-        "clip_frac_seq_low": (low_B & has_tok_B).sum() / n_seq,
-        "clip_frac_seq_high": (high_B & has_tok_B).sum() / n_seq,
-    }
-    metrics["clip_frac_tok"] = metrics["clip_frac_tok_low"] + metrics["clip_frac_tok_high"]
-    metrics["clip_frac_seq"] = metrics["clip_frac_seq_low"] + metrics["clip_frac_seq_high"]
-    metrics.update(_ratio_stats("ratio", torch.exp(log_s_B.detach()), has_tok_B))
-    metrics["approx_kl"] = _k3(log_r_BT, n_tok_B)
+    low_B = (low_BT & inp.valid_BT).sum(-1) * 2 > inp.n_tok_B
+    high_B = (high_BT & inp.valid_BT).sum(-1) * 2 > inp.n_tok_B
+    n_seq = inp.has_tok_B.sum().clamp(min=1).to(inp.dtype)
+    metrics = _with_totals(
+        {
+            "clip_frac_tok_low": (low_BT & inp.valid_BT).sum() / n_tok,
+            "clip_frac_tok_high": (high_BT & inp.valid_BT).sum() / n_tok,
+            "clip_frac_seq_low": (low_B & inp.has_tok_B).sum() / n_seq,
+            "clip_frac_seq_high": (high_B & inp.has_tok_B).sum() / n_seq,
+        }
+    )
+    metrics.update(ratio_stats("ratio", torch.exp(log_s_B.detach()), inp.has_tok_B))
+    metrics["approx_kl"] = k3_kl(log_r_BT, inp.n_tok_B)
     return loss, metrics
 
 
@@ -350,23 +376,13 @@ def grpo_loss(
             (:func:`gspo.correction.icepop_weights`).
     """
     _check_aggregation(aggregation)
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    valid_BT = mask_BT.bool()
-    adv_BT = _token_advantages(advantages, valid_BT, dtype)
-    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
-    w_BT = torch.exp(log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    obj_BT = torch.minimum(w_BT * adv_BT, w_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT) * mask_BT
-    if weight is not None:
-        obj_BT = obj_BT * _token_weight(weight, valid_BT, dtype)
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    loss = _aggregate(obj_BT, mask_BT, n_tok_B, normalizer, aggregation)
-
-    low_BT, high_BT = _clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high)
-    metrics = _token_clip_metrics(low_BT, high_BT, valid_BT, n_tok_B, has_tok_B)
-    metrics.update(_token_ratio_metrics(log_r_BT.detach(), valid_BT, n_tok_B, has_tok_B))
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_BT = inp.token_advantages(advantages)
+    w_BT = torch.exp(inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    obj_BT = torch.minimum(w_BT * adv_BT, w_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT) * inp.mask_BT
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
+    metrics = _token_clip_metrics(inp, *_clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high))
+    metrics.update(_token_ratio_metrics(inp))
     return loss, metrics
 
 
@@ -403,14 +419,15 @@ def _gate_slope(log_r: Tensor, tau: Tensor) -> Tensor:
     return 4.0 * torch.sigmoid(x) * torch.sigmoid(-x)
 
 
-def _gate_metrics(g_BT: Tensor, valid_BT: Tensor, n_tok_B: Tensor, has_tok_B: Tensor) -> dict[str, Tensor]:
+def _gate_metrics(inp: LossInputs, g_BT: Tensor) -> dict[str, Tensor]:
     """Mean of the gate g over tokens and over sequences (of each sequence's token mean), and its minimum."""
+    valid_BT = inp.valid_BT
     g_BT = torch.where(valid_BT, g_BT.detach(), torch.zeros_like(g_BT))
-    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+    n_seq = inp.has_tok_B.sum().clamp(min=1).to(inp.n_tok_B.dtype)
     one = torch.ones((), dtype=g_BT.dtype, device=g_BT.device)
     return {
-        "gate_tok_mean": g_BT.sum() / n_tok_B.sum().clamp(min=1),
-        "gate_seq_mean": (g_BT.sum(-1) / n_tok_B.clamp(min=1)).sum() / n_seq,
+        "gate_tok_mean": g_BT.sum() / inp.n_tok_B.sum().clamp(min=1),
+        "gate_seq_mean": (g_BT.sum(-1) / inp.n_tok_B.clamp(min=1)).sum() / n_seq,
         "gate_min": torch.where(valid_BT.any(), torch.where(valid_BT, g_BT, one).amin(), one),
     }
 
@@ -449,27 +466,17 @@ def sapo_loss(
     ``ratio_*`` of s_i; ``approx_kl``.
     """
     _check_temperatures(eps_low, eps_high)
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    adv_B = torch.where(has_tok_B, advantages.to(dtype), 0.0)
-    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
-    log_s_B = _sequence_mean(log_r_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_B = inp.seq_advantages(advantages)
+    log_s_B = sequence_mean(inp.log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     tau_B = _temperature(adv_B, eps_low, eps_high)
     obj_B = _soft_gate(log_s_B, tau_B) * adv_B  # rows without tokens: A = 0
-    if weight is not None:
-        obj_B = obj_B * _sequence_weight(weight, has_tok_B, dtype)
-    n = logp.shape[0] if normalizer is None else normalizer
-    loss = -obj_B.sum() / n
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
 
     log_s_B = log_s_B.detach()
-    valid_BT = mask_BT.bool()
-    g_BT = _gate_slope(log_s_B, tau_B)[:, None].expand(valid_BT.shape)
-    metrics = _gate_metrics(g_BT, valid_BT, n_tok_B, has_tok_B)
-    metrics.update(_ratio_stats("ratio", torch.exp(log_s_B), has_tok_B))
-    metrics["approx_kl"] = _k3(log_r_BT.detach(), n_tok_B)
+    metrics = _gate_metrics(inp, _gate_slope(log_s_B, tau_B)[:, None].expand(inp.valid_BT.shape))
+    metrics.update(ratio_stats("ratio", torch.exp(log_s_B), inp.has_tok_B))
+    metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
     return loss, metrics
 
 
@@ -506,23 +513,15 @@ def sapo_token_loss(
     """
     _check_aggregation(aggregation)
     _check_temperatures(eps_low, eps_high)
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    valid_BT = mask_BT.bool()
-    adv_BT = _token_advantages(advantages, valid_BT, dtype)
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
-    log_w_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_BT = inp.token_advantages(advantages)
+    log_w_BT = inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     tau_BT = _temperature(adv_BT, eps_low, eps_high)
-    obj_BT = _soft_gate(log_w_BT, tau_BT) * adv_BT * mask_BT
-    if weight is not None:
-        obj_BT = obj_BT * _token_weight(weight, valid_BT, dtype)
-    loss = _aggregate(obj_BT, mask_BT, n_tok_B, normalizer, aggregation)
+    obj_BT = _soft_gate(log_w_BT, tau_BT) * adv_BT * inp.mask_BT
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
 
-    metrics = _gate_metrics(_gate_slope(log_w_BT.detach(), tau_BT), valid_BT, n_tok_B, has_tok_B)
-    metrics.update(_token_ratio_metrics(log_r_BT.detach(), valid_BT, n_tok_B, has_tok_B))
+    metrics = _gate_metrics(inp, _gate_slope(log_w_BT.detach(), tau_BT))
+    metrics.update(_token_ratio_metrics(inp))
     return loss, metrics
 
 
@@ -569,26 +568,17 @@ def cispo_loss(
     per sequence; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
     """
     _check_aggregation(aggregation)
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    valid_BT = mask_BT.bool()
-    adv_BT = _token_advantages(advantages, valid_BT, dtype)
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    log_r_BT = _masked_log_ratio(logp.detach(), old_logp, mask_BT)  # the weight is a constant
-    r_BT = torch.exp(log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_BT = inp.token_advantages(advantages)
+    r_BT = torch.exp(inp.log_r_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # the weight is a constant
     w_hat_BT = r_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
-    safe_logp_BT = torch.where(valid_BT, logp, torch.zeros_like(logp))
+    safe_logp_BT = torch.where(inp.valid_BT, inp.logp_BT, torch.zeros_like(inp.logp_BT))
     unit_BT = 1.0 + (safe_logp_BT - safe_logp_BT.detach())  # exactly 1, d/d logp = 1
-    obj_BT = w_hat_BT * adv_BT * unit_BT * mask_BT
-    if weight is not None:
-        obj_BT = obj_BT * _token_weight(weight, valid_BT, dtype)
-    loss = _aggregate(obj_BT, mask_BT, n_tok_B, normalizer, aggregation)
+    obj_BT = w_hat_BT * adv_BT * unit_BT * inp.mask_BT
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
 
-    low_BT, high_BT = r_BT < 1.0 - eps_low, r_BT > 1.0 + eps_high
-    metrics = _token_clip_metrics(low_BT, high_BT, valid_BT, n_tok_B, has_tok_B)
-    metrics.update(_token_ratio_metrics(log_r_BT, valid_BT, n_tok_B, has_tok_B))
+    metrics = _token_clip_metrics(inp, r_BT < 1.0 - eps_low, r_BT > 1.0 + eps_high)
+    metrics.update(_token_ratio_metrics(inp))
     return loss, metrics
 
 
@@ -629,28 +619,19 @@ def gmpo_loss(
     ``_low``: A < 0 and l < -eps_low), per token and per sequence; ``ratio_*`` (tokens),
     ``seq_ratio_*`` (s_i, unclipped), ``approx_kl``.
     """
-    dtype = _compute_dtype(logp, old_logp)
-    logp, old_logp = logp.to(dtype), old_logp.to(dtype)
-    mask_BT = mask.to(dtype)
-    valid_BT = mask_BT.bool()
-    n_tok_B = mask_BT.sum(-1)
-    has_tok_B = n_tok_B > 0
-    adv_B = torch.where(has_tok_B, advantages.to(dtype), 0.0)
-    log_r_BT = _masked_log_ratio(logp, old_logp, mask_BT)
-    log_r_det_BT = log_r_BT.detach()
-    high_BT = (adv_B > 0)[:, None] & (log_r_det_BT > eps_high) & valid_BT
-    low_BT = (adv_B < 0)[:, None] & (log_r_det_BT < -eps_low) & valid_BT
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_B = inp.seq_advantages(advantages)
+    log_r_det_BT = inp.log_r_BT.detach()
+    high_BT = (adv_B > 0)[:, None] & (log_r_det_BT > eps_high) & inp.valid_BT
+    low_BT = (adv_B < 0)[:, None] & (log_r_det_BT < -eps_low) & inp.valid_BT
     # the clip bound replaces l where it is the pessimistic side; there is no gradient then
-    c_BT = torch.where(high_BT, eps_high, torch.where(low_BT, -eps_low, log_r_BT))
-    log_S_B = _sequence_mean(c_BT, n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    c_BT = torch.where(high_BT, eps_high, torch.where(low_BT, -eps_low, inp.log_r_BT))
+    log_S_B = sequence_mean(c_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     obj_B = adv_B * torch.exp(log_S_B)  # rows without tokens: A = 0
-    if weight is not None:
-        obj_B = obj_B * _sequence_weight(weight, has_tok_B, dtype)
-    n = logp.shape[0] if normalizer is None else normalizer
-    loss = -obj_B.sum() / n
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
 
-    metrics = _token_clip_metrics(low_BT, high_BT, valid_BT, n_tok_B, has_tok_B)
-    metrics.update(_token_ratio_metrics(log_r_det_BT, valid_BT, n_tok_B, has_tok_B))
+    metrics = _token_clip_metrics(inp, low_BT, high_BT)
+    metrics.update(_token_ratio_metrics(inp))
     return loss, metrics
 
 

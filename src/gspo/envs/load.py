@@ -82,11 +82,11 @@ def _import(spec: str, target: str) -> Any:
 
 
 def _check_sandbox() -> None:
-    from gspo.tasks.sandbox import REQUIRE_FS_ISOLATION, _fs_available, _unavailable_message
+    from gspo.tasks.sandbox import REQUIRE_FS_ISOLATION, fs_available, unavailable_message
 
-    if REQUIRE_FS_ISOLATION and not _fs_available():
+    if REQUIRE_FS_ISOLATION and not fs_available():
         raise GspoError(
-            f"config field 'env': the python tool needs the code sandbox: {_unavailable_message()}"
+            f"config field 'env': the python tool needs the code sandbox: {unavailable_message()}"
         )
 
 
@@ -95,7 +95,7 @@ class EnvFailure(Exception):
 
 
 def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
-    from gspo.tasks.rewards import _is_interrupt
+    from gspo.tasks.rewards import is_interrupt
     from gspo.tasks.timelimit import call_with_timeout
 
     try:
@@ -110,7 +110,7 @@ def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
             ) from None
         raise
     except BaseException as e:  # noqa: BLE001 (a user environment may raise anything, SystemExit too)
-        if _is_interrupt(e):  # its time limit, or a real Ctrl-C / SIGTERM of the trainer
+        if is_interrupt(e):  # its time limit, or a real Ctrl-C / SIGTERM of the trainer
             raise
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         err = GspoError(f"environment {spec.name}: {what}() raised {type(e).__name__}: {msg}".rstrip(": "))
@@ -120,12 +120,12 @@ def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
 
 
 def make_env(spec: EnvSpec) -> Env:
-    from gspo.tasks.rewards import _is_interrupt
+    from gspo.tasks.rewards import is_interrupt
 
     try:
         env = spec.factory()
     except BaseException as e:  # noqa: BLE001 (SystemExit from a constructor included)
-        if _is_interrupt(e):
+        if is_interrupt(e):
             raise
         raise GspoError(f"environment {spec.name}: making it raised {type(e).__name__}: {e}") from None
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):

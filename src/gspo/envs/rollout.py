@@ -10,7 +10,6 @@ the engine's generator: exact resume holds as for single-turn rollouts.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +41,7 @@ def limits_of(cfg: Any) -> Limits:
 
 def encoder(tokenizer: Any, cfg: Any) -> Callable[[Prompt], list[int]]:
     """A prompt from ``env.reset`` -> token ids, as the trainer encodes prompts (template, limits)."""
-    from gspo.train.rollout import encode_prompts
+    from gspo.tasks.prompts import encode_prompts
 
     return lambda prompt: encode_prompts(tokenizer, [Example(prompt, "")], cfg)[0]
 
@@ -77,7 +76,7 @@ def run_episodes(
 ) -> EnvRolloutBatch:
     """One trajectory per example (repeat an example G times for a group), played to its end.
     ``prompt_ids`` are the examples' prompts encoded; a different prompt from ``env.reset`` is
-    encoded with ``encode`` (the trainer's :func:`~gspo.train.rollout.encode_prompts`)."""
+    encoded with ``encode`` (the trainer's :func:`~gspo.tasks.prompts.encode_prompts`)."""
     trajs, prompt_ids = [], [list(p) for p in prompt_ids]
     for b, ex in enumerate(examples):
         env = make_env(spec)
@@ -170,39 +169,14 @@ def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_ba
     )
 
 
-def collect_env_rollout(
-    engine: RolloutEngine,
-    tokenizer: Any,
-    task: Any,
-    examples: list[Example],
-    prompt_ids: list[list[int]],
-    cfg: Any,
-) -> tuple[Any, dict[str, float]]:
-    """The multi-turn ``collect_rollout``: G trajectories per prompt -> RolloutData (groups contiguous)."""
-    G = cfg.group_size
-    t0 = time.time()
-    eb = run_episodes(
-        engine,
-        tokenizer,
-        spec_of(cfg, task),
-        [e for e in examples for _ in range(G)],
-        [p for p in prompt_ids for _ in range(G)],
-        limits_of(cfg),
-        cfg.temperature,
-        encode=encoder(tokenizer, cfg),
-    )
-    return score_episodes(eb, tokenizer, len(examples), cfg, time.time() - t0)
-
-
 def score_episodes(
     eb: EnvRolloutBatch, tokenizer: Any, n_prompts: int, cfg: Any, t_gen: float
 ) -> tuple[Any, dict[str, float]]:
     """Group advantages of the environment's rewards; overlong handling on the trajectory's tokens
     (the penalty against ``max_trajectory_tokens``, the filter on trajectories a limit cut off)."""
-    from gspo.advantages import group_advantages, overlong_penalty
+    from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
     from gspo.rollout.hf import left_pad
     from gspo.train.batch import RolloutData
-    from gspo.train.rollout import check_finite_rewards
 
     assert eb.obs_mask_BT is not None and eb.reward_B is not None and eb.truncated_B is not None
     G = cfg.group_size
@@ -265,7 +239,7 @@ def evaluate_env(
 
 
 # ------------------------------------------------------------------------------------------------
-# async rollouts (gspo.train.async_sampler): the sampler process plays the trajectories
+# async rollouts (gspo.rollout.async_sampler): trajectories cross a process boundary
 
 ENV_FIELDS = ("obs_mask_BT", "reward_B", "truncated_B", "turns_B")
 
@@ -287,41 +261,4 @@ def with_env_fields(rb: RolloutBatch, fields: dict[str, Any] | None) -> RolloutB
         rb.prompt_ids, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT,
         **arrays, n_errors=int(fields["n_errors"]),
     )  # fmt: skip
-    if hasattr(rb, "gen_s"):
-        out.gen_s = rb.gen_s  # type: ignore[attr-defined]
     return out
-
-
-@dataclass
-class AsyncEnv:
-    """What the sampler process needs to play trajectories (made there from the trainer's config)."""
-
-    tokenizer: Any
-    spec: EnvSpec
-    train: list[Example]
-    limits: Limits
-    temperature: float
-    encode: Callable[[Prompt], list[int]]
-
-
-def async_env(cfg: Any, tokenizer: Any) -> AsyncEnv | None:
-    """In the sampler process: the task and environment of ``cfg`` (None without ``env``)."""
-    if not getattr(cfg, "env", None):
-        return None
-    from gspo.tasks import task_from_config
-
-    task = task_from_config(cfg)
-    return AsyncEnv(
-        tokenizer, spec_of(cfg, task), task.train, limits_of(cfg), cfg.temperature, encoder(tokenizer, cfg)
-    )
-
-
-def async_generate(
-    engine: RolloutEngine, env: AsyncEnv, idx: list[int], prompt_ids: list[list[int]], G: int
-) -> EnvRolloutBatch:
-    """The trajectories of the training prompts ``idx``, G each."""
-    examples = [env.train[i] for i in idx for _ in range(G)]
-    rep = [prompt_ids[i] for i in idx for _ in range(G)]
-    return run_episodes(
-        engine, env.tokenizer, env.spec, examples, rep, env.limits, env.temperature, encode=env.encode
-    )

@@ -51,10 +51,10 @@ def warm_start_env(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> float:
     """``cfg.sft_steps`` supervised steps on demonstrations of ``cfg.task``. Returns the last loss."""
-    from gspo.model.forward import make_layout, response_logprobs
+    from gspo.model.logprobs import make_layout, response_logprobs
     from gspo.rollout.hf import left_pad
     from gspo.train.logger import Progress
-    from gspo.train.sft import nll_step
+    from gspo.train.nll import nll_step
 
     make = DEMONSTRATIONS[cfg.task]
     rng = random.Random(cfg.seed + 7)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -52,8 +53,9 @@ _TINY = dict(
 )
 
 
-def build_tiny_moe(vocab_size: int, seed: int = 0) -> PreTrainedModel:
-    """Tiny Qwen3-MoE: 2 layers, 8 experts (top-2), hidden 64. Trains in minutes on a CPU."""
+def build_tiny_moe(vocab_size: int, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Tiny Qwen3-MoE: 2 layers, 8 experts (top-2), hidden 64. Trains in minutes on a CPU.
+    ``overrides`` replace entries of the shared tiny config (e.g. ``head_dim``)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -64,44 +66,33 @@ def build_tiny_moe(vocab_size: int, seed: int = 0) -> PreTrainedModel:
         norm_topk_prob=True,
         decoder_sparse_step=1,
         output_router_logits=False,
-        **_TINY,
+        **{**_TINY, **overrides},
     )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config)
 
 
-def build_tiny_dense(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+def build_tiny_dense(vocab_size: int, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """Tiny dense Qwen3 of about the same active size as :func:`build_tiny_moe`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **_TINY))
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **{**_TINY, **overrides}))
+
+
+# vLLM's CPU attention backend needs head_dim >= 32 (tests/test_vllm_real.py): the tiny models with
+# that one change
+H32 = {"head_dim": 32}
 
 
 def build_tiny_moe_h32(vocab_size: int, seed: int = 0) -> PreTrainedModel:
-    """:func:`build_tiny_moe` with head_dim 32 (vLLM's CPU attention backend needs head_dim >= 32)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        moe_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        output_router_logits=False,
-        **{**_TINY, "head_dim": 32},
-    )
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config)
+    """:func:`build_tiny_moe` with head_dim 32."""
+    return build_tiny_moe(vocab_size, seed, **H32)
 
 
 def build_tiny_dense_h32(vocab_size: int, seed: int = 0) -> PreTrainedModel:
-    """:func:`build_tiny_dense` with head_dim 32 (vLLM's CPU attention backend needs head_dim >= 32)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **{**_TINY, "head_dim": 32}))
+    """:func:`build_tiny_dense` with head_dim 32."""
+    return build_tiny_dense(vocab_size, seed, **H32)
 
 
 # a deeper MoE for the stability study (docs/stability): more layers and experts give routing more

@@ -1,227 +1,403 @@
-"""Token log-probs from final hidden states through the LM head, without materializing ``[N, V]`` logits.
+"""Token log-probs of responses under a causal LM, computed only at response positions.
 
-:func:`logprobs_from_hidden` runs a chunked :class:`torch.autograd.Function`: the forward pass computes
-the logits of ``chunk_size`` rows at a time (upcast to float32, divided by the temperature) and keeps
-only each row's logsumexp; the backward pass recomputes each chunk's logits and turns them into
-``grad_logits = g * (onehot(target) - softmax) / temperature`` in place, from which it accumulates the
-hidden-state gradient (per chunk) and the LM-head gradient (float32 accumulator, cast to the weight's
-dtype at the end). Each pass reuses one preallocated ``[chunk_size, V]`` float32 buffer (two with
-entropy, plus one in the weight's dtype for bfloat16), so peak extra memory is about that buffer plus,
-when the weight needs a gradient, one ``[V, H]`` float32 accumulator. Cost: one extra ``N x V x H``
-matmul versus plain autograd (the logits are recomputed in backward).
+Three input layouts (:data:`LAYOUTS`), same log-probs and gradients; each sequence is its real
+tokens, prompt then response, with position ids counting from 0 at its first prompt token:
 
-With a frozen weight (e.g. LoRA) the hidden gradient is row-separable,
-``g_n * ((onehot - softmax) @ W)_n / temperature``, so the forward pass computes
-``(onehot - softmax) @ W`` (``[N, H]``) and backward only rescales it by ``g / temperature``: no
-recompute, the same two matmuls as plain autograd. Under ``no_grad`` (or when no input needs a
-gradient) only the forward chunks run. :func:`naive_logprobs_from_hidden` is the reference that
-materializes the full logits.
+- ``rows``: every row's real tokens are moved to the left of its own row, padding to the right end.
+  Causal attention never looks right, so no attention mask is needed (sdpa runs its plain causal
+  kernel) and the width is the longest *real* sequence, not the longest prompt plus the longest
+  response.
+- ``packed``: the real tokens of every row are concatenated into one ``[1, N]`` row with position
+  ids restarting at 0 per sequence and no attention mask; transformers then builds a block-diagonal
+  causal mask from the position ids, so no layer spends compute on padding and sequences cannot
+  attend to each other (cheap with flash attention's varlen kernels, costly with a dense mask).
+- ``shared_prefix``: rows with the same prompt (the G samples of a group) become one sequence,
+  ``[prompt, response_1, ..., response_G]``, under a 4D mask in which each response sees the prompt
+  and its own earlier tokens only, and whose position ids continue from the prompt for every
+  response. The prompt is computed once per group instead of G times; its keys and values collect
+  the gradients of all G responses, exactly the sum the separate rows would give. Needs a model that
+  takes a ready 4D additive mask (:func:`takes_additive_mask`); falls back to ``rows`` when no two
+  rows share a prompt or the mask would exceed :data:`SHARED_PREFIX_MAX_MASK` entries (its attention
+  is dense, so it pays off for short sequences, not for thousands of tokens).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+from torch import nn
+from transformers import PreTrainedModel
 
-DEFAULT_CHUNK_SIZE = 512
+from gspo.compat import transformers_model
+from gspo.model.lm_head import (
+    DEFAULT_CHUNK_SIZE,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    naive_logprobs_from_hidden,
+)
+from gspo.model.unwrap import ModelWrapper, unwrap
 
-
-def naive_logprobs_from_hidden(
-    hidden_NH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    targets_N: torch.Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Reference: full ``[N, V]`` float32 logits, ``log_softmax`` and ``gather`` (``chunk_size`` unused)."""
-    return logprobs_from_logits(hidden_NH @ weight_VH.T, targets_N, temperature, return_entropy)
-
-
-def logprobs_from_logits(
-    logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``log_softmax(logits / temperature)[target]`` in float32 (+ the entropy, detached)."""
-    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
-    logp_N = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
-    if not return_entropy:
-        return logp_N
-    ent_N = -(logp_NV.exp() * logp_NV).sum(-1).detach()
-    return logp_N, ent_N
+LAYOUTS = ("rows", "packed", "shared_prefix")
+SHARED_PREFIX_MAX_MASK = 1 << 22  # entries of the [U, L, L] mask (16 MiB in float32)
+# up to this many logits (N x V, 4 MiB in float32) plain autograd through the LM head is faster than
+# the chunked kernel, whose fixed per-call cost (~0.2 ms on a CPU) then dominates; memory is immaterial
+PLAIN_HEAD_MAX_LOGITS = 1 << 20
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the softmax math: float32, or float64 for float64 inputs (exact tests, gradcheck)."""
-    return torch.promote_types(dtype, torch.float32)
+def position_ids_from_mask(attention_mask_BL: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, so a left-padded prompt sees the same RoPE as an unpadded one."""
+    return (attention_mask_BL.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class _ChunkBuffers:
-    """Reusable ``[chunk_size, V]`` buffers, so no chunk allocates (and page-faults in) fresh memory.
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean "may attend" -> the additive form attention adds to its scores: 0, or dtype's minimum."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
 
-    ``z`` holds the upcast logits of a chunk; ``raw`` (only when the weight is not already in the
-    accumulation dtype, e.g. bfloat16) the matmul output in the weight's dtype; ``aux`` a second upcast
-    buffer for the entropy. The last, shorter chunk uses the leading rows of each buffer.
+
+def attn_implementation(model: PreTrainedModel) -> str:
+    """The attention kernel the model runs (``sdpa``, ``eager``, ``flash_attention_2``, ...): a private
+    transformers name, read in :mod:`gspo.compat.transformers_model`; ``tests/test_update.py`` pins
+    that it follows ``set_attn_implementation``."""
+    return transformers_model.attn_implementation(model)
+
+
+# probe results per model object: (probe name, key) -> bool; entries go with the model
+_PROBES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], bool]] = weakref.WeakKeyDictionary()
+
+
+def _probe(
+    model: PreTrainedModel,
+    name: str,
+    key: str,
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    tol: float,
+    errors: tuple[type[Exception], ...] = (Exception,),
+) -> bool:
+    """Cached once per model (under ``name``/``key``): ``run()`` in eval mode gives ``(ref, got)`` that
+    must agree within ``tol`` relative to ``ref`` (5e-2 for half precision); a raised ``errors`` is a no."""
+    cache = _PROBES.setdefault(model, {})
+    key = (name, key)
+    if key not in cache:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                ref, got = run()
+            if model.dtype not in (torch.float32, torch.float64):
+                tol = 5e-2
+            cache[key] = bool((ref - got).abs().max() <= tol * max(1.0, float(ref.abs().max())))
+        except errors:  # a model that rejects the probed inputs outright
+            cache[key] = False
+        finally:
+            model.train(was_training)
+    return cache[key]
+
+
+def takes_additive_mask(model: PreTrainedModel) -> bool:
+    """True when a ready 4D additive mask means the same to the model as transformers' own mask from
+    a 2D padding mask: sdpa or eager attention, full attention in every layer (no sliding window),
+    and a probe (two tiny left-padded rows, both ways, once per model and attention implementation)
+    agrees. The probe catches what the config does not tell, e.g. ALiBi biases built from the 2D mask."""
+    cfg = model.config
+    impl = attn_implementation(model)
+    if impl not in ("sdpa", "eager"):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and not all(t == "full_attention" for t in types):
+        return False
+    if types is None and getattr(cfg, "sliding_window", None) is not None:
+        return False
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dev = next(model.parameters()).device
+        ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], device=dev) % model.config.vocab_size
+        mask_BL = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=dev)
+        see_BLL = torch.ones((5, 5), dtype=torch.bool, device=dev).tril() & mask_BL.bool()[:, None, :]
+        pos = position_ids_from_mask(mask_BL)
+        logits = [
+            model(input_ids=ids, attention_mask=m, position_ids=pos).logits[:, -1].float()
+            for m in (mask_BL, additive_mask(see_BLL[:, None], model.dtype))
+        ]
+        return logits[0], logits[1]
+
+    return _probe(model, "additive_mask", impl, run, tol=1e-3)
+
+
+def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
+    """True when the model takes 4D masks (:func:`takes_additive_mask`) and a probe (three tiny rows,
+    two sharing a prompt, in eval mode; once per model and attention implementation) gives the same
+    log-probs in the ``shared_prefix`` layout as in ``rows``: a model that ignores ``position_ids`` or
+    rebuilds its own mask is caught here instead of training on wrong log-probs."""
+    if not takes_additive_mask(model):
+        return False
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dev, V = next(model.parameters()).device, model.config.vocab_size
+        p_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]], device=dev) % V
+        p_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]], device=dev)
+        r_ids = torch.tensor([[10, 11, 12], [13, 0, 0], [14, 15, 0]], device=dev) % V
+        r_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], device=dev)
+        rows = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
+        return rows, response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="shared_prefix")
+
+    return _probe(model, "shared_prefix", attn_implementation(model), run, tol=1e-3)
+
+
+@dataclass
+class Layout:
+    """Model inputs for one batch plus where its response tokens sit.
+
+    ``pred_pos`` holds flat indices into the ``[R, L]`` hidden states of the positions that predict
+    each response token (row-major over ``response_mask_BT``). ``response_pos_RL`` marks the response
+    tokens' own positions (for per-token statistics such as MoE routing). ``attention_mask_R1LL`` is
+    None (plain causal) except for ``shared_prefix``, where it is additive: 0 where a query may look,
+    the dtype's minimum elsewhere.
     """
 
-    def __init__(self, rows: int, weight_VH: torch.Tensor, entropy: bool = False):
-        V = weight_VH.shape[0]
-        acc = _acc_dtype(weight_VH.dtype)
-        kw = dict(device=weight_VH.device)
-        self.z = torch.empty(rows, V, dtype=acc, **kw)
-        self.raw = torch.empty(rows, V, dtype=weight_VH.dtype, **kw) if weight_VH.dtype != acc else None
-        self.aux = torch.empty(rows, V, dtype=acc, **kw) if entropy else None
-
-    def logits(self, h_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
-        """Upcast ``h @ W^T / temperature`` of one chunk, written into (a prefix of) ``z``."""
-        C = h_CH.shape[0]
-        z_CV = self.z[:C]
-        if self.raw is None:
-            torch.mm(h_CH, weight_VH.T, out=z_CV)
-        else:
-            raw_CV = self.raw[:C]
-            torch.mm(h_CH, weight_VH.T, out=raw_CV)
-            z_CV.copy_(raw_CV)
-        if temperature != 1.0:
-            z_CV.div_(temperature)
-        return z_CV
-
-    def matmul_w(self, a_CV: torch.Tensor, weight_VH: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = a @ W`` for an upcast ``[C, V]`` chunk, cast to the weight's dtype first (as autograd)."""
-        if self.raw is not None:
-            a_CV = self.raw[: a_CV.shape[0]].copy_(a_CV)
-        torch.mm(a_CV, weight_VH, out=out)
+    input_ids_RL: torch.Tensor
+    position_ids_RL: torch.Tensor
+    pred_pos: torch.Tensor
+    response_pos_RL: torch.Tensor
+    attention_mask_R1LL: torch.Tensor | None = None
 
 
-def _forward_chunks(
-    hidden_NH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    targets_N: torch.Tensor,
-    chunk_size: int,
+def make_layout(
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    layout: str = "rows",
+    mask_dtype: torch.dtype = torch.float32,
+    obs_mask_BT: torch.Tensor | None = None,
+) -> Layout:
+    """Model inputs of prompts + responses in ``layout``. ``obs_mask_BT`` (multi-turn trajectories)
+    marks observation tokens between the model's: they are in the sequence (the model's later
+    tokens see them) but nothing predicts them, so they get no log-prob and no gradient."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "shared_prefix":
+        lay = _shared_prefix_layout(
+            prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, mask_dtype, obs_mask_BT
+        )
+        if lay is not None:
+            return lay
+    ids_BL = torch.cat([prompt_ids_BP, response_ids_BT], 1)
+    real_BT = response_mask_BT if obs_mask_BT is None else response_mask_BT.bool() | obs_mask_BT.bool()
+    mask_BL = torch.cat([prompt_mask_BP.bool(), real_BT.bool()], 1)
+    resp_BL = torch.cat([torch.zeros_like(prompt_mask_BP), response_mask_BT], 1).bool()
+    if layout == "packed":
+        flat_ids = ids_BL[mask_BL][None]  # [1, N] real tokens, row after row
+        pos = position_ids_from_mask(mask_BL)[mask_BL][None]
+        resp_N = resp_BL[mask_BL]
+        pred = resp_N.nonzero().squeeze(-1) - 1  # every response token has a prompt token before it
+        return Layout(flat_ids, pos, pred, resp_N[None])
+    # rows: real token k of a row goes to column k of that row, padding to the right end
+    B = ids_BL.shape[0]
+    col_BL = mask_BL.long().cumsum(-1) - 1
+    L = int(mask_BL.sum(-1).max()) if B else 0
+    row_BL = torch.arange(B, device=ids_BL.device)[:, None].expand_as(ids_BL)
+    r, c = row_BL[mask_BL], col_BL[mask_BL]
+    ids_RL = torch.zeros((B, L), dtype=ids_BL.dtype, device=ids_BL.device)  # any valid id as filler
+    ids_RL[r, c] = ids_BL[mask_BL]
+    resp_RL = torch.zeros((B, L), dtype=torch.bool, device=ids_BL.device)
+    resp_RL[r, c] = resp_BL[mask_BL]
+    # hidden at column k predicts the token at column k+1 (row-major, as response_mask_BT selects)
+    pred = resp_RL.view(-1).nonzero().squeeze(-1) - 1
+    pos_RL = torch.arange(L, device=ids_BL.device).expand(B, L)
+    return Layout(ids_RL, pos_RL, pred, resp_RL)
+
+
+def _shared_prefix_layout(
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    mask_dtype: torch.dtype,
+    obs_mask_BT: torch.Tensor | None = None,
+) -> Layout | None:
+    """One sequence per distinct prompt: ``[prompt, responses of its rows in row order]``; None when
+    no prompt is shared or the mask would be too large. Index arithmetic only (no per-row loop).
+    A response's observation tokens (``obs_mask_BT``) are in its segment but predict nothing."""
+    dev = prompt_ids_BP.device
+    B = prompt_ids_BP.shape[0]
+    keyed_BP = torch.where(prompt_mask_BP.bool(), prompt_ids_BP, -1)  # padding cannot tell prompts apart
+    group: dict[tuple[int, ...], int] = {}  # prompt -> its sequence (on the host: B small rows)
+    grp = [group.setdefault(tuple(r), len(group)) for r in keyed_BP.tolist()]
+    U = len(group)
+    if U == B:
+        return None
+    grp_B = torch.tensor(grp, device=dev)
+    uniq_UP = torch.tensor(list(group), dtype=keyed_BP.dtype, device=dev)
+    real_UP = uniq_UP >= 0
+    plen_U = real_UP.sum(-1)
+    real_BT = response_mask_BT.bool() if obs_mask_BT is None else response_mask_BT.bool() | obs_mask_BT.bool()
+    rank_BT = real_BT.long().cumsum(-1) - 1  # t-th real response token of its row
+    rb, rt = real_BT.nonzero(as_tuple=True)  # response tokens, row-major
+    rk = rank_BT[rb, rt]
+    rlen_B = torch.bincount(rb, minlength=B)
+    rtot_U = torch.zeros_like(plen_U).index_add_(0, grp_B, rlen_B)
+    L = int((plen_U + rtot_U).max())
+    if U * L * L > SHARED_PREFIX_MAX_MASK:
+        return None
+    # row b's responses start after its prompt and the responses of the earlier rows of its group
+    order = torch.argsort(grp_B, stable=True)  # group-major, row order within a group
+    before_B = torch.empty_like(rlen_B)
+    before_B[order] = rlen_B[order].cumsum(0) - rlen_B[order]  # response tokens of all earlier rows
+    start_B = plen_U[grp_B] + before_B - (rtot_U.cumsum(0) - rtot_U)[grp_B]
+    ru, rc = grp_B[rb], start_B[rb] + rk  # sequence and column of each response token
+    pu, pp = real_UP.nonzero(as_tuple=True)
+    pj = (real_UP.long().cumsum(-1) - 1)[pu, pp]  # j-th real prompt token (any padding side)
+    ids_UL = torch.zeros((U, L), dtype=prompt_ids_BP.dtype, device=dev)  # any valid id as filler
+    pos_UL = torch.zeros((U, L), dtype=torch.long, device=dev)
+    seg_UL = torch.full((U, L), -1, dtype=torch.long, device=dev)  # 0: prompt, b + 1: row b's response
+    ids_UL[pu, pj], pos_UL[pu, pj], seg_UL[pu, pj] = uniq_UP[pu, pp], pj, 0
+    ids_UL[ru, rc], pos_UL[ru, rc], seg_UL[ru, rc] = response_ids_BT[rb, rt], plen_U[ru] + rk, rb + 1
+    # the first response token is predicted by the prompt's last token, later ones by their predecessor
+    pred = ru * L + torch.where(rk == 0, plen_U[ru] - 1, rc - 1)
+    seg_q, seg_k = seg_UL[:, :, None], seg_UL[:, None, :]
+    see_ULL = torch.ones((L, L), dtype=torch.bool, device=dev).tril() & ((seg_k == 0) | (seg_k == seg_q))
+    resp_UL = seg_UL > 0
+    if obs_mask_BT is not None:  # observation tokens are context only: not predicted, not "response"
+        own = response_mask_BT.bool()[rb, rt]
+        pred = pred[own]
+        resp_UL[ru[~own], rc[~own]] = False
+    return Layout(ids_UL, pos_UL, pred, resp_UL, additive_mask(see_ULL[:, None], mask_dtype))
+
+
+def response_logprobs(
+    model: PreTrainedModel,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    return_entropy: bool = False,
+    layout: str | Layout = "rows",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t | x, y_<t) for every response token -> ``[B, T]`` float32 (0 on padding).
+
+    ``layout`` names one of :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors.
+    Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
+    positions (chunked, see :func:`logprobs_from_hidden`; plain autograd up to
+    :data:`PLAIN_HEAD_MAX_LOGITS`), never on prompt or padding positions, unless the model
+    post-processes its logits (:func:`lm_head_is_plain`).
+    """
+    model = unwrap(model, "hf")
+    lay = layout
+    if not isinstance(lay, Layout):
+        lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, lay, model.dtype)
+    plain = lm_head_is_plain(model)
+    return _logprobs(
+        model, lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, plain
+    )
+
+
+class PolicyLogprobs(ModelWrapper):
+    """The trainer's forward as a module: ``Layout`` + responses -> response log-probs (+ entropy).
+
+    Data-parallel wrappers (DDP, FSDP2's root unit) hook a module's own ``forward``; the training
+    loop calls this module, so they wrap the computation it actually runs (base model, then the LM
+    head at response positions only) through public forwards, with no hooks moved by hand.
+    ``self.model`` is the Hugging Face causal LM (or its PEFT wrapper), so parameter names carry a
+    ``model.`` prefix.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        lay: Layout,
+        response_ids_BT: torch.Tensor,
+        response_mask_BT: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        return_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        hf = unwrap(self.model, "hf")
+        plain = lm_head_is_plain(hf)
+        return _logprobs(
+            hf, lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, plain
+        )
+
+
+def as_policy(model: nn.Module) -> nn.Module:
+    """``model`` as the trainer's forward module: a bare HF model is put in a :class:`PolicyLogprobs`."""
+    if isinstance(model, PolicyLogprobs | nn.parallel.DistributedDataParallel):
+        return model
+    return PolicyLogprobs(model)
+
+
+def _logprobs(
+    model: PreTrainedModel,
+    lay: Layout,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
     temperature: float,
+    chunk_size: int,
     return_entropy: bool,
-    dlogp_dh_NH: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-row (target log-prob, logsumexp, entropy or None), float32 ``[N]``, chunk by chunk.
-
-    If ``dlogp_dh_NH`` (``[N, H]``, the weight's dtype) is given, it is filled with
-    ``(onehot(target) - softmax) @ W``, i.e. ``temperature * d logp_n / d hidden_n``: the hidden-state
-    gradient factors per row as ``g_n * that / temperature``, so with a frozen weight the backward pass
-    needs no logits recompute.
-    """
-    N = hidden_NH.shape[0]
-    kw = dict(dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
-    logp_N = torch.empty(N, **kw)
-    lse_N = torch.empty(N, **kw)
-    ent_N = torch.empty(N, **kw) if return_entropy else None
-    bufs = _ChunkBuffers(min(chunk_size, N), weight_VH, entropy=return_entropy) if N else None
-    for s in range(0, N, chunk_size):
-        e = min(s + chunk_size, N)
-        z_CV = bufs.logits(hidden_NH[s:e], weight_VH, temperature)
-        tgt_C = z_CV.gather(-1, targets_N[s:e, None]).squeeze(-1)
-        m_C = z_CV.amax(-1)
-        y_CV = z_CV.sub_(m_C[:, None])  # in place: y = z - max <= 0
-        if ent_N is None:
-            p_CV = y_CV.exp_()  # unnormalized probabilities e^y, in place
-            sum_C = p_CV.sum(-1)
-        else:
-            p_CV = torch.exp(y_CV, out=bufs.aux[: e - s])  # e^y in the second buffer, y kept
-            sum_C = p_CV.sum(-1)
-            # H = log S - sum_v e^y y / S with S = sum_v e^y; y <= 0 keeps this well conditioned
-            ent_N[s:e] = sum_C.log() - y_CV.mul_(p_CV).sum(-1) / sum_C
-        lse_C = m_C + sum_C.log()
-        lse_N[s:e] = lse_C
-        logp_N[s:e] = tgt_C - lse_C
-        if dlogp_dh_NH is not None:
-            # onehot - softmax, in place on e^y, then one [C, V] x [V, H] matmul
-            p_CV.mul_(-sum_C.reciprocal()[:, None])
-            p_CV.scatter_add_(1, targets_N[s:e, None], torch.ones_like(p_CV[:, :1]))
-            bufs.matmul_w(p_CV, weight_VH, out=dlogp_dh_NH[s:e])
-    return logp_N, lse_N, ent_N
-
-
-class _ChunkedLogprobs(torch.autograd.Function):
-    """Chunked log softmax + gather through the LM head.
-
-    Saves the inputs, the per-row logsumexp and, with a frozen weight, the ``[N, H]`` hidden-gradient
-    factor; never anything of size ``N x V``.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy):
-        # Frozen weight: the hidden gradient is row-separable, so compute it here (one matmul) instead
-        # of recomputing the logits in backward (two matmuls). Costs that matmul even if no backward runs.
-        dlogp_dh_NH = None
-        if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
-            dlogp_dh_NH = torch.empty(hidden_NH.shape, dtype=weight_VH.dtype, device=hidden_NH.device)
-        logp_N, lse_N, ent_N = _forward_chunks(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, dlogp_dh_NH
-        )
-        ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N, dlogp_dh_NH)
-        ctx.chunk_size = chunk_size
-        ctx.temperature = temperature
-        if ent_N is None:
-            return logp_N
-        ctx.mark_non_differentiable(ent_N)
-        return logp_N, ent_N
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp_N, *_grad_ent):
-        hidden_NH, weight_VH, targets_N, lse_N, dlogp_dh_NH = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return None, None, None, None, None, None
-        chunk_size, temperature = ctx.chunk_size, ctx.temperature
-        N = hidden_NH.shape[0]
-        acc = _acc_dtype(weight_VH.dtype)
-        if grad_logp_N is None:
-            grad_logp_N = torch.zeros(N, dtype=acc, device=hidden_NH.device)
-        g_N = grad_logp_N.to(acc) / temperature
-        if dlogp_dh_NH is not None:  # frozen weight: hidden gradient precomputed in forward
-            grad_h_NH = (dlogp_dh_NH.to(acc) * g_N[:, None]).to(hidden_NH.dtype)
-            return grad_h_NH, None, None, None, None, None
-        grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
-        grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
-        bufs = _ChunkBuffers(min(chunk_size, N), weight_VH) if N else None
-        for s in range(0, N, chunk_size):
-            e = min(s + chunk_size, N)
-            h_CH = hidden_NH[s:e]
-            g_C = g_N[s:e]
-            # grad_logits = g * (onehot - softmax) / T, built in place on the recomputed logits
-            gl_CV = bufs.logits(h_CH, weight_VH, temperature)
-            gl_CV.sub_(lse_N[s:e, None]).exp_().mul_(-g_C[:, None])
-            gl_CV.scatter_add_(1, targets_N[s:e, None], g_C[:, None])
-            if grad_h_NH is not None:
-                bufs.matmul_w(gl_CV, weight_VH, out=grad_h_NH[s:e])
-            if grad_w_VH is not None:
-                grad_w_VH.addmm_(gl_CV.T, h_CH.to(acc))
-        if grad_w_VH is not None and grad_w_VH.dtype != weight_VH.dtype:
-            grad_w_VH = grad_w_VH.to(weight_VH.dtype)
-        return grad_h_NH, grad_w_VH, None, None, None, None
-
-
-def logprobs_from_hidden(
-    hidden_NH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    targets_N: torch.Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
+    plain: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(hidden @ W^T / temperature)[target] for N flattened positions -> ``[N]`` float32.
+    """``plain``: base model + chunked LM head at the predicting positions; else the whole causal-LM
+    forward (its own logit post-processing included) and a float32 log-softmax of its logits there."""
+    kw = dict(
+        input_ids=lay.input_ids_RL,
+        attention_mask=lay.attention_mask_R1LL,
+        position_ids=lay.position_ids_RL,
+        use_cache=False,
+    )
+    sel_BT = response_mask_BT.bool()
+    targets_N = response_ids_BT[sel_BT]
+    if plain:
+        hidden = model.base_model(**kw).last_hidden_state
+        hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
+        weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
+        small = hidden_NH.shape[0] * weight_VH.shape[0] <= PLAIN_HEAD_MAX_LOGITS
+        head = naive_logprobs_from_hidden if small else logprobs_from_hidden
+        res = head(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy)
+    else:
+        logits = model(**kw).logits
+        logits_NV = logits.reshape(-1, logits.shape[-1])[lay.pred_pos]
+        res = logprobs_from_logits(logits_NV, targets_N, temperature, return_entropy)
+    logp_N, ent_N = res if return_entropy else (res, None)
+    B, T = response_ids_BT.shape
+    logp_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, logp_N)
+    if not return_entropy:
+        return logp_BT
+    ent_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, ent_N)
+    return logp_BT, ent_BT
 
-    With ``return_entropy`` also returns the per-position entropy ``[N]`` (detached). Computed
-    ``chunk_size`` rows at a time in forward and backward; the full ``[N, V]`` logits never exist.
-    Float32/bfloat16/float16 inputs give float32 outputs; float64 inputs are kept in float64 throughout.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    temperature = float(temperature)
-    if torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad):
-        return _ChunkedLogprobs.apply(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy
+
+def probe(model: PreTrainedModel) -> None:
+    """Run (and cache) every probe of this model now: before sharding or routing capture, which the
+    probes' own plain forwards must not meet."""
+    lm_head_is_plain(model)
+    shared_prefix_is_exact(model)
+
+
+def lm_head_is_plain(model: PreTrainedModel) -> bool:
+    """True when the causal LM's logits are exactly ``hidden @ W^T`` of its output embeddings, so the
+    chunked LM head may replace them. Checked once per model by a probe on two tiny rows against the
+    model's own logits: architectures that scale or soft-cap their logits (Granite, Cohere, Gemma 2/3,
+    ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits). Call it once
+    outside MoE routing capture/replay (the training loop does), or those would record the probe."""
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dev, V = next(model.parameters()).device, model.config.vocab_size
+        p_ids, r_ids = (
+            torch.tensor([[5, 6], [7, 8]], device=dev) % V,
+            torch.tensor([[9, 10], [11, 12]], device=dev) % V,
         )
-    with torch.no_grad():
-        logp_N, _, ent_N = _forward_chunks(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy
-        )
-    return logp_N if ent_N is None else (logp_N, ent_N)
+        ones = torch.ones(2, 2, dtype=torch.long, device=dev)
+        lay = make_layout(p_ids, ones, r_ids, ones, "rows")
+        own = _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=False)
+        return own, _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=True)
+
+    return _probe(model, "plain_head", "", run, tol=1e-4, errors=())

@@ -7,6 +7,9 @@ import copy
 from typing import Any
 
 from gspo.errors import GspoError
+from gspo.model.unwrap import is_peft, unwrap
+
+__all__ = ["apply_lora", "hf_module", "is_peft", "merged_copy"]
 
 
 def apply_lora(model: Any, rank: int, alpha: float, targets: str) -> Any:
@@ -40,13 +43,11 @@ def apply_lora(model: Any, rank: int, alpha: float, targets: str) -> Any:
         raise GspoError(f"config field 'lora_target_modules': {str(e).splitlines()[0]}") from None
 
 
-def is_peft(model: Any) -> bool:
-    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
-
-
 def hf_module(model: Any) -> Any:
-    """The transformers model (LoRA layers injected in place) inside a PEFT wrapper, else ``model``."""
-    return model.get_base_model() if is_peft(model) else model
+    """The transformers model (LoRA layers injected in place) inside a PEFT wrapper, else ``model``:
+    ``unwrap(model, "hf")`` (:func:`gspo.model.unwrap.unwrap`, which also removes DDP and
+    :class:`~gspo.model.logprobs.PolicyLogprobs`)."""
+    return unwrap(model, "hf")
 
 
 def merged_copy(model: Any) -> Any:

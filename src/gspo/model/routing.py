@@ -8,7 +8,8 @@ In transformers 5 every supported MoE block delegates routing to a router module
 and the block feeds ``router_scores``/``router_indices`` straight to its experts. So capture is a
 forward hook that reads ``router_indices``, and replay is a forward hook that replaces the output with
 the forced indices plus scores recomputed by the router's *own* formula at those indices (see
-:data:`_SCORE_FNS`), so gradients still reach ``router.weight``; ``router_logits`` pass through.
+:data:`gspo.compat.transformers_moe.SCORE_FNS`, the one place that knows transformers' router
+classes), so gradients still reach ``router.weight``; ``router_logits`` pass through.
 
 The ``[B, T]`` shape of each call comes from a forward pre-hook on the router's parent MoE block (which
 always sees ``[B, T, H]``), so capture and replay work for any caller: the CausalLM, its base model,
@@ -29,90 +30,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from gspo.compat.transformers_moe import SUPPORTED_ROUTERS, score_fn
 from gspo.errors import GspoError
 
 Routing = dict[str, torch.Tensor]
-# (router, router_logits [N, E], forced indices [N, k]) -> scores [N, k]; the hook casts the result to
-# the dtype of the router's own scores, which is where every supported router ends up.
-ScoreFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# ------------------------------------------------------------------------------------------------
-# registry: each function is the router's forward with torch.topk replaced by the forced indices,
-# op for op, so replaying a router's own indices gives bit-identical scores (pinned by the tests)
-
-
-def _renorm(top_Nk: torch.Tensor) -> torch.Tensor:
-    return top_Nk / top_Nk.sum(dim=-1, keepdim=True)
-
-
-def _softmax_norm_if_flag(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo, Qwen3-Next: float softmax, renorm iff ``norm_topk_prob``."""
-    top = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, idx)
-    return _renorm(top) if router.norm_topk_prob else top
-
-
-def _softmax_always_norm(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Qwen3.5-MoE, Qwen3-VL-MoE: float softmax, always renormalised."""
-    return _renorm(F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, idx))
-
-
-def _mixtral(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Mixtral, MiniMax: softmax of ``logits.float()``, always renormalised, scores stay float32."""
-    return _renorm(F.softmax(logits.float(), dim=-1).gather(-1, idx))
-
-
-def _granite(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Granite-MoE: softmax over the selected (float32) logits only (= renormalised softmax)."""
-    return torch.softmax(logits.gather(-1, idx), dim=-1)
-
-
-def _deepseek_v3(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3, GLM-4.5 (Glm4Moe), dots.llm1: sigmoid scores; the correction bias and group limit
-    only affect the *choice*, so they drop out; optional renorm (+1e-20), times the scaling factor."""
-    top = logits.sigmoid().gather(1, idx)
-    if router.norm_topk_prob:
-        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
-    return top * router.routed_scaling_factor
-
-
-def _tf(model_type: str, cls_name: str) -> tuple[str, str]:
-    return f"transformers.models.{model_type}.modeling_{model_type}", cls_name
-
-
-# Keyed by (module, class name) so nothing is imported to build it and remote-code look-alikes (whose
-# formula may differ) are not matched.
-_SCORE_FNS: dict[tuple[str, str], ScoreFn] = {
-    _tf("qwen3_moe", "Qwen3MoeTopKRouter"): _softmax_norm_if_flag,
-    _tf("qwen2_moe", "Qwen2MoeTopKRouter"): _softmax_norm_if_flag,
-    _tf("olmoe", "OlmoeTopKRouter"): _softmax_norm_if_flag,
-    _tf("flex_olmo", "FlexOlmoTopKRouter"): _softmax_norm_if_flag,
-    _tf("qwen3_next", "Qwen3NextTopKRouter"): _softmax_norm_if_flag,
-    _tf("qwen3_5_moe", "Qwen3_5MoeTopKRouter"): _softmax_always_norm,
-    _tf("qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter"): _softmax_always_norm,
-    _tf("mixtral", "MixtralTopKRouter"): _mixtral,
-    _tf("minimax", "MiniMaxTopKRouter"): _mixtral,
-    _tf("granitemoe", "GraniteMoeTopKRouter"): _granite,
-    _tf("granitemoeshared", "GraniteMoeSharedTopKRouter"): _granite,
-    _tf("granitemoehybrid", "GraniteMoeHybridTopKRouter"): _granite,
-    _tf("deepseek_v3", "DeepseekV3TopkRouter"): _deepseek_v3,
-    _tf("glm4_moe", "Glm4MoeTopkRouter"): _deepseek_v3,
-    _tf("dots1", "Dots1TopkRouter"): _deepseek_v3,
-}
-SUPPORTED_ROUTERS: tuple[str, ...] = tuple(cls for _, cls in _SCORE_FNS)
-
-
-def _score_fn(module: nn.Module) -> ScoreFn | None:
-    """The registered score function of ``module``'s class or of a base class (wrappers that subclass
-    the router, e.g. FSDP2's ``FSDP<cls>``, keep working)."""
-    for cls in type(module).__mro__:
-        fn = _SCORE_FNS.get((cls.__module__, cls.__name__))
-        if fn is not None:
-            return fn
-    return None
 
 
 def _looks_like_moe(module: nn.Module) -> bool:
@@ -133,12 +56,12 @@ def _scan(model: nn.Module) -> tuple[dict[str, tuple[str, nn.Module]], list[str]
     found: dict[str, tuple[str, nn.Module]] = {}
     unsupported: list[str] = []
     for qname, mod in model.named_modules():
-        if _score_fn(mod) is not None:
+        if score_fn(mod) is not None:
             short = _short_name(qname)
             if short in found:  # two routers in one layer (e.g. thinker and talker): use the full path
                 short = qname.replace(".", "_")
             found[short] = (qname, mod)
-        elif _looks_like_moe(mod) and not any(_score_fn(c) is not None for c in mod.children()):
+        elif _looks_like_moe(mod) and not any(score_fn(c) is not None for c in mod.children()):
             unsupported.append(f"{qname} ({type(mod).__name__})")
     return found, unsupported
 
@@ -337,8 +260,8 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
 
     def make_replacer(name: str, router: nn.Module):
         forced_BTk = routing[name]
-        score_fn = _score_fn(router)
-        assert score_fn is not None
+        router_score_fn = score_fn(router)
+        assert router_score_fn is not None
 
         def replace(output, bt):
             logits, scores, idx = output
@@ -348,7 +271,7 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
                     f"forced routing has shape {list(forced_BTk.shape)}"
                 )
             forced_Nk = forced_BTk.reshape(idx.shape).to(device=idx.device, dtype=idx.dtype)
-            return logits, score_fn(router, logits, forced_Nk).to(scores.dtype), forced_Nk
+            return logits, router_score_fn(router, logits, forced_Nk).to(scores.dtype), forced_Nk
 
         return replace
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,11 @@ class RolloutBatch:
     def lengths_B(self) -> torch.Tensor:
         return self.response_mask_BT.sum(-1)
 
+    def routing_rows(self) -> dict[str, torch.Tensor] | None:
+        """R3: the experts the sampler routed every real token to, per MoE layer, in the trainer's
+        ``rows`` layout (``RolloutData.sampler_routing``); None from an engine that does not say."""
+        return None
+
 
 class RolloutEngine(Protocol):
     """Generates responses for token-id prompts. Engines own nothing else (no rewards, no loss)."""
@@ -43,3 +48,34 @@ class RolloutEngine(Protocol):
         """Release the engine's accelerator memory for the policy update (vLLM sleep mode on GPU; a
         no-op elsewhere). ``sync_weights`` and ``generate`` wake it."""
         ...
+
+
+@dataclass
+class Sampled:
+    """What a :class:`Sampler` hands the trainer for one RL step."""
+
+    batch: RolloutBatch  # G rows per prompt, groups contiguous (trajectories with an environment)
+    gen_s: float  # seconds spent generating it (in the sampler, wherever that ran)
+    info: dict[str, float]  # the sampler's own metrics (e.g. async staleness and queue wait)
+
+
+class Sampler(Protocol):
+    """The responses of each RL step, from an engine: G per prompt, or G trajectories per prompt
+    played in an environment (:mod:`gspo.envs`). Built by :func:`gspo.rollout.factory.make_sampler`.
+
+    ``staleness``: step ``t``'s responses come from the policy after ``max(t - 1 - staleness, 0)``
+    updates; 0 is the synchronous loop, which samples from the weights of the last update."""
+
+    staleness: int
+
+    def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> Sampled: ...
+
+    def sync(self, version: int) -> None:
+        """The trainer's weights after ``version`` updates are the ones to sample from next."""
+        ...
+
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after ``step`` must keep to resume exactly (empty when nothing)."""
+        ...
+
+    def close(self) -> None: ...

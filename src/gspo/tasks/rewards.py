@@ -32,11 +32,11 @@ from typing import Any
 from gspo.errors import GspoError
 from gspo.tasks.timelimit import (  # noqa: F401 (re-exported: callers import them from here)
     DEFAULT_REWARD_TIMEOUT_S,
-    _RewardTimeout,
-    _timeout_error,
     call_with_timeout,
     with_timeout,
 )
+from gspo.tasks.timelimit import RewardTimeout as _RewardTimeout  # public there; local names here
+from gspo.tasks.timelimit import timeout_error as _timeout_error
 
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
 
@@ -433,7 +433,7 @@ def _score(v: Any) -> float | str:
     return f
 
 
-def _is_interrupt(e: BaseException) -> bool:
+def is_interrupt(e: BaseException) -> bool:
     """A BaseException the reward must let through: its time limit, or a real Ctrl-C / SIGTERM. Under
     ``gspo train`` signals never raise a plain KeyboardInterrupt (the trainer's handler defers the
     first and raises its own subclass for the second), so a plain one is the reward's own, unless
@@ -512,7 +512,7 @@ def safe_rewards(
             raise fail(str(e)) from None
         return checked(*_per_sample(fn, prompts, completions, answers))
     except BaseException as e:  # SystemExit, KeyboardInterrupt from the reward: its error, not ours
-        if _is_interrupt(e):
+        if is_interrupt(e):
             raise
         if on_error == "error":
             raise fail(f"raised {_one_line(e)}") from None if not isinstance(e, Exception) else e
@@ -542,7 +542,7 @@ def _per_sample(
         except _BadBatch as e:
             s = str(e)
         except BaseException as e:
-            if _is_interrupt(e):
+            if is_interrupt(e):
                 raise
             s = f"raised {_one_line(e)}"
         if isinstance(s, str):

@@ -42,12 +42,38 @@ def add_long_task(rng: random.Random) -> tuple[str, str]:
     return f"add:{a}+{b}=", str(a + b)
 
 
+def progression_task(rng: random.Random) -> tuple[str, str]:
+    """``seq:347+2>357=`` -> ``347,349,351,353,355,357``: the arithmetic progression from a 3-digit
+    number in steps of 1 or 2 up to a given end, 17-64 terms, so the answer is 67-255 characters (one
+    token each with the embedded tokenizer; 256 with EOS) from a 14-character prompt. A long response
+    made of many small checkable steps: :func:`position_credit` rewards the share of terms right."""
+    step, n = rng.randint(1, 2), rng.randint(17, 64)
+    start = rng.randint(100, 999 - (n - 1) * step)
+    terms = [start + i * step for i in range(n)]
+    return f"seq:{start}+{step}>{terms[-1]}=", ",".join(map(str, terms))
+
+
 SYNTHETIC_TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "reverse": reverse_task,
     "add": add_task,
     "sort": sort_task,
     "add_long": add_long_task,
+    "progression": progression_task,
 }
+
+
+def position_credit(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Partial credit for a comma-separated answer (``reward: gspo.tasks.synthetic:position_credit``):
+    the number of items the completion has right *at their position*, over the larger of the two item
+    counts, so a missing item and an extra one cost the same; 1.0 exactly for the exact answer (which
+    held-out accuracy counts), and a completion right up to its first slip keeps the credit of its
+    right prefix."""
+    out = []
+    for c, a in zip(completions, answers, strict=True):
+        got, want = c.strip().split(","), a.strip().split(",")
+        right = sum(g.strip() == w for g, w in zip(got, want, strict=False))
+        out.append(right / max(len(got), len(want)))
+    return out
 
 
 def synthetic_examples(task: str, n: int, seed: int) -> list[Example]:

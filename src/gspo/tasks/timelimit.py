@@ -23,7 +23,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # time limit for reward functions
 #
 # Mechanism: the function runs in the calling thread; a watchdog thread, at the deadline, sends a
-# real-time signal to it whose handler raises _RewardTimeout inside the function. A real signal wakes
+# real-time signal to it whose handler raises RewardTimeout inside the function. A real signal wakes
 # blocking calls (time.sleep, I/O waits) and the exception unwinds the function (its finally blocks
 # run), so the call is actually interrupted, and the function keeps the main thread, which functions
 # that use signals themselves need (math-verify's timeouts, signal.alarm). Off the main thread (no
@@ -33,7 +33,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # its state (a loaded reward model, say) to be picklable and copied for every call.
 
 
-class _RewardTimeout(BaseException):
+class RewardTimeout(BaseException):
     """Raised inside a user reward function at its deadline. A BaseException, so that
     ``except Exception`` in the function does not swallow it."""
 
@@ -54,7 +54,7 @@ def _on_timeout_signal(signum: int, frame: Any) -> None:
     if _deadlines:
         d = _deadlines[-1]
         if d.fired and d.active:
-            raise _RewardTimeout(d)
+            raise RewardTimeout(d)
 
 
 def _can_interrupt() -> bool:
@@ -76,7 +76,8 @@ def _can_interrupt() -> bool:
     return True
 
 
-def _timeout_error(name: str, timeout_s: float, abandoned: bool) -> GspoError:
+def timeout_error(name: str, timeout_s: float, abandoned: bool) -> GspoError:
+    """The error for reward function ``name`` out of time (``abandoned``: left running in a thread)."""
     tail = "; it is still running in a background thread" if abandoned else ""
     return GspoError(
         f"reward function {name} timed out after {timeout_s:g} s (reward timeout_s={timeout_s:g}; raise "
@@ -98,7 +99,7 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float, nam
         worker.start()
         worker.join(timeout_s)
         if worker.is_alive():
-            raise _timeout_error(name, timeout_s, abandoned=True)
+            raise timeout_error(name, timeout_s, abandoned=True)
         if "err" in box:
             raise box["err"]
         return box["out"]
@@ -129,9 +130,9 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout_s: float, nam
             done.set()
             if _deadlines and _deadlines[-1] is d:
                 _deadlines.pop()
-    except _RewardTimeout as e:
+    except RewardTimeout as e:
         if e.args and e.args[0] is d:
-            raise _timeout_error(name, timeout_s, abandoned=False) from None
+            raise timeout_error(name, timeout_s, abandoned=False) from None
         raise
     return out
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from gspo.model.forward import Layout, make_layout
+from gspo.model.logprobs import Layout, make_layout
 from gspo.model.routing import Routing
 
 
@@ -120,19 +120,17 @@ def _take(x, idx: slice | torch.Tensor | None, device: torch.device | str | None
     return x if device is None else x.to(device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MicroBatch:
-    """The rows of one forward/backward and everything the loss needs for them.
-
-    ``old_logp_BT`` and ``old_routing`` are pi_old's, filled in by ``update.attach_pi_old`` before
-    any optimizer step, or -- for the first minibatch, still on-policy -- from its own first forward.
-    """
+    """The rows of one forward/backward and everything the loss needs for them, frozen once
+    ``update.with_pi_old`` has attached pi_old (before any optimizer step)."""
 
     data: RolloutData
     layout: Layout  # model inputs, built once for every forward of these rows
     old_logp_BT: torch.Tensor | None = None  # trainer's pi_old log-probs [B, T] (None: not computed)
     old_routing: Routing | None = None  # pi_old's experts per MoE layer (R2 replay, volatility)
     replay: Routing | None = None  # experts forced in the training forward (None: the router chooses)
+    on_policy: bool = False  # no update yet (minibatch 0): its own first training forward is pi_old
 
     @property
     def mask_BT(self) -> torch.Tensor:

@@ -4,7 +4,7 @@ The loop calls only the functions here, so one process and N processes run the s
 ``WORLD_SIZE`` unset or 1 every function is a no-op; under ``torchrun`` (``WORLD_SIZE > 1``) they set up
 the process group (gloo on CPU, NCCL on CUDA), wrap the model (FSDP2 or DDP), and gather / reduce.
 
-What gets wrapped is the trainer's forward module, :class:`~gspo.model.forward.PolicyLogprobs`
+What gets wrapped is the trainer's forward module, :class:`~gspo.model.logprobs.PolicyLogprobs`
 (base model, then the LM head at response positions only), so both wrappers see the forward the
 loop really calls, through public APIs only:
 
@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gspo.compat import transformers_model
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.model.forward import PolicyLogprobs
+from gspo.model.logprobs import PolicyLogprobs
+from gspo.model.unwrap import full_tensor, unwrap
 
 
 @dataclass
@@ -103,8 +105,8 @@ PREFIX = "model."  # PolicyLogprobs holds the HF module as ``.model``
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks transformers itself never splits (``_no_split_modules``)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    """The repeated blocks transformers itself never splits (its no-split modules)."""
+    names = transformers_model.no_split_modules(model)
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
@@ -117,10 +119,9 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
     """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself."""
     if not _distributed(ctx):
         return policy
-    from gspo.model.forward import probe
-    from gspo.model.lora import hf_module
+    from gspo.model.logprobs import probe
 
-    probe(hf_module(policy.model))  # the probes' plain forwards cannot run on sharded weights
+    probe(unwrap(policy, "hf"))  # the probes' plain forwards cannot run on sharded weights
     _broadcast_from_rank0(policy)  # identical replicas whatever happened before (init, warm start)
     if cfg.parallel == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -137,21 +138,11 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
     return policy
 
 
-def unwrap(model: nn.Module) -> PolicyLogprobs:
-    """The :class:`PolicyLogprobs` inside a DDP wrapper (an FSDP2 module is the module itself)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def hf_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face causal LM (or its PEFT wrapper) the trainer trains."""
-    return unwrap(model).model
-
-
 def rollout_model(model: nn.Module, ctx: DistContext) -> nn.Module:
     """The module the rollout engine samples from: one without collectives in its forward."""
     if ctx.rollout_copy is not None:
         return ctx.rollout_copy
-    return hf_model(model)
+    return unwrap(model, "model")
 
 
 def _reshard(model: nn.Module) -> None:
@@ -166,14 +157,13 @@ def _reshard(model: nn.Module) -> None:
 @torch.no_grad()
 def sync_rollout_model(model: Any, rollout: Any, ctx: DistContext) -> None:
     """Copy updated weights into the rollout module when it is a separate copy (collective)."""
-    if rollout is None or rollout is hf_model(model):
+    if rollout is None or rollout is unwrap(model, "model"):
         return None
-    from torch.distributed.tensor import DTensor
 
     _reshard(model)
     dst = dict(rollout.named_parameters())
-    for name, p in unwrap(model).named_parameters():
-        dst[name.removeprefix(PREFIX)].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+    for name, p in unwrap(model, "policy").named_parameters():
+        dst[name.removeprefix(PREFIX)].copy_(full_tensor(p))
     return None
 
 
@@ -202,7 +192,7 @@ def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | N
 
 def _param_names(model: Any, optimizer: torch.optim.Optimizer) -> list[str]:
     """FQN of each optimizer parameter, in ``param_groups`` order (the int ids of ``state_dict()``)."""
-    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    names = {id(p): n for n, p in unwrap(model, "policy").named_parameters()}
     return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 

@@ -19,16 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example
+from gspo.tasks.prompts import prompt_order
 from gspo.train import distributed as dist_utils
 from gspo.train.batch import RolloutData
 from gspo.train.logger import Progress, plot_metrics, read_metrics
-from gspo.train.rollout import collect_rollout, score_rollout
 from gspo.train.run import Run, save_hf
+from gspo.train.scoring import collect_rollout
 from gspo.train.update import policy_update
 
 # consecutive RL steps whose every optimizer step was skipped (non-finite gradients) before stopping
@@ -92,17 +91,16 @@ def train(cfg: Config) -> TrainResult:
 
 def rl_step(run: Run) -> dict[str, float]:
     """One RL step on this rank: sample, score, update, sync the sampler. Returns its metrics."""
-    cfg, t0 = run.cfg, time.time()
+    t0 = time.time()
     data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
     run.engine.sleep()  # vLLM on a GPU gives its memory to the update
     metrics |= policy_update(
-        run.policy, run.optimizer, run.scheduler, data.to(run.dctx.device), cfg, run.world, run.is_moe
+        run.policy, run.optimizer, run.scheduler, data.to(run.dctx.device), run.plan, run.world
     )
     run.sync_sampler(version=run.step + 1)
-    if run.async_sampler is not None:
-        run.async_sampler.done(run.step + 1)
+    if "async/queue_wait_s" in metrics:  # a sampler running ahead: how long the trainer waited for it
         metrics["async/trainer_idle_frac"] = metrics["async/queue_wait_s"] / max(time.time() - t0, 1e-9)
     run.updating = False
     metrics["time/update_s"], metrics["time/step_s"] = time.time() - t1, time.time() - t0
@@ -117,14 +115,9 @@ def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
     dropped and more prompts drawn, every rank the same number of rounds (so all consume the same
     prompts and resume stays exact); a batch still short after the last round is filled with dropped
     groups (zero advantage)."""
-    cfg = run.cfg
-    if run.async_sampler is not None:  # sampled ahead, from the policy of step - 1 - async_staleness
-        rb, info = run.async_sampler.batch(run.step + 1)
-        examples, _ = next_prompts(run)
-        data, metrics = score_rollout(rb, run.tokenizer, run.task, examples, cfg, rb.gen_s)
-        return data, metrics | info
+    cfg, step = run.cfg, run.step + 1
     examples, prompt_ids = next_prompts(run)
-    data, metrics = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
+    data, metrics = collect_rollout(run.sampler, run.tokenizer, run.task, examples, prompt_ids, cfg, step)
     if not cfg.dynamic_sampling:
         return data, metrics
     G, want = cfg.group_size, len(examples)
@@ -143,7 +136,7 @@ def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
             raise _StepAbandoned
         rounds += 1
         examples, prompt_ids = next_prompts(run)
-        data, more = collect_rollout(run.engine, run.tokenizer, run.task, examples, prompt_ids, cfg)
+        data, more = collect_rollout(run.sampler, run.tokenizer, run.task, examples, prompt_ids, cfg, step)
         metrics["time/generate_s"] += more["time/generate_s"]
     metrics["rollout/filtered_groups"] = float(n_dropped)
     metrics["rollout/filled_groups"] = float(max(0, want - len(kept)))
@@ -158,16 +151,6 @@ def next_prompts(run: Run) -> tuple[list[Example], list[list[int]]]:
     idx = idx[run.rank * local : (run.rank + 1) * local]
     run.data_pos += n
     return [run.task.train[i] for i in idx], [run.train_ids[i] for i in idx]
-
-
-def prompt_order(n_train: int, data_pos: int, count: int, seed: int) -> list[int]:
-    """Indices ``data_pos .. data_pos+count`` of an epoch-wise shuffled order (deterministic, resumable)."""
-    out = []
-    for pos in range(data_pos, data_pos + count):
-        epoch, k = divmod(pos, n_train)
-        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        out.append(int(perm[k]))
-    return out
 
 
 def _guarded_step(run: Run) -> dict[str, float]:

@@ -8,29 +8,29 @@ applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engin
 from __future__ import annotations
 
 import copy
-import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_resources
-from gspo.model.forward import PolicyLogprobs
-from gspo.model.load import load_model_and_tokenizer, save_pretrained
-from gspo.rollout.base import RolloutEngine
-from gspo.tasks import Task, task_from_config
+from gspo.model.load import save_pretrained
+from gspo.model.logprobs import PolicyLogprobs
+from gspo.model.unwrap import unwrap
+from gspo.rollout.base import RolloutEngine, Sampler
+from gspo.rollout.factory import make_engine, make_sampler
+from gspo.tasks import Task
 from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train.logger import MetricsLogger, read_metrics
-from gspo.train.rollout import encode_prompts, evaluate
-from gspo.train.update import choose_layout
+from gspo.train.plan import UpdatePlan, plan_update
+from gspo.train.scoring import evaluate
 
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
 # may be moved or renamed and still resumed)
@@ -49,16 +49,17 @@ class Run:
     eval_ids: list[list[int]]  # ... and of every held-out prompt
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: RolloutEngine
-    sampler: nn.Module  # the module the engine samples from (shares weights, or a synced copy)
+    engine: RolloutEngine  # generates: the RL step's responses (through ``sampler``) and the eval's
+    rollout_module: nn.Module  # the module the engine samples from (shares weights, or a synced copy)
+    sampler: Sampler  # each RL step's responses (synchronous, or a process running ahead)
     sample_gen: torch.Generator  # this rank's sampling randomness (checkpointed)
     is_moe: bool
+    plan: UpdatePlan  # what every policy update does, resolved once
     logger: MetricsLogger | None  # rank 0 only
     step: int = 0  # last finished RL step
     data_pos: int = 0  # prompts consumed (epoch-wise shuffled order)
     last_saved: int = -1
     updating: bool = False  # inside the policy update of a step (weights may have changed)
-    async_sampler: Any = None  # AsyncSampler with async_staleness > 0
     initial: dict[str, Any] = field(default_factory=dict)  # held-out metrics before RL
     lock: int | None = None  # descriptor holding the run folder's lock (rank 0)
     saving: bool = False  # writing a checkpoint (a stop lets it finish)
@@ -75,7 +76,7 @@ class Run:
     @property
     def hf(self) -> nn.Module:
         """The Hugging Face model being trained (its PEFT wrapper with LoRA)."""
-        return dist_utils.hf_model(self.policy)
+        return unwrap(self.policy, "model")
 
     # --------------------------------------------------------------------------------------------
     @classmethod
@@ -111,52 +112,45 @@ class Run:
         should_stop: Callable[[], bool],
     ) -> Run:
         from gspo.model.routing import is_moe
-        from gspo.train.sft import warm_start
+        from gspo.train.sft import load_start, warm_start_run
 
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)
-        model.to(dctx.device)
-        if not cfg.keep_dropout:
-            disable_dropout(model)
-        task, train_ids, eval_ids = _load_task(cfg, model, tokenizer)
-        if cfg.env:  # a bad environment spec fails now, not after the warm start
-            from gspo.envs.rollout import spec_of
-
-            spec_of(cfg, task)
+        # seeds, model (dropout off), task (reward limits included), context and env checks: the same
+        # code gspo compare's shared warm starts begin with
+        start = load_start(cfg, dctx.device)
+        model, tokenizer, task = start.model, start.tokenizer, start.task
+        train_ids, eval_ids = start.train_ids, start.eval_ids
         moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
         if cfg.routing_replay and not moe:
             raise GspoError(
                 f"config field 'routing_replay': {cfg.model} is not a MoE model (no routers to replay)"
             )
-        choose_layout(PolicyLogprobs(model), cfg)  # a layout the model cannot take fails now
+        plan = plan_update(cfg, PolicyLogprobs(model), moe)  # a layout the model cannot take fails now
         check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
         progress = cfg.progress and dctx.rank == 0
         if resume_from is not None:
             _load_weights(model, cfg, resume_from)
         elif cfg.sft_steps:
-            warm_start(model, tokenizer, task.train, train_ids, cfg, dctx.device, progress, should_stop)
+            warm_start_run(start, cfg, dctx.device, progress, should_stop)
         model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
         policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx)
         optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
-        sampler = dist_utils.rollout_model(policy, dctx)
+        module = dist_utils.rollout_model(policy, dctx)
         if cfg.rollout_engine == "hf" and cfg.rollout_dtype not in (None, cfg.dtype):
             # a copy in the sampler's precision; sync_sampler copies (and casts) the weights after updates
             dtype = getattr(torch, cfg.rollout_dtype)
-            sampler = copy.deepcopy(sampler).requires_grad_(False).to(dtype)
+            module = copy.deepcopy(module).requires_grad_(False).to(dtype)
+        engine = make_engine(cfg, module, tokenizer, sample_gen)
+        sampler = make_sampler(
+            cfg, engine, tokenizer, task, model=unwrap(policy, "model"), train_ids=train_ids,
+            version=state["step"] if state else 0, state=state,
+        )  # fmt: skip
         run = cls(
             cfg, dctx, policy, tokenizer, task, train_ids, eval_ids, optimizer, scheduler,
-            make_engine(cfg, sampler, tokenizer, sample_gen), sampler, sample_gen, moe, None,
+            engine, module, sampler, sample_gen, moe, plan, None,
         )  # fmt: skip
         if state is not None:
             run._restore(state)
-        if cfg.async_staleness:
-            from gspo.train.async_sampler import AsyncSampler, in_flight_from_state
-
-            pending = in_flight_from_state(state["in_flight"]) if state and "in_flight" in state else None
-            run.async_sampler = AsyncSampler(run.hf, tokenizer, train_ids, cfg, run.step, pending)
         run.logger = (
             MetricsLogger(cfg.run_dir, run.step if state else None, cfg.wandb, cfg.to_dict())
             if dctx.rank == 0
@@ -215,10 +209,7 @@ class Run:
                 "config": self.cfg.to_dict(),
                 "initial": self.initial,
             }
-            if self.async_sampler is not None:  # sampled from versions this checkpoint does not hold
-                from gspo.train.async_sampler import in_flight_to_state
-
-                state["in_flight"] = in_flight_to_state(self.async_sampler.in_flight(self.step))
+            state |= self.sampler.state(self.step)  # e.g. batches sampled ahead, from older versions
             try:
                 ckpt.save_checkpoint(
                     self.cfg.run_dir, self.step, lambda p: save_hf(model, self.tokenizer, p, full_sd), state
@@ -238,7 +229,7 @@ class Run:
         from gspo.model.lora import is_peft
 
         if is_peft(self.hf) and self.world > 1:
-            return self.sampler, None
+            return self.rollout_module, None
         return self.hf, dist_utils.full_state_dict(self.policy, self.dctx)
 
     def maybe_save(self) -> None:
@@ -248,16 +239,13 @@ class Run:
 
     def sync_sampler(self, version: int) -> None:
         """After update ``version``: the sampler's weights become the trainer's."""
-        dist_utils.sync_rollout_model(self.policy, self.sampler, self.dctx)
-        self.engine.sync_weights()
-        if self.async_sampler is not None:
-            self.async_sampler.publish(self.hf, version)
+        dist_utils.sync_rollout_model(self.policy, self.rollout_module, self.dctx)
+        self.sampler.sync(version)
 
     def close(self) -> None:
         """End the sampler process (if any) and release the run folder."""
         try:
-            if self.async_sampler is not None:
-                self.async_sampler.close()
+            self.sampler.close()
         finally:
             ckpt.unlock_run_dir(self.lock)
             self.lock = None
@@ -349,19 +337,6 @@ def _claim_run_dir(cfg: Config) -> tuple[int, Path | None, dict[str, Any] | None
         raise
 
 
-def _load_task(
-    cfg: Config, model: nn.Module, tokenizer: Any
-) -> tuple[Task, list[list[int]], list[list[int]]]:
-    task = task_from_config(cfg)
-    ctx_len = getattr(model.config, "max_position_embeddings", None)
-    if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
-        raise GspoError(
-            f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
-            f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}"
-        )
-    return task, encode_prompts(tokenizer, task.train, cfg), encode_prompts(tokenizer, task.eval, cfg)
-
-
 def _load_weights(model: nn.Module, cfg: Config, resume_from: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -393,17 +368,6 @@ def _apply_lora(
             model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors"))
         )
     return model
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout probability 0 everywhere: ``nn.Dropout`` modules and the attention modules' own
-    ``attention_dropout`` / ``dropout`` rates (transformers applies those functionally in training)."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        for attr in ("attention_dropout", "attn_dropout", "dropout"):
-            if isinstance(getattr(m, attr, None), float):
-                setattr(m, attr, 0.0)
 
 
 def _check_finite(policy: nn.Module, step: int, last_saved: int) -> None:
@@ -449,14 +413,3 @@ def make_optimizer(
     warm = max(cfg.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     return optimizer, scheduler
-
-
-def make_engine(cfg: Config, model: nn.Module, tokenizer: Any, generator: torch.Generator) -> RolloutEngine:
-    """Rollout engine by name; vLLM is imported only when selected."""
-    if cfg.rollout_engine == "vllm":
-        from gspo.rollout.vllm import VLLMRolloutEngine
-
-        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer)
-    from gspo.rollout.hf import HFRolloutEngine
-
-    return HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)

@@ -4,16 +4,92 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.model.forward import response_logprobs
+from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import left_pad
 from gspo.tasks.datasets import Example
 from gspo.train.logger import Progress
+from gspo.train.nll import nll_step
+
+
+@dataclass
+class Start:
+    """What a run begins from, before any training: the model (on its device, dropout off), its
+    tokenizer, the task (reward under ``reward_timeout_s``) and the token ids of its prompts."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    task: Any  # gspo.tasks.Task
+    train_ids: list[list[int]]
+    eval_ids: list[list[int]]
+
+
+def load_start(cfg: Config, device: torch.device, dtype: str | None = None) -> Start:
+    """Seed, load the model and tokenizer, load the task and check it fits the model's context: the
+    one way ``gspo train`` (``Run.open``) and ``gspo compare``'s shared warm starts begin a run, so
+    both see the same task with the same settings. ``dtype`` overrides ``cfg.dtype`` (compare warm
+    starts in float32 whatever precision the RL runs use)."""
+    import numpy as np
+
+    from gspo.model.load import load_model_and_tokenizer
+    from gspo.tasks import task_from_config
+    from gspo.tasks.prompts import encode_prompts
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, dtype or cfg.dtype, cfg.seed)
+    model.to(device)
+    if not cfg.keep_dropout:
+        disable_dropout(model)
+    task = task_from_config(cfg)
+    ctx_len = getattr(model.config, "max_position_embeddings", None)
+    if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
+        raise GspoError(
+            f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
+            f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}"
+        )
+    if cfg.env:  # a bad environment spec fails now, not after the warm start
+        from gspo.envs.rollout import spec_of
+
+        spec_of(cfg, task)
+    return Start(
+        model,
+        tokenizer,
+        task,
+        encode_prompts(tokenizer, task.train, cfg),
+        encode_prompts(tokenizer, task.eval, cfg),
+    )
+
+
+def warm_start_run(
+    start: Start,
+    cfg: Config,
+    device: torch.device,
+    progress: bool,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> float:
+    """The supervised warm start of ``start`` on its task's training examples (see :func:`warm_start`)."""
+    return warm_start(
+        start.model, start.tokenizer, start.task.train, start.train_ids, cfg, device, progress, should_stop
+    )
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout probability 0 everywhere: ``nn.Dropout`` modules and the attention modules' own
+    ``attention_dropout`` / ``dropout`` rates (transformers applies those functionally in training)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("attention_dropout", "attn_dropout", "dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
 
 
 def warm_start(
@@ -67,19 +143,6 @@ def warm_start(
     bar.close()
     opt.zero_grad(set_to_none=True)  # no warm-start gradient may outlive it (e.g. on a LoRA-frozen base)
     return loss_v
-
-
-def nll_step(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, logp_BT: torch.Tensor, mask_BT: torch.Tensor
-) -> torch.Tensor:
-    """One supervised step: the mean NLL of the masked tokens, a clipped gradient, an optimizer step.
-    Returns the loss (not synced: the caller reads it only now and then)."""
-    loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss
 
 
 def _check_lengths(

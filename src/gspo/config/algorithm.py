@@ -1,0 +1,149 @@
+"""Config groups: the policy loss, train/inference mismatch, asynchronous rollouts, DAPO's sample
+filters and the policy's training forward (dropout, MoE routing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import with_config
+
+from gspo.config.checks import DOCUMENTED, AtLeast, Group, OneOf, bad
+
+
+def loss_names() -> tuple[str, ...]:
+    from gspo.losses import LOSSES  # torch: imported when first checked, not with the config
+
+    return tuple(LOSSES)
+
+
+def advantage_scales() -> tuple[str, ...]:
+    from gspo.advantages import SCALES
+
+    return tuple(SCALES)
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class Algorithm(Group):
+    algo: Annotated[str, OneOf(loss_names)] = "gspo"
+    """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token) or ``grpo`` (token ratio baseline)."""
+    eps_low: Annotated[float | None, AtLeast(0)] = None
+    """Lower clip range (default per algo: gspo 3e-4, grpo 0.2)."""
+    eps_high: Annotated[float | None, AtLeast(0)] = None
+    """Upper clip range (default per algo: gspo 4e-4, grpo 0.27)."""
+    aggregation: Annotated[str | None, OneOf((None, "seq_mean_token_mean", "token_mean"))] = None
+    """Token aggregation of the token-level losses (grpo, sapo_token, cispo): ``seq_mean_token_mean``
+    (per-sequence token mean, then mean over sequences: GRPO paper) or ``token_mean`` (sum over all
+    tokens of the optimizer step / their count: DAPO, CISPO). Default: the loss's own (grpo and
+    sapo_token: seq_mean_token_mean; cispo: token_mean)."""
+    adv_scale: Annotated[str, OneOf(advantage_scales)] = "group"
+    """Advantage scaling: ``group`` std, ``batch`` std, or ``none`` (center only)."""
+    old_logp: Annotated[str, OneOf(("auto", "recompute", "rollout"))] = "auto"
+    """pi_old log-probs: ``recompute`` with the trainer before the update, ``rollout`` (use the
+    sampler's log-probs, the paper's infrastructure simplification), or ``auto``: ``rollout`` when
+    the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
+    ``recompute``."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if cfg.eps_low is not None and cfg.algo in ("gspo", "gspo_token", "grpo") and cfg.eps_low > 1:
+            raise bad(cfg, "eps_low", f"must be <= 1 for {cfg.algo} (the ratio's lower clip is 1 - eps_low)")
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class Mismatch(Group):
+    routing_replay_source: Annotated[str, OneOf(("pi_old", "rollout"))] = "pi_old"
+    """Which experts Routing Replay forces: ``pi_old`` (R2: the trainer's own pi_old forward) or
+    ``rollout`` (R3: the experts the rollout engine routed each token to; vLLM engine)."""
+    mismatch_correction: Annotated[str, OneOf(("none", "seq_tis", "seq_mask", "token_mask"))] = "none"
+    """Train/inference mismatch correction, from the trainer's pi_old vs the sampler's log-probs:
+    ``seq_tis`` (weight each sequence by min(rho_i, mismatch_cap), rho_i the length-normalized ratio
+    pi_old/pi_sampler), ``seq_mask`` (drop sequences with rho_i outside [mismatch_low,
+    mismatch_high]), ``token_mask`` (IcePop: drop tokens whose ratio is outside the band; for GRPO),
+    or ``none``."""
+    mismatch_cap: Annotated[float, AtLeast(1)] = 2.0
+    """``seq_tis``: the largest sequence weight C."""
+    mismatch_low: float = 0.5
+    """``seq_mask`` / ``token_mask``: lowest ratio pi_old/pi_sampler kept."""
+    mismatch_high: float | None = None
+    """``seq_mask`` / ``token_mask``: highest ratio kept (default 2 for sequences, 5 for tokens: IcePop)."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if cfg.routing_replay_source == "rollout":  # R3: the rollout engine's routing
+            if cfg.env:
+                raise bad(
+                    cfg, "routing_replay_source", "'rollout' (R3) is not supported with a multi-turn env yet"
+                )
+            if cfg.rollout_engine != "vllm":
+                msg = "'rollout' (R3) needs rollout_engine vllm (the HF engine is the trainer)"
+                raise bad(cfg, "routing_replay_source", msg)
+            if not cfg.routing_replay:
+                raise bad(cfg, "routing_replay_source", "'rollout' (R3) applies with routing_replay on")
+        high = cfg.mismatch_high_resolved()
+        if not 0 <= cfg.mismatch_low < 1 < high:
+            raise bad(
+                cfg,
+                "mismatch_low",
+                f"the band [mismatch_low, mismatch_high] = [{cfg.mismatch_low}, {high}] must hold 1",
+            )
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class Async(Group):
+    async_staleness: Annotated[int, AtLeast(0)] = 0
+    """Asynchronous rollouts: a sampler process (its own model copy, one thread) generates up to K
+    policy versions ahead of the trainer, so generation and training overlap; step t's responses come
+    from the weights after step t-1-K and the sampler's log-probs are pi_old. 0: synchronous."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if not cfg.async_staleness:
+            return
+        for f, ok in [
+            ("nproc", cfg.nproc == 1), ("rollout_engine", cfg.rollout_engine == "hf"),
+            ("dynamic_sampling", not cfg.dynamic_sampling), ("lora_rank", cfg.lora_rank == 0),
+            ("old_logp", cfg.old_logp != "recompute"), ("rollout_dtype", cfg.rollout_dtype in (None, cfg.dtype)),
+        ]:  # fmt: skip
+            if not ok:
+                raise bad(cfg, f, "is not supported with async_staleness > 0 yet")
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class SampleFilters(Group):
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no gradient under group-normalized advantages) and
+    draw more prompts until the batch is full (DAPO); see ``dynamic_sampling_max_rounds``."""
+    dynamic_sampling_max_rounds: Annotated[int, AtLeast(0)] = 4
+    """Extra sampling rounds dynamic sampling may draw per step; a batch still short after them is
+    filled with dropped groups (zero advantage: no gradient, counted in ``rollout/filtered_groups``)."""
+    overlong_filter: bool = False
+    """Give responses cut off at ``max_new_tokens`` (no EOS) zero advantage: out of the loss (DAPO)."""
+    overlong_buffer: Annotated[int, AtLeast(0)] = 0
+    """DAPO's soft overlong penalty: responses within the last N tokens before ``max_new_tokens`` get a
+    reward penalty growing linearly to ``overlong_penalty`` (0 disables)."""
+    overlong_penalty: Annotated[float, AtLeast(0)] = 1.0
+    """Largest soft overlong penalty (reward units), reached at ``max_new_tokens``."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        limit = "max_trajectory_tokens" if cfg.env else "max_new_tokens"  # the budget the penalty counts in
+        if cfg.overlong_buffer > getattr(cfg, limit):
+            raise bad(cfg, "overlong_buffer", f"must be <= {limit}={getattr(cfg, limit)}")
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class PolicyForward(Group):
+    keep_dropout: bool = False
+    """Keep the model's dropout on in training forwards. Off by default (as TRL): sampling runs in
+    eval mode, so dropout alone would move ratios out of GSPO's 3e-4 clip range."""
+    routing_replay: bool = False
+    """MoE only: force pi_old's experts in pi_theta's forward (Routing Replay; needed by GRPO)."""
+    log_volatility: bool = True
+    """MoE only: log the fraction of response tokens whose top-k experts changed over one optimizer
+    step (measured on the second minibatch; costs one no-grad forward of it)."""

@@ -1,0 +1,67 @@
+"""Config groups: rollouts (batch shape, sampling, engine) and multi-turn environments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import with_config
+
+from gspo.config.checks import DOCUMENTED, AtLeast, Group, OneOf, Positive, bad
+from gspo.config.run import DTYPES
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class Rollout(Group):
+    steps: Annotated[int, AtLeast(1)] = 200
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: Annotated[int, AtLeast(1)] = 32
+    """Prompts per rollout batch."""
+    group_size: Annotated[int, AtLeast(1)] = 8
+    """Responses sampled per prompt (G)."""
+    max_new_tokens: Annotated[int, AtLeast(1)] = 12
+    """Generation limit per response."""
+    temperature: Annotated[float, Positive()] = 1.0
+    """Sampling temperature (also applied to the trainer's log-probs)."""
+    rollout_dtype: Annotated[str | None, OneOf((None, *DTYPES))] = None
+    """Weights dtype of the sampler (default: ``dtype``). ``bfloat16`` with a float32 trainer samples
+    from a bf16 copy (HF engine) or a bf16 vLLM: the paper's precision mismatch between inference and
+    training, whose log-probs ``old_logp=rollout`` then takes as pi_old."""
+    rollout_engine: Annotated[str, OneOf(("hf", "vllm"))] = "hf"
+    """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if cfg.group_size < 2:
+            msg = "must be >= 2: a group of one response always has advantage 0 (nothing to learn)"
+            raise bad(cfg, "group_size", msg)
+        if cfg.prompts_per_step % cfg.nproc:
+            raise bad(
+                cfg, "prompts_per_step", f"must divide by nproc={cfg.nproc} (each rank samples its share)"
+            )
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class MultiTurn(Group):
+    env: str | None = None
+    """Multi-turn environment (None: single-turn rollouts). ``tools`` (calculator and Python in the
+    code sandbox, called from the model's turn: ``<calc>12+34</calc>``, ``<python>...</python>``, a
+    chat-template ``<tool_call>{json}</tool_call>`` or ``calc(12+34)``; a turn without a call is the
+    answer the task's reward scores), ``tools:calc``, ``tools:python``, ``task`` (the task as a
+    one-step environment), or ``pkg.mod:Factory`` / ``file.py:Factory`` making an object with
+    ``reset(example) -> prompt`` and ``step(model_turn) -> (observation | None, reward)`` (each call
+    limited to ``reward_timeout_s``). Turns end at EOS; ``max_new_tokens`` is the per-turn budget."""
+    max_turns: Annotated[int, AtLeast(1)] = 4
+    """Multi-turn (``env``): model turns per trajectory; a trajectory still going after them is
+    truncated (its reward so far; ``overlong_filter`` drops it from the loss)."""
+    max_trajectory_tokens: Annotated[int, AtLeast(1)] = 256
+    """Multi-turn (``env``): tokens after the prompt per trajectory, model turns and observations
+    together (the overlong penalty counts against it); past it the trajectory is truncated."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if cfg.env is not None and not cfg.env.strip():
+            msg = "must name an environment (tools, tools:calc, task, pkg.mod:Factory) or be None"
+            raise bad(cfg, "env", msg)

@@ -1,0 +1,95 @@
+"""Config groups: the run itself, the model and task, the supervised warm start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import with_config
+
+from gspo.config.checks import DOCUMENTED, AtLeast, Group, OneOf, Positive, bad
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class Run(Group):
+    name: str | None = None
+    """Run name; outputs go to ``<output_dir>/<name>``. Default: ``<algo>-<task>-s<seed>``."""
+    output_dir: str = "runs"
+    """Directory that holds one folder per run."""
+    seed: int = 0
+    """Seed for model init (embedded models), data order and sampling."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: Annotated[str, OneOf(DTYPES)] = "float32"
+    """Parameter dtype: float32, bfloat16 or float16. Log-probs and losses are always float32."""
+    threads: Annotated[int, AtLeast(0)] = 0
+    """torch CPU threads per process (0: leave torch's default)."""
+    resume: bool = False
+    """Continue ``<output_dir>/<name>`` from its newest complete checkpoint instead of starting fresh."""
+    overwrite: bool = False
+    """Start ``<output_dir>/<name>`` over, deleting the run it holds (without it such a folder is refused)."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        name = cfg.name
+        if name is None:
+            return
+        if not name.strip() or name.strip(".") == "" or any(c in name for c in "/\\\0"):
+            # '.', '..' or a path would put the run outside <output_dir>/<its own folder>
+            raise bad(cfg, "name", "must be a plain folder name (not '.' or '..', no '/' or '\\')")
+        if any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name.encode()) > 200:
+            # a newline breaks every printed path; filesystems stop at 255 bytes (with suffixes added)
+            raise bad(cfg, "name", "must be at most 200 bytes without control characters (newline, tab, ...)")
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class Task(Group):
+    model: str = "embedded:tiny-moe"
+    """``embedded:tiny-moe`` / ``embedded:tiny-dense`` (random init, built locally), a local HF
+    directory or a hub id loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id (default: same as ``model``)."""
+    task: str = "reverse"
+    """Embedded synthetic task (``reverse``, ``add``, ``sort``), a reasoning-gym dataset
+    (``rg:NAME`` or ``rg:NAME:size=N,key=value``; ``pip install gspo[rg]``), or a dataset path
+    (.jsonl, .json, .csv, .parquet, or a local Hugging Face dataset directory)."""
+    prompt_field: str = "prompt"
+    """Dataset field holding the prompt."""
+    answer_field: str = "answer"
+    """Dataset field holding the reference answer passed to the reward."""
+    eval_task: str | None = None
+    """Held-out dataset path or ``rg:`` spec (default: embedded and reasoning-gym tasks draw a disjoint
+    seed; datasets hold out ``eval_size`` examples)."""
+    reward: str = "exact_match"
+    """Reward: ``exact_match``, ``math``, ``boxed``, ``code``, ``format:<regex>``, ``rg`` (the
+    reasoning-gym dataset's own scorer; what ``exact_match`` means for ``rg:`` tasks), or a user
+    function ``pkg.module:fn`` / ``path/file.py:fn`` taking (prompts, completions, answers)."""
+    reward_timeout_s: Annotated[float, AtLeast(0)] = 60.0
+    """Seconds one call of the reward function (user ``pkg.mod:fn`` / ``file.py:fn`` and the built-ins
+    but ``code``, whose programs have their own limits) may take before the run stops with a message
+    naming it (0: no limit; at most a week)."""
+    reward_on_error: Annotated[str, OneOf(("error", "zero"))] = "error"
+    """When the reward raises or returns NaN/inf: ``error`` (stop with a message) or ``zero``
+    (score 0, count a warning)."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template (instruct models)."""
+    system_prompt: str | None = None
+    """System message used with ``chat_template``."""
+    max_prompt_tokens: Annotated[int, AtLeast(1)] = 256
+    """Prompts longer than this are an error naming the example."""
+
+
+@with_config(DOCUMENTED)
+@dataclass
+class WarmStart(Group):
+    sft_steps: Annotated[int, AtLeast(0)] = 200
+    """Supervised steps on (prompt, answer) before RL, so the policy starts with partial accuracy
+    (0 to skip; use 0 for pretrained instruct models)."""
+    sft_lr: Annotated[float, Positive()] = 3e-3
+    """Learning rate of the supervised warm start."""
+    sft_batch_size: Annotated[int, AtLeast(1)] = 64
+    """Examples per supervised step."""

@@ -1,0 +1,47 @@
+"""Every rollout engine and sampler is built here: the trainer, the evaluation, the async sampler's
+process and ``gspo compare`` ask for them by config, never by class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gspo.rollout.base import RolloutEngine, Sampler
+
+
+def make_engine(
+    cfg: Any, model: nn.Module, tokenizer: Any, generator: torch.Generator | None = None
+) -> RolloutEngine:
+    """The configured engine over ``model`` (``rollout_engine``); vLLM is imported only when selected."""
+    if cfg.rollout_engine == "vllm":
+        from gspo.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer)
+    from gspo.rollout.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+
+
+def make_sampler(
+    cfg: Any,
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Any,
+    *,
+    model: nn.Module,
+    train_ids: list[list[int]],
+    version: int,
+    state: dict[str, Any] | None = None,
+) -> Sampler:
+    """Each RL step's responses: from ``engine`` when asked (synchronous), or from a process that runs
+    ``async_staleness`` steps ahead on ``model``'s published weights. ``version``: updates made so
+    far; ``state``: what a resumed checkpoint kept (:meth:`Sampler.state`)."""
+    if cfg.async_staleness:
+        from gspo.rollout.async_sampler import AsyncSampler
+
+        return AsyncSampler(model, tokenizer, train_ids, cfg, version, state, make_engine)
+    from gspo.rollout.sampler import SyncSampler
+
+    return SyncSampler(engine, tokenizer, task, cfg)

@@ -1,0 +1,494 @@
+"""Running a study: every (variant, seed) of a preset from one supervised warm start per seed.
+
+Per seed the warm start runs once (:func:`warm_start_job`, through the same :func:`gspo.train.sft.load_start`
+and :func:`gspo.train.sft.warm_start_run` as ``gspo train``) and every variant starts RL from that
+model, so the variants differ only in the RL algorithm. Runs go to a pool of worker processes
+(spawned, one torch thread each); finished runs are reused, unfinished ones resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gspo.config import Config, make_config
+from gspo.errors import GspoError
+from gspo.study.metrics import Criteria
+from gspo.study.presets import (
+    VARIANTS,
+    WARM_CHECK_AFTER,
+    WARM_CHECK_EVERY,
+    WARM_CHECK_PROMPTS,
+    Preset,
+    load_preset,
+)
+from gspo.study.report import write_report
+
+# config fields that steer a run but do not change what it computes: a finished run with other
+# values of these is still reused
+_STEERING = {"progress", "threads", "save_every", "wandb", "resume", "overwrite", "output_dir", "name"}
+# the fields a warm start depends on (its folder is reused only when they match)
+_WARM_FIELDS = (
+    "model",
+    "tokenizer",
+    "task",
+    "eval_task",
+    "reward",
+    "prompt_field",
+    "answer_field",
+    "eval_size",
+    "chat_template",
+    "system_prompt",
+    "max_prompt_tokens",
+    "sft_steps",
+    "sft_lr",
+    "sft_batch_size",
+    "logp_chunk_size",
+)
+
+
+def _warm_key(cfg: Config) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in _WARM_FIELDS} | {"seed": cfg.seed}
+
+
+def warm_start_folder(base: Config, seed: int, target: float | None, warm_dir: Path) -> Path:
+    """Where the warm start of these settings and ``seed`` lives: ``<warm_dir>/<model>-<hash>/s<seed>``,
+    so presets that differ only in their RL settings (staleness, lr...) share their warm starts."""
+    key = _warm_key(dataclasses.replace(base, seed=0)) | {"target": target}
+    h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    name = Path(base.model.replace("embedded:", "")).name
+    return warm_dir / f"{name}-{h}" / f"s{seed}"
+
+
+def warm_start_job(
+    base: Config, seed: int, out: Path, target: float | None = None, warm_dir: Path | None = None
+) -> tuple[int, str | None, float]:
+    """Run only the supervised warm start for ``seed`` (float32) and save it; returns
+    ``(seed, model folder, seconds)``. Reused when a folder with the same warm-start settings exists
+    (:func:`warm_start_folder`; ``warm_dir`` defaults to ``<out>/../warm-starts``).
+
+    It begins as ``gspo train`` does (:func:`gspo.train.sft.load_start`: seeds, model, task with its
+    reward limits, context checks) and trains with the same :func:`gspo.train.sft.warm_start_run`.
+    With ``target`` it stops early, at the first check (every 10 steps from step 50) where greedy
+    accuracy on 200 prompts like the held-out ones (:func:`_gate_examples`) reaches ``target``;
+    ``sft_steps`` is then the most it runs. Accuracy jumps steeply during a warm start and where
+    depends on the seed, so a fixed step count leaves some seeds near 0 and others near 1; a target
+    starts every seed (and model) from partial accuracy."""
+    t0 = time.time()
+    if base.sft_steps == 0:
+        return seed, None, 0.0
+    import torch
+    import transformers
+
+    from gspo.model.load import save_pretrained
+    from gspo.train.sft import load_start, warm_start_run
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    cfg = dataclasses.replace(base, seed=seed)
+    folder = warm_start_folder(base, seed, target, warm_dir or out.parent / "warm-starts")
+    key = _warm_key(cfg) | {"target": target}
+    if (folder / "config.json").exists():
+        key_file = folder / "warm_start.json"
+        if key_file.exists() and json.loads(key_file.read_text()).get("key") == key:
+            return seed, str(folder), 0.0
+        shutil.rmtree(folder)  # made with other settings (or by an older gspo): redo
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    start = load_start(cfg, torch.device("cpu"), dtype="float32")
+    gate = _Gate(start, cfg, target)
+    try:
+        warm_start_run(start, cfg, torch.device("cpu"), cfg.progress, gate)
+    except KeyboardInterrupt:
+        if not gate.reached:  # a real Ctrl-C
+            raise
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # written whole, then renamed
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(start.model, start.tokenizer, tmp)
+    info = {"key": key, "steps": gate.steps, "reached_target": gate.reached, "gate_acc": gate.last_acc}
+    (tmp / "warm_start.json").write_text(json.dumps(info))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return seed, str(folder), time.time() - t0
+
+
+class _Gate:
+    """Polled before every warm-start step (``warm_start``'s ``should_stop``): measures the gate's
+    accuracy every ``WARM_CHECK_EVERY`` steps from ``WARM_CHECK_AFTER`` and ends the warm start (True)
+    once it reaches the target."""
+
+    def __init__(self, start: Any, cfg: Config, target: float | None) -> None:
+        self.start, self.cfg, self.target = start, cfg, target
+        self.examples = _gate_examples(cfg, start.task) if target is not None else []
+        self.done, self.reached, self.last_acc = 0, False, None
+
+    def __call__(self) -> bool:
+        if self.target is not None and self.done >= WARM_CHECK_AFTER and self.done % WARM_CHECK_EVERY == 0:
+            s = self.start
+            self.last_acc = _gate_accuracy(s.model, s.tokenizer, s.task, self.examples, self.cfg)
+            s.model.train()
+            self.reached = self.last_acc >= self.target
+        self.done += 1
+        return self.reached
+
+    @property
+    def steps(self) -> int:
+        return self.done - 1 if self.reached else self.done
+
+
+def _gate_examples(cfg: Config, task: Any) -> list[Any]:
+    """Prompts the warm start's gate measures: like the held-out set but disjoint from it. Embedded
+    tasks: fresh prompts outside the training set (whose short prompts are all "seen", so the held-out
+    set has none; measuring on training prompts would overstate accuracy); datasets: the first
+    training examples (the held-out set is a random split of the same data)."""
+    from gspo.tasks.synthetic import SYNTHETIC_TASKS, synthetic_examples
+
+    n = WARM_CHECK_PROMPTS
+    if cfg.task in SYNTHETIC_TASKS:
+        taken = {e.prompt for e in task.train} | {e.prompt for e in task.eval}
+        pool = synthetic_examples(cfg.task, 8 * n, cfg.seed + 2_000_003)
+        fresh = [e for e in pool if e.prompt not in taken][:n]
+        if len(fresh) >= n // 2:
+            return fresh
+    return task.train[:n]
+
+
+def _gate_accuracy(model: Any, tok: Any, task: Any, examples: list[Any], cfg: Config) -> float:
+    """Greedy accuracy on the gate's prompts."""
+    import torch
+
+    from gspo.rollout.factory import make_engine
+    from gspo.tasks.prompts import encode_prompts
+    from gspo.train.scoring import evaluate
+
+    model.eval()  # the warm start's own model, sampled in place by the HF engine
+    hf = dataclasses.replace(cfg, rollout_engine="hf")
+    engine = make_engine(hf, model, tok, torch.Generator().manual_seed(0))
+    sub = dataclasses.replace(task, eval=examples)
+    return evaluate(engine, tok, sub, encode_prompts(tok, examples, cfg), cfg)["eval/accuracy"]
+
+
+def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
+    """Train one (variant, seed) run; returns ``(name, seconds, initial acc, final acc)``."""
+    from gspo.train.loop import train
+
+    t0 = time.time()
+    res = train(cfg)
+    shutil.rmtree(cfg.run_dir / "checkpoints", ignore_errors=True)  # finished: final/ and metrics stay
+    return cfg.run_name, time.time() - t0, res.initial_accuracy, res.final_accuracy
+
+
+def _differs(cfg: Config) -> str | None:
+    """The first setting the run folder's saved config has otherwise than ``cfg`` ("key: old, now new";
+    settings that only steer the run are ignored; a field the saved config lacks, added by a newer
+    gspo, counts as its default); None when they agree."""
+    saved_file = cfg.run_dir / "config.yaml"
+    saved = (yaml.safe_load(saved_file.read_text()) or {}) if saved_file.exists() else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for k, v in cfg.to_dict().items():
+        if k not in _STEERING and saved.get(k, defaults.get(k)) != v:
+            return f"{k}: {saved.get(k)!r}, now {v!r}"
+    return None
+
+
+def plan_run(cfg: Config) -> Config | None:
+    """What to run for ``cfg``: None when a finished run of it exists (a finished one made with other
+    settings is an error, never deleted); an unfinished run with a complete checkpoint and the same
+    settings continues from it (``resume``); anything else in the folder is removed to start fresh."""
+    from gspo.train.checkpoint import newest_complete
+
+    run = cfg.run_dir
+    if not run.exists():
+        return cfg
+    if (run / "final" / "config.json").exists() and (run / "config.yaml").exists():
+        diff = _differs(cfg)
+        if diff:
+            raise GspoError(
+                f"{run} is a finished run made with other settings ({diff}); pass another --out, or "
+                "delete the folder to redo it"
+            )
+        return None
+    if (run / "config.yaml").exists() and _differs(cfg) is None and newest_complete(run)[0] is not None:
+        return dataclasses.replace(cfg, resume=True)
+    shutil.rmtree(run)
+    return cfg
+
+
+def run_compare(
+    config_path: str | None,
+    overrides: dict[str, Any],
+    seeds: list[int] | None = None,
+    variants: list[str] | None = None,
+    out_dir: str | None = None,
+    preset: str | None = None,
+    workers: int = 1,
+    ci: str = "t",
+    criteria: Criteria | None = None,
+    command: str | None = None,
+    warm_target: float | None = None,
+    warm_dir: str | None = None,
+) -> Path:
+    """Train every (variant, seed) from one warm start per seed, then write the report; returns its path.
+
+    Config values: defaults <- ``preset``'s config <- ``config_path`` YAML <- ``overrides``. Seeds and
+    variants default to the preset's (without a preset: seeds 0-4, all four variants). ``workers``
+    processes run side by side (each with one torch thread unless ``threads`` is set).
+    ``warm_target`` (default: the preset's): warm start each seed until this greedy accuracy on
+    held-out-like prompts, at most ``sft_steps`` steps (see :func:`warm_start_job`). Warm starts are
+    kept under ``warm_dir`` (default ``<out>/../warm-starts``) and shared by compares that need the
+    same one."""
+    p = load_preset(preset) if preset else Preset(name="custom")
+    seeds = list(p.seeds if seeds is None else seeds)
+    variants = list(p.variants if variants is None else variants)
+    target = p.warm_target if warm_target is None else warm_target
+    _check_args(seeds, variants, workers, target)
+    base = _base_config(p, config_path, overrides, workers)
+    out = Path(out_dir or f"runs/compare-{p.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    if command is None:
+        command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
+    jobs = _Jobs(
+        base, seeds, variants, out, target, Path(warm_dir) if warm_dir else out.parent / "warm-starts"
+    )
+    t_start = time.time()
+    load = _LoadSampler()
+    with _continue_hint(command):
+        if workers == 1:
+            _run_serial(jobs)
+        else:
+            _run_pool(jobs, workers)
+    load.stop()
+    (out / "warm_starts.json").write_text(json.dumps(jobs.warm_folders, indent=1))
+    _write_timing(out, jobs.timing, time.time() - t_start, workers, load.mean(), command)
+    return write_report(out, variants, seeds, base, preset=p, ci=ci, criteria=criteria or Criteria())
+
+
+def _check_args(seeds: list[int], variants: list[str], workers: int, target: float | None) -> None:
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise GspoError(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    if not seeds or not variants:
+        raise GspoError("--seeds and --variants must name at least one each")
+    if len(set(seeds)) != len(seeds):
+        raise GspoError(f"--seeds: repeated seed in {seeds}")
+    if workers < 1:
+        raise GspoError(f"--workers: must be >= 1 (got {workers})")
+    if target is not None and not 0 < target <= 1:
+        raise GspoError(f"--warm-target: must be in (0, 1] (got {target})")
+
+
+def _base_config(p: Preset, config_path: str | None, overrides: dict[str, Any], workers: int) -> Config:
+    from gspo.config import load_yaml
+
+    values = dict(p.config)
+    if config_path:
+        values |= load_yaml(config_path)
+    values |= overrides
+    base = make_config(None, values)
+    if workers > 1:  # side-by-side processes: one thread each, no interleaved progress bars
+        base = dataclasses.replace(base, threads=base.threads or 1, progress=False)
+    return base
+
+
+@dataclass
+class _Jobs:
+    """What a compare runs, and what it has run (seconds per job, warm-start folder per seed)."""
+
+    base: Config
+    seeds: list[int]
+    variants: list[str]
+    out: Path
+    target: float | None
+    warm_dir: Path
+    timing: dict[str, float] = field(default_factory=dict)
+    warm_folders: dict[str, str | None] = field(default_factory=dict)
+
+    def run_cfg(self, v: str, seed: int, warm: str | None) -> Config:
+        kw = dict(name=f"{v}-s{seed}", output_dir=str(self.out), seed=seed, **VARIANTS[v])
+        if warm is not None:
+            kw.update(model=warm, sft_steps=0)
+            if self.base.tokenizer is None:
+                kw.update(tokenizer=warm)
+        return dataclasses.replace(self.base, **kw).validate()
+
+    def warm_done(self, seed: int, warm: str | None, dt: float) -> list[Config]:
+        """Record a seed's warm start; the runs of that seed still to train."""
+        self.timing[f"warm-start-s{seed}"] = dt
+        self.warm_folders[str(seed)] = warm
+        todo = []
+        for v in self.variants:
+            cfg = plan_run(self.run_cfg(v, seed, warm))
+            if cfg is None:
+                print(f"[compare] {v} seed {seed}: done already, reusing {self.out / f'{v}-s{seed}'}")
+            else:
+                todo.append(cfg)
+        return todo
+
+
+def _write_timing(
+    out: Path, timing: dict[str, float], wall: float, workers: int, load: float | None, command: str
+) -> None:
+    """timing.json: wall time summed over the sessions that trained something, per-job seconds."""
+    timing_file = out / "timing.json"
+    old = json.loads(timing_file.read_text()) if timing_file.exists() else {}
+    sessions = old.get("sessions", [])
+    if sum(timing.values()) > 0:  # this call trained something: it counts toward the wall time
+        sessions.append({"wall_s": wall, "workers": workers, "mean_load_1min": load})
+    loads = [x["mean_load_1min"] for x in sessions if x["mean_load_1min"]]
+    record = {
+        "wall_s": sum(x["wall_s"] for x in sessions),
+        "workers": workers,
+        "mean_load_1min": statistics.fmean(loads) if loads else None,
+        "cpus": os.cpu_count(),
+        "sessions": sessions,
+        "jobs_s": {**old.get("jobs_s", {}), **{k: v for k, v in timing.items() if v > 0}},
+        "command": command,
+    }
+    timing_file.write_text(json.dumps(record, indent=1))
+
+
+class _LoadSampler:
+    """The 1-minute load average every 20 s while the compare runs (others' jobs on a shared machine
+    slow it: the report states the load next to the wall time)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(20.0):
+            try:
+                self.samples.append(os.getloadavg()[0])
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def mean(self) -> float | None:
+        return statistics.fmean(self.samples) if self.samples else None
+
+
+def _run_serial(jobs: _Jobs) -> None:
+    """One seed after the other in this process: its warm start, then its runs."""
+    for seed in jobs.seeds:
+        _, warm, dt = warm_start_job(jobs.base, seed, jobs.out, jobs.target, jobs.warm_dir)
+        for cfg in jobs.warm_done(seed, warm, dt):
+            print(f"[compare] {cfg.run_name} -> {cfg.run_dir}", flush=True)
+            name, dt, _, _ = _train_job(cfg)
+            jobs.timing[name] = dt
+
+
+def _run_pool(jobs: _Jobs, workers: int) -> None:
+    """Warm starts first, then each seed's runs as soon as its warm start is there; ``workers``
+    processes (spawned: a clean torch in each)."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ex = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=_die_with,
+        initargs=(os.getpid(),),
+    )
+    warm_args = (jobs.out, jobs.target, jobs.warm_dir)
+    try:
+        pending = {ex.submit(warm_start_job, jobs.base, s, *warm_args): "warm" for s in jobs.seeds}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                kind = pending.pop(fut)
+                res = fut.result()  # re-raises a worker's GspoError here
+                if kind == "warm":
+                    seed, warm, dt = res
+                    if dt:
+                        print(f"[compare] warm start seed {seed}: {dt:.0f} s", flush=True)
+                    for cfg in jobs.warm_done(seed, warm, dt):
+                        pending[ex.submit(_train_job, cfg)] = "train"
+                else:
+                    name, dt, a0, a1 = res
+                    jobs.timing[name] = dt
+                    acc = f"held-out acc {a0:.3f} -> {a1:.3f}" if a0 is not None and a1 is not None else ""
+                    print(f"[compare] {name}: {dt:.0f} s {acc}", flush=True)
+    except BaseException:
+        # a Ctrl-C, SIGTERM or a failed run: end the workers now (an unfinished run continues from its
+        # last checkpoint next time); the resource tracker exits once they are gone
+        for proc in list((getattr(ex, "_processes", None) or {}).values()):
+            proc.kill()
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
+
+
+def _die_with(parent: int) -> None:
+    """A compare worker: killed when the compare process dies, even by kill -9 (Linux)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+@contextmanager
+def _continue_hint(command: str) -> Iterator[None]:
+    """SIGTERM stops the compare like Ctrl-C; either way the message names the command that continues it."""
+    import signal
+    import threading
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
+    again = (
+        "run the same command again (finished runs are reused, unfinished ones go on from their last "
+        "checkpoint)"
+    )
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"finished runs are kept; to continue, {again}: {command}") from None
+    except GspoError as e:  # a run's own hint names `gspo train`'s flag
+        raise GspoError(str(e).replace("continue with --resume", f"to continue, {again}")) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _command_line(p: Preset, config_path, overrides, seeds, variants, out, workers, warm_target) -> str:  # noqa: ANN001
+    parts = ["gspo", "compare"]
+    if p.path is not None:
+        parts += ["--preset", p.name]
+    if config_path:
+        parts += ["--config", config_path]
+    if seeds != p.seeds:
+        parts += ["--seeds", ",".join(map(str, seeds))]
+    if variants != p.variants:
+        parts += ["--variants", ",".join(variants)]
+    if warm_target is not None:
+        parts += ["--warm-target", str(warm_target)]
+    parts += ["--out", str(out), "--workers", str(workers)]
+    for k, v in overrides.items():
+        parts += [f"--{k.replace('_', '-')}", str(v)]
+    return shlex.join(parts)

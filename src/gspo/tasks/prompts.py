@@ -1,0 +1,69 @@
+"""Training prompts as the policy sees them: the order they are drawn in, their token ids, and the
+responses decoded back to text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gspo.errors import GspoError, warn
+from gspo.tasks.datasets import Example
+
+
+def prompt_order(n_train: int, data_pos: int, count: int, seed: int) -> list[int]:
+    """Indices ``data_pos .. data_pos+count`` of an epoch-wise shuffled order (deterministic, resumable):
+    the one order training prompts are drawn in, by the trainer and by the async sampler."""
+    out = []
+    for pos in range(data_pos, data_pos + count):
+        epoch, k = divmod(pos, n_train)
+        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(perm[k]))
+    return out
+
+
+def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Any) -> list[list[int]]:
+    """Token ids per prompt (chat template if asked); too-long prompts are an error naming the prompt."""
+    from gspo.tasks.datasets import apply_chat_template, is_chat, prompt_text
+
+    out = []
+    unk = getattr(tokenizer, "unk_token_id", None)
+    with_unk: list[str] = []
+    for ex in examples:
+        templated = cfg.chat_template or is_chat(ex.prompt)  # a list of messages always needs it
+        text = apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if templated else ex.prompt
+        ids = tokenizer(text, add_special_tokens=not templated).input_ids
+        shown = prompt_text(ex.prompt)[:60]
+        if not ids:
+            raise GspoError(f"prompt is empty after tokenization: {shown!r}")
+        if len(ids) > cfg.max_prompt_tokens:
+            raise GspoError(
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: {shown!r}"
+            )
+        if unk is not None and unk in ids:
+            if all(t == unk or t in tokenizer.all_special_ids for t in ids):
+                raise GspoError(f"prompt is only unknown tokens for this tokenizer: {shown!r}")
+            with_unk.append(shown)
+        out.append(ids)
+    if with_unk:
+        warn(
+            f"{len(with_unk)} of {len(examples)} prompts hold characters the tokenizer maps to its unknown "
+            f"token, which the policy cannot see (e.g. {with_unk[0][:60]!r})"
+        )
+    return out
+
+
+def completion_texts(tokenizer: Any, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> list[str]:
+    """Decoded responses without their final EOS (one batched tokenizer call)."""
+    from transformers import PreTrainedTokenizerFast
+
+    seqs = []
+    for ids, n in zip(ids_BT.tolist(), mask_BT.sum(-1).tolist(), strict=True):
+        ids = ids[:n]
+        seqs.append(ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids)
+    # exactly transformers' fast tokenizer (no subclass that could change decoding) without clean-up:
+    # decode the batch in one backend call (4x faster than its per-sequence loop, same strings)
+    plain = type(tokenizer) is PreTrainedTokenizerFast
+    if plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=True)

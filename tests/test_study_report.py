@@ -1,0 +1,78 @@
+"""Reports on constructed runs: the study adjusts a declared family over all its folders, and shows
+the per-token and per-sequence ratio spreads the training loop logged."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gspo.config import Config
+from gspo.study import load_preset, write_report, write_study
+
+TINY = dict(steps=3, sft_steps=3, eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=8)
+
+
+def _runs(out: Path, finals: dict[str, list[float]], token_ratios: bool = False) -> None:
+    """Finished runs: held-out accuracy 0.3 -> ``final`` over 4 evals; importance ratios per step."""
+    for v, per_seed in finals.items():
+        for s, final in enumerate(per_seed):
+            run = out / f"{v}-s{s}"
+            run.mkdir(parents=True)
+            rows = [{"step": k, "eval/accuracy": 0.3 + (final - 0.3) * k / 4} for k in range(5)]
+            for r in rows[1:]:
+                r |= {"rollout/reward_mean": 0.5, "loss/grad_norm": 1.0, "loss/ratio_max": 1.5}
+                r |= {"loss/ratio_min": 0.5, "loss/clip_frac_tok": 0.1, "loss/clip_frac_seq": 0.2}
+                if v.startswith("grpo"):  # a token-ratio loss also logs the sequence ratios s_i
+                    r |= {"loss/seq_ratio_max": 1.1, "loss/seq_ratio_min": 1.0}
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _preset(tmp: Path, name: str) -> str:
+    path = tmp / f"{name}.yaml"
+    path.write_text(
+        "description: d\nruntime: r\nseeds: [0, 1, 2, 3, 4, 5]\nvariants: [gspo, grpo]\n"
+        "primary:\n  - {metric: acc_final, contrast: gspo - grpo, direction: greater}\n"
+        "family: {name: fam, size: 3}\n"
+    )
+    return str(path)
+
+
+def test_study_adjusts_a_family_over_every_folder(tmp_path):
+    """Two folders each declare one endpoint of a family of 3. Every seed favours GSPO in both, so
+    each raw sign-flip p is 2/64; in its own report each is adjusted as if the other two were p = 1
+    (x3), and the study adjusts them together (x3, then x2 -> max): both 0.094, inconclusive."""
+    seeds = range(6)
+    dirs = []
+    for k, gap in enumerate([0.2, 0.1]):
+        d = tmp_path / f"r{k}"
+        _runs(d, {"gspo": [0.5 + gap + 0.01 * s for s in seeds], "grpo": [0.5 + 0.01 * s for s in seeds]})
+        preset = load_preset(_preset(tmp_path, f"r{k}"))
+        text = write_report(d, ["gspo", "grpo"], list(seeds), Config(**TINY), preset=preset).read_text()
+        assert "| acc_final: gspo - grpo > 0 | 6 |" in text and "0.094 | **inconclusive** |" in text
+        dirs.append(str(d))
+    study = write_study(dirs, tmp_path / "study").read_text()
+    assert "Family `fam`: 3 hypotheses (2 measured here" in study
+    rows = [ln for ln in study.splitlines() if "| acc_final: gspo - grpo > 0 |" in ln]
+    assert len(rows) == 2 and all("| 0.031 | 0.094 | **inconclusive** |" in r for r in rows), rows
+    fams = json.loads((tmp_path / "study" / "study.json").read_text())["families"]
+    assert [e["p_adj_study"] for e in fams["fam"]["endpoints"]] == pytest.approx([3 * 2 / 64, 3 * 2 / 64])
+    after = study.split("## Regimes")[1]
+    assert "raw (unadjusted)" in after and not any(
+        f"**{v}**" in after for v in ("consistent", "inconclusive")
+    )
+
+
+def test_report_shows_token_and_sequence_ratio_spreads(tmp_path):
+    import math
+
+    _runs(tmp_path, {"gspo": [0.6, 0.6], "grpo": [0.5, 0.5]})
+    write_report(tmp_path, ["gspo", "grpo"], [0, 1], Config(**TINY))
+    summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    # GSPO's own ratio is s_i (no token ratios logged); GRPO's is per token, with s_i logged beside it
+    assert summary["gspo"]["tok_ratio_spread"]["mean"] is None
+    assert summary["gspo"]["seq_ratio_spread"]["mean"] == pytest.approx(math.log(3))
+    assert summary["grpo"]["tok_ratio_spread"]["mean"] == pytest.approx(math.log(3))
+    assert summary["grpo"]["seq_ratio_spread"]["mean"] == pytest.approx(math.log(1.1))
+    assert summary["grpo"]["clip_seq"]["mean"] == pytest.approx(0.2)
+    text = (tmp_path / "report.md").read_text()
+    assert "## Importance ratios, clipping and routing per variant" in text
