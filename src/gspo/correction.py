@@ -196,16 +196,7 @@ def mismatch_metrics(
     k_BT = torch.exp(d_BT)
     out: dict[str, Tensor] = {}
     if estimators:
-        l_clamped_B = l_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        out["mismatch_k1_tok"] = -d_BT.sum() / n_tok
-        out["mismatch_k3_tok"] = k3_kl(d_BT, n_tok_B)
-        out["mismatch_k1_seq"] = seq_mean(-l_B)
-        out["mismatch_k3_seq"] = seq_mean(torch.expm1(l_clamped_B) - l_clamped_B)
-        tok = ratio_stats("r", torch.exp(d_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), valid_BT)
-        out["mismatch_ratio_tok_min"], out["mismatch_ratio_tok_max"] = tok["r_min"], tok["r_max"]
-        seq = ratio_stats("r", torch.exp(l_clamped_B), has_tok_B)
-        out["mismatch_ratio_seq"] = seq["r_mean"]
-        out["mismatch_ratio_seq_min"], out["mismatch_ratio_seq_max"] = seq["r_min"], seq["r_max"]
+        out |= _estimators(d_BT, l_B, n_tok_B, valid_BT, has_tok_B, seq_mean(-l_B), n_tok)
     if abs_diff:
         out["token_abs_logp_diff"] = seq_mean(d_BT.abs().sum(-1) / n_tok_B.clamp(min=1))
         out["seq_abs_logp_diff"] = seq_mean(l_B.abs())
@@ -227,6 +218,33 @@ def mismatch_metrics(
     if token_tis_cap is not None:
         _check_cap(token_tis_cap)
         out["tok_tis_trunc_frac_tok"], out["tok_tis_trunc_frac_seq"] = tok_frac(k_BT > token_tis_cap)
+    return out
+
+
+def _estimators(
+    d_BT: Tensor,
+    l_B: Tensor,
+    n_tok_B: Tensor,
+    valid_BT: Tensor,
+    has_tok_B: Tensor,
+    k1_seq: Tensor,
+    n_tok: Tensor,
+) -> dict[str, Tensor]:
+    """KL estimates and ratio ranges of :func:`mismatch_metrics` (``estimators``)."""
+    l_clamped_B = l_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+    k3_B = torch.expm1(l_clamped_B) - l_clamped_B
+    out = {
+        "mismatch_k1_tok": -d_BT.sum() / n_tok,
+        "mismatch_k3_tok": k3_kl(d_BT, n_tok_B),
+        "mismatch_k1_seq": k1_seq,
+        "mismatch_k3_seq": torch.where(has_tok_B, k3_B, torch.zeros_like(k3_B)).sum() / n_seq,
+    }
+    tok = ratio_stats("r", torch.exp(d_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), valid_BT)
+    out["mismatch_ratio_tok_min"], out["mismatch_ratio_tok_max"] = tok["r_min"], tok["r_max"]
+    seq = ratio_stats("r", torch.exp(l_clamped_B), has_tok_B)
+    out["mismatch_ratio_seq"] = seq["r_mean"]
+    out["mismatch_ratio_seq_min"], out["mismatch_ratio_seq_max"] = seq["r_min"], seq["r_max"]
     return out
 
 

@@ -322,25 +322,9 @@ class VLLMRolloutEngine:
         cfg.max_new_tokens`` capped by the model's context; ``enforce_eager``, default True on CPU).
         """
         vllm = _import_vllm()
-        if is_peft(model):
-            raise GspoError(
-                "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
-            )
-        import vllm.envs as envs
-
-        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            raise GspoError(
-                "config field 'rollout_engine': gspo runs vLLM inside the trainer's process (weights and "
-                "routing pass by reference); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
-            )
         on_cpu = _is_cpu_platform()
         name = getattr(cfg, "model", None) or type(model).__name__
-        hd = _head_dim(model.config)
-        if on_cpu and hd is not None and hd < CPU_MIN_HEAD_DIM:
-            raise GspoError(
-                f"config field 'model': vLLM's CPU backend cannot run {name}: head_dim {hd} < {CPU_MIN_HEAD_DIM} "
-                "(use a model with larger heads, e.g. embedded:tiny-moe-h32, or --rollout-engine hf)"
-            )
+        _check_runnable(model, name, on_cpu)
         if return_routing is None:
             return_routing = getattr(cfg, "routing_replay_source", None) == "rollout"
         if sleep_mode is None:
@@ -358,38 +342,7 @@ class VLLMRolloutEngine:
             raise GspoError(
                 f"vLLM {version} on CPU: gspo's routed-experts capture supports {vllm_runner.VERSIONS}"
             )
-        dtype = (
-            getattr(cfg, "rollout_dtype", None)
-            or getattr(cfg, "dtype", None)
-            or str(model.dtype).removeprefix("torch.")
-        )
-        kwargs: dict[str, Any] = dict(
-            dtype=dtype,
-            seed=int(getattr(cfg, "seed", 0)),
-            # cached prompt tokens are not recomputed, so the CPU capture would not see their routing
-            enable_prefix_caching=not cpu_capture,
-            logprobs_mode="processed_logprobs",
-            load_format="dummy",  # real weights come from the in-memory push right below
-            generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
-        )
-        max_len = getattr(cfg, "max_prompt_tokens", None), getattr(cfg, "max_new_tokens", None)
-        if getattr(cfg, "env", None):  # multi-turn: a turn's prompt holds the trajectory so far
-            max_len = max_len[0], getattr(cfg, "max_trajectory_tokens", None)
-        if all(isinstance(v, int) and v > 0 for v in max_len):
-            # the longest sequence a rollout makes; a model's full context would need a larger KV cache
-            ctx_len = getattr(
-                getattr(model.config, "get_text_config", lambda: model.config)(),
-                "max_position_embeddings",
-                None,
-            )
-            kwargs["max_model_len"] = min(sum(max_len), ctx_len or sum(max_len))
-        if on_cpu:
-            # eager: torch.compile costs ~20 s at start, and the routing capture's Python hooks must
-            # run at every forward (vLLM drops Dynamo's guards, so hooks bound after compiling are ignored)
-            kwargs["enforce_eager"] = True
-        else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = bool(sleep_mode)
+        kwargs = _llm_kwargs(cfg, model, on_cpu, cpu_capture, gpu_memory_utilization, bool(sleep_mode))
         if return_routing and not on_cpu:
             kwargs["enable_return_routed_experts"] = True
         kwargs.update(llm_kwargs)
@@ -397,35 +350,13 @@ class VLLMRolloutEngine:
             raise GspoError(
                 "vLLM on CPU: return_routing needs enforce_eager=True (hooks in a compiled graph do not run)"
             )
-        folder = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
-        try:
-            config = copy.deepcopy(model.config)
-            # save_pretrained fills this in; a freshly built model's config may lack it
-            config.architectures = getattr(config, "architectures", None) or [type(model).__name__]
-            config.save_pretrained(folder)  # config and tokenizer only; no weights on disk
-            tokenizer.save_pretrained(folder)
-            try:
-                with _kept_global_rng():
-                    llm = vllm.LLM(model=str(folder), **kwargs)
-            except GspoError:
-                raise
-            except Exception as e:
-                raise GspoError(f"config field 'model': vLLM cannot run {name}: {_one_line(e)}") from e
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        llm = _make_llm(vllm, model, tokenizer, kwargs, name)
         if not all(llm.collective_rpc(_has_reload_weights)):
             raise GspoError(
                 f"vLLM {version} has no in-place weight reload (worker.reload_weights); gspo needs a newer vLLM"
             )
         routing = vllm_runner.CPURoutingCapture(llm) if cpu_capture else None
-        routed_layers = None
-        if return_routing:
-            ids = routing.layer_ids if routing is not None else llm.apply_model(vllm_runner.moe_layer_ids)[0]
-            if not ids:
-                raise GspoError(
-                    f"config field 'model': return_routing needs an MoE model, {name} has no MoE layers"
-                )
-            routed_layers = [f"layer{i}" for i in ids]
+        routed_layers = _routed_layers(llm, routing, name) if return_routing else None
         engine = cls(
             llm,
             model,
@@ -602,3 +533,88 @@ __all__ = [
     "outputs_to_batch",
     "routing_rows_layout",
 ]
+
+
+def _check_runnable(model: Any, name: str, on_cpu: bool) -> None:
+    """What vLLM in this process cannot run fails here, naming the config field."""
+    if is_peft(model):
+        raise GspoError(
+            "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
+        )
+    import vllm.envs as envs
+
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        raise GspoError(
+            "config field 'rollout_engine': gspo runs vLLM inside the trainer's process (weights and "
+            "routing pass by reference); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+        )
+    hd = _head_dim(model.config)
+    if on_cpu and hd is not None and hd < CPU_MIN_HEAD_DIM:
+        raise GspoError(
+            f"config field 'model': vLLM's CPU backend cannot run {name}: head_dim {hd} < {CPU_MIN_HEAD_DIM} "
+            "(use a model with larger heads, e.g. embedded:tiny-moe-h32, or --rollout-engine hf)"
+        )
+
+
+def _llm_kwargs(
+    cfg: Any, model: Any, on_cpu: bool, cpu_capture: bool, gpu_memory_utilization: float, sleep_mode: bool
+) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for sampling ``model`` as the trainer does."""
+    dtype = (
+        getattr(cfg, "rollout_dtype", None)
+        or getattr(cfg, "dtype", None)
+        or str(model.dtype).removeprefix("torch.")
+    )
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        seed=int(getattr(cfg, "seed", 0)),
+        # cached prompt tokens are not recomputed, so the CPU capture would not see their routing
+        enable_prefix_caching=not cpu_capture,
+        logprobs_mode="processed_logprobs",
+        load_format="dummy",  # real weights come from the in-memory push right after
+        generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
+    )
+    max_len = getattr(cfg, "max_prompt_tokens", None), getattr(cfg, "max_new_tokens", None)
+    if getattr(cfg, "env", None):  # multi-turn: a turn's prompt holds the trajectory so far
+        max_len = max_len[0], getattr(cfg, "max_trajectory_tokens", None)
+    if all(isinstance(v, int) and v > 0 for v in max_len):
+        # the longest sequence a rollout makes; a model's full context would need a larger KV cache
+        text_config = getattr(model.config, "get_text_config", lambda: model.config)()
+        ctx_len = getattr(text_config, "max_position_embeddings", None)
+        kwargs["max_model_len"] = min(sum(max_len), ctx_len or sum(max_len))
+    if on_cpu:
+        # eager: torch.compile costs ~20 s at start, and the routing capture's Python hooks must
+        # run at every forward (vLLM drops Dynamo's guards, so hooks bound after compiling are ignored)
+        kwargs["enforce_eager"] = True
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = sleep_mode
+    return kwargs
+
+
+def _make_llm(vllm: Any, model: Any, tokenizer: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """A ``vllm.LLM`` built from ``model``'s config and tokenizer only (no weights on disk)."""
+    folder = Path(tempfile.mkdtemp(prefix="gspo-vllm-"))
+    try:
+        config = copy.deepcopy(model.config)
+        # save_pretrained fills this in; a freshly built model's config may lack it
+        config.architectures = getattr(config, "architectures", None) or [type(model).__name__]
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        try:
+            with _kept_global_rng():
+                return vllm.LLM(model=str(folder), **kwargs)
+        except GspoError:
+            raise
+        except Exception as e:
+            raise GspoError(f"config field 'model': vLLM cannot run {name}: {_one_line(e)}") from e
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _routed_layers(llm: Any, routing: Any, name: str) -> list[str]:
+    """The MoE layers R3 data names (``layer<N>`` by decoder index)."""
+    ids = routing.layer_ids if routing is not None else llm.apply_model(vllm_runner.moe_layer_ids)[0]
+    if not ids:
+        raise GspoError(f"config field 'model': return_routing needs an MoE model, {name} has no MoE layers")
+    return [f"layer{i}" for i in ids]
