@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from gspo.losses import MAX_LOG_RATIO, k3_kl, loss_inputs, ratio_stats, sequence_mean
+from gspo.loss_inputs import MAX_LOG_RATIO, k3_kl, loss_inputs, ratio_stats, sequence_mean
 
 Tensor = torch.Tensor
 

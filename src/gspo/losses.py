@@ -29,231 +29,26 @@ key is an average over the sequences that have at least one response token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from gspo.loss_inputs import (
+    MAX_LOG_RATIO,
+    LossInputs,
+    check_aggregation,
+    clip_masks,
+    k3_kl,
+    log_ratio_limit,
+    loss_inputs,
+    ratio_stats,
+    sequence_clip_metrics,
+    sequence_mean,
+    token_clip_metrics,
+    token_ratio_metrics,
+    with_totals,
+)
+
 Tensor = torch.Tensor
-
-# exp(20) ~ 4.9e8: far outside any clip range, and finite in float16/bfloat16/float32.
-MAX_LOG_RATIO = 20.0
-
-
-def _compute_dtype(logp: Tensor, old_logp: Tensor) -> torch.dtype:
-    """At least float32: bf16/fp16 cannot resolve ratios at GSPO's 1e-4 clip scale (ulp(1) = 2^-8
-    in bf16) nor count more than 256 tokens exactly."""
-    return torch.promote_types(torch.promote_types(logp.dtype, old_logp.dtype), torch.float32)
-
-
-def _log_ratio_limit(logp_BT: Tensor) -> float:
-    """Per-token bound on |log-ratio| such that a sum over ``T`` tokens cannot overflow.
-
-    Far beyond anything real (3.4e38 / 2T in float32) and only reached when ``logp - old_logp``
-    itself overflows; without it, +inf and -inf tokens in one row would sum to NaN.
-    """
-    return torch.finfo(logp_BT.dtype).max / (2 * max(logp_BT.shape[-1], 1))
-
-
-def _masked_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """log pi_theta - log pi_old with padding set to exactly 0 (so NaN/inf there cannot leak),
-    clamped to +-:func:`_log_ratio_limit` (no gradient beyond it)."""
-    lim = _log_ratio_limit(logp_BT)
-    return torch.where(mask_BT.bool(), logp_BT - old_logp_BT, torch.zeros_like(logp_BT)).clamp(-lim, lim)
-
-
-def sequence_mean(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
-    """Per-row mean of a masked log-ratio (0 on padding) over its ``n_tok_B`` tokens; 0 for empty rows."""
-    return log_r_BT.sum(-1) / n_tok_B.clamp(min=1)
-
-
-def k3_kl(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
-    """k3 estimator of KL(pi_old || pi_theta), e^r - 1 - r averaged over tokens (Schulman 2020), from
-    a masked log-ratio (0 on padding, where k3 is 0)."""
-    log_r_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return (torch.expm1(log_r_BT) - log_r_BT).sum() / n_tok_B.sum().clamp(min=1)
-
-
-def ratio_stats(prefix: str, ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
-    """Mean/min/max of ``ratio`` over ``valid`` entries (any shape); NaN-free when none are valid."""
-    ratio = ratio.detach()
-    n = valid.sum().clamp(min=1)
-    big = torch.finfo(ratio.dtype).max
-    any_valid = valid.any()
-    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-    return {
-        f"{prefix}_mean": torch.where(valid, ratio, 0).sum() / n,
-        f"{prefix}_min": torch.where(any_valid, torch.where(valid, ratio, big).amin(), one),
-        f"{prefix}_max": torch.where(any_valid, torch.where(valid, ratio, -big).amax(), one),
-    }
-
-
-# ----------------------------------------------------------------------------------------------
-# the shared prologue
-
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
-
-
-def _check_aggregation(aggregation: str) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be 'seq_mean_token_mean' or 'token_mean', got {aggregation!r}")
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """What every loss computes first from ``(logp, old_logp, mask)``, in the compute dtype (at least
-    float32, see :func:`loss_inputs`). ``log_r_BT`` carries ``logp``'s gradient; the rest is constant."""
-
-    logp_BT: Tensor  # log pi_theta
-    old_logp_BT: Tensor  # log pi_old
-    mask_BT: Tensor  # 1.0 on response tokens, 0.0 elsewhere
-    valid_BT: Tensor  # mask_BT as bool
-    n_tok_B: Tensor  # |y_i|: response tokens per row
-    has_tok_B: Tensor  # rows with at least one response token
-    log_r_BT: Tensor  # logp - old_logp, exactly 0 on padding, clamped to +-_log_ratio_limit
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.logp_BT.dtype
-
-    def seq_advantages(self, advantages_B: Tensor) -> Tensor:
-        """``[B]`` advantages, 0 on rows without tokens (their objective is exactly 0, and a NaN A
-        there cannot reach the gradient)."""
-        return torch.where(self.has_tok_B, advantages_B.to(self.dtype), 0.0)
-
-    def token_advantages(self, advantages: Tensor) -> Tensor:
-        """``[B]`` or ``[B, T]`` advantages as ``[B, T]``, 0 on padding (a NaN there cannot leak)."""
-        adv_BT = advantages.to(self.dtype)
-        if adv_BT.dim() == 1:
-            adv_BT = adv_BT[:, None].expand(self.valid_BT.shape)
-        return torch.where(self.valid_BT, adv_BT, torch.zeros_like(adv_BT))
-
-    def weigh_sequences(self, obj_B: Tensor, weight: Tensor | None) -> Tensor:
-        """``obj_B`` times a ``[B]`` stop-gradient weight (0 on rows without tokens); None: unchanged."""
-        if weight is None:
-            return obj_B
-        B = self.has_tok_B.shape[0]
-        if weight.dim() != 1 or weight.shape[0] != B:
-            raise ValueError(
-                f"weight must have shape [B] = [{B}] for a sequence-level loss, got {tuple(weight.shape)}"
-            )
-        w_B = weight.detach().to(self.dtype)
-        return obj_B * torch.where(self.has_tok_B, w_B, torch.zeros_like(w_B))
-
-    def weigh_tokens(self, obj_BT: Tensor, weight: Tensor | None) -> Tensor:
-        """``obj_BT`` times a ``[B]`` (per sequence) or ``[B, T]`` (per token) stop-gradient weight,
-        0 on padding; None: unchanged."""
-        if weight is None:
-            return obj_BT
-        w = weight.detach().to(self.dtype)
-        if w.dim() == 1 and w.shape[0] == self.valid_BT.shape[0]:
-            w = w[:, None].expand(self.valid_BT.shape)
-        elif w.shape != self.valid_BT.shape:
-            raise ValueError(
-                f"weight must have shape [B] or [B, T] = {list(self.valid_BT.shape)}, got {tuple(w.shape)}"
-            )
-        return obj_BT * torch.where(self.valid_BT, w, torch.zeros_like(w))
-
-    def sequence_loss(self, obj_B: Tensor, normalizer: float | Tensor | None) -> Tensor:
-        """-(1/N) sum_i obj_i, N = B by default."""
-        n = obj_B.shape[0] if normalizer is None else normalizer
-        return -obj_B.sum() / n
-
-    def token_loss(self, obj_BT: Tensor, normalizer: float | Tensor | None, aggregation: str) -> Tensor:
-        """Loss from a per-token objective that is 0 on padding: per-sequence token mean summed over
-        sequences / N (N = B by default), or sum over all tokens / N (N = tokens by default)."""
-        if aggregation == "seq_mean_token_mean":
-            return self.sequence_loss(obj_BT.sum(-1) / self.n_tok_B.clamp(min=1), normalizer)
-        n = self.mask_BT.sum().clamp(min=1) if normalizer is None else normalizer
-        return -obj_BT.sum() / n
-
-
-def loss_inputs(logp: Tensor, old_logp: Tensor, mask: Tensor) -> LossInputs:
-    """The prologue every loss shares (and :mod:`gspo.correction`, with pi_old / pi_sampler)."""
-    dtype = _compute_dtype(logp, old_logp)
-    logp_BT, old_logp_BT, mask_BT = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
-    n_tok_B = mask_BT.sum(-1)
-    log_r_BT = _masked_log_ratio(logp_BT, old_logp_BT, mask_BT)
-    return LossInputs(logp_BT, old_logp_BT, mask_BT, mask_BT.bool(), n_tok_B, n_tok_B > 0, log_r_BT)
-
-
-def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Length-normalized sequence log-ratio ``(1/|y_i|) sum_t (logp - old_logp)`` -> ``[B]``.
-
-    Rows with no response tokens get 0 (ratio 1). Not clamped; callers clamp before ``exp``.
-    """
-    n_tok_B = mask_BT.sum(-1).to(logp_BT.dtype)
-    return sequence_mean(_masked_log_ratio(logp_BT, old_logp_BT, mask_BT), n_tok_B)
-
-
-# ----------------------------------------------------------------------------------------------
-# metrics shared by several losses
-
-
-def _clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
-    """Where the clipped branch wins the min (zero gradient): low side for A<0, high side for A>0."""
-    low = (ratio < 1.0 - eps_low) & (adv < 0)
-    high = (ratio > 1.0 + eps_high) & (adv > 0)
-    return low, high
-
-
-def _with_totals(out: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Adds ``clip_frac_tok`` / ``clip_frac_seq``, the sums of their low and high sides."""
-    out["clip_frac_tok"] = out["clip_frac_tok_low"] + out["clip_frac_tok_high"]
-    out["clip_frac_seq"] = out["clip_frac_seq_low"] + out["clip_frac_seq_high"]
-    return out
-
-
-def _token_clip_metrics(inp: LossInputs, low_BT: Tensor, high_BT: Tensor) -> dict[str, Tensor]:
-    """Fractions of tokens clipped low / high, over all tokens and per sequence (then averaged over
-    sequences), for a loss that clips token by token."""
-    low_BT, high_BT = low_BT & inp.valid_BT, high_BT & inp.valid_BT
-    n_tok = inp.n_tok_B.sum().clamp(min=1)
-    n_seq = inp.has_tok_B.sum().clamp(min=1).to(inp.n_tok_B.dtype)
-    seq_low_B = low_BT.sum(-1) / inp.n_tok_B.clamp(min=1)
-    seq_high_B = high_BT.sum(-1) / inp.n_tok_B.clamp(min=1)
-    return _with_totals(
-        {
-            "clip_frac_tok_low": low_BT.sum() / n_tok,
-            "clip_frac_tok_high": high_BT.sum() / n_tok,
-            "clip_frac_seq_low": seq_low_B.sum() / n_seq,
-            "clip_frac_seq_high": seq_high_B.sum() / n_seq,
-        }
-    )
-
-
-def _token_ratio_metrics(inp: LossInputs) -> dict[str, Tensor]:
-    """Token ratio stats (``ratio_*``), sequence ratio s_i stats (``seq_ratio_*``) and the k3 KL."""
-    log_r_BT = inp.log_r_BT.detach()
-    log_w_BT = log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    out = ratio_stats("ratio", torch.exp(log_w_BT), inp.valid_BT)
-    s_B = torch.exp(sequence_mean(log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    out.update(ratio_stats("seq_ratio", s_B, inp.has_tok_B))
-    out["approx_kl"] = k3_kl(log_w_BT, inp.n_tok_B)
-    return out
-
-
-def _sequence_clip_metrics(
-    inp: LossInputs, s_B: Tensor, adv_B: Tensor, eps_low: float, eps_high: float
-) -> dict[str, Tensor]:
-    """Clip fractions for a sequence-level ratio, per sequence and weighted by tokens; its stats."""
-    s_B = s_B.detach()
-    low_B, high_B = _clip_masks(s_B, adv_B, eps_low, eps_high)
-    # [low, high] x [sequences, tokens] in one product; rows without tokens weigh 0 in both columns
-    w_B2 = torch.stack([inp.has_tok_B.to(inp.n_tok_B.dtype), inp.n_tok_B], -1)
-    frac_22 = torch.stack([low_B, high_B]).to(w_B2.dtype) @ w_B2 / w_B2.sum(0).clamp(min=1)
-    (seq_low, tok_low), (seq_high, tok_high) = frac_22
-    seq, tok = frac_22.sum(0)
-    out = {
-        "clip_frac_seq_low": seq_low,
-        "clip_frac_seq_high": seq_high,
-        "clip_frac_tok_low": tok_low,
-        "clip_frac_tok_high": tok_high,
-        "clip_frac_seq": seq,
-        "clip_frac_tok": tok,
-    }
-    out.update(ratio_stats("ratio", s_B, inp.has_tok_B))
-    return out
-
 
 # ----------------------------------------------------------------------------------------------
 # GSPO (arXiv 2507.18071) and the GRPO baseline
@@ -289,7 +84,7 @@ def gspo_loss(
     # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
     loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
-    metrics = _sequence_clip_metrics(inp, s_B, adv_B, eps_low, eps_high)
+    metrics = sequence_clip_metrics(inp, s_B, adv_B, eps_low, eps_high)
     metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
     return loss, metrics
 
@@ -320,9 +115,9 @@ def gspo_token_loss(
     raw_log_s_B = sequence_mean(log_r_BT, inp.n_tok_B)
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # the clamps pass no gradient outside [-MAX, MAX] (sequence) or +-lim (token, see
-    # _masked_log_ratio); mirror that so GSPO-token == GSPO there too
+    # masked_log_ratio); mirror that so GSPO-token == GSPO there too
     in_range_B = (raw_log_s_B >= -MAX_LOG_RATIO) & (raw_log_s_B <= MAX_LOG_RATIO)
-    tok_ok_BT = (inp.logp_BT.detach() - inp.old_logp_BT).abs() <= _log_ratio_limit(inp.logp_BT)
+    tok_ok_BT = (inp.logp_BT.detach() - inp.old_logp_BT).abs() <= log_ratio_limit(inp.logp_BT)
     grad_BT = inp.valid_BT & in_range_B[:, None] & tok_ok_BT
     safe_logp_BT = torch.where(grad_BT, inp.logp_BT, torch.zeros_like(inp.logp_BT))
     # value: exactly s_i on every token (x - sg[x] == 0, whereas (log_s + x) - x rounds at the scale
@@ -333,13 +128,13 @@ def gspo_token_loss(
     obj_BT = inp.weigh_tokens(obj_BT, weight)
     loss = inp.token_loss(obj_BT * inp.mask_BT, normalizer, "seq_mean_token_mean")
 
-    low_BT, high_BT = _clip_masks(s_BT.detach(), adv_BT, eps_low, eps_high)
+    low_BT, high_BT = clip_masks(s_BT.detach(), adv_BT, eps_low, eps_high)
     n_tok = inp.mask_BT.sum().clamp(min=1)
     # a sequence counts as clipped when the majority of its tokens are (with A_it = A_i: all or none)
     low_B = (low_BT & inp.valid_BT).sum(-1) * 2 > inp.n_tok_B
     high_B = (high_BT & inp.valid_BT).sum(-1) * 2 > inp.n_tok_B
     n_seq = inp.has_tok_B.sum().clamp(min=1).to(inp.dtype)
-    metrics = _with_totals(
+    metrics = with_totals(
         {
             "clip_frac_tok_low": (low_BT & inp.valid_BT).sum() / n_tok,
             "clip_frac_tok_high": (high_BT & inp.valid_BT).sum() / n_tok,
@@ -375,14 +170,14 @@ def grpo_loss(
         weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier, e.g. IcePop's token weights
             (:func:`gspo.correction.icepop_weights`).
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     inp = loss_inputs(logp, old_logp, mask)
     adv_BT = inp.token_advantages(advantages)
     w_BT = torch.exp(inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     obj_BT = torch.minimum(w_BT * adv_BT, w_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT) * inp.mask_BT
     loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
-    metrics = _token_clip_metrics(inp, *_clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high))
-    metrics.update(_token_ratio_metrics(inp))
+    metrics = token_clip_metrics(inp, *clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high))
+    metrics.update(token_ratio_metrics(inp))
     return loss, metrics
 
 
@@ -511,7 +306,7 @@ def sapo_token_loss(
     Metrics: ``gate_tok_mean`` / ``gate_seq_mean`` (g over tokens / per-sequence token mean over
     sequences), ``gate_min``; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     _check_temperatures(eps_low, eps_high)
     inp = loss_inputs(logp, old_logp, mask)
     adv_BT = inp.token_advantages(advantages)
@@ -521,7 +316,7 @@ def sapo_token_loss(
     loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
 
     metrics = _gate_metrics(inp, _gate_slope(log_w_BT.detach(), tau_BT))
-    metrics.update(_token_ratio_metrics(inp))
+    metrics.update(token_ratio_metrics(inp))
     return loss, metrics
 
 
@@ -567,7 +362,7 @@ def cispo_loss(
     at the ceiling (whatever the sign of A; their gradient is kept), per token and (``clip_frac_seq_*``)
     per sequence; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
     """
-    _check_aggregation(aggregation)
+    check_aggregation(aggregation)
     inp = loss_inputs(logp, old_logp, mask)
     adv_BT = inp.token_advantages(advantages)
     r_BT = torch.exp(inp.log_r_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # the weight is a constant
@@ -577,8 +372,8 @@ def cispo_loss(
     obj_BT = w_hat_BT * adv_BT * unit_BT * inp.mask_BT
     loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
 
-    metrics = _token_clip_metrics(inp, r_BT < 1.0 - eps_low, r_BT > 1.0 + eps_high)
-    metrics.update(_token_ratio_metrics(inp))
+    metrics = token_clip_metrics(inp, r_BT < 1.0 - eps_low, r_BT > 1.0 + eps_high)
+    metrics.update(token_ratio_metrics(inp))
     return loss, metrics
 
 
@@ -630,8 +425,8 @@ def gmpo_loss(
     obj_B = adv_B * torch.exp(log_S_B)  # rows without tokens: A = 0
     loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
 
-    metrics = _token_clip_metrics(inp, low_BT, high_BT)
-    metrics.update(_token_ratio_metrics(inp))
+    metrics = token_clip_metrics(inp, low_BT, high_BT)
+    metrics.update(token_ratio_metrics(inp))
     return loss, metrics
 
 
