@@ -57,6 +57,10 @@ def main() -> None:
             from gspo.model.lora import apply_lora
 
             hf = apply_lora(hf, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        if cfg.activation_checkpointing:
+            from gspo.model.load import enable_activation_checkpointing
+
+            enable_activation_checkpointing(hf)
         model = D.wrap(PolicyLogprobs(hf), cfg, ctx)
         trainable = [p for p in model.parameters() if p.requires_grad]
         rollout = D.rollout_model(model, ctx)

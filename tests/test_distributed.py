@@ -60,6 +60,22 @@ RUNS = (
         for par in ("fsdp", "ddp")
     ]
     + [
+        {  # activation checkpointing, with Routing Replay (R2) and with GRPO: against 1 process without it
+            "name": f"{par}-sgd-{algo}-checkpointing",
+            "opt": "sgd",
+            "lr": 0.1,
+            "cfg": {
+                **BASE_CFG,
+                "parallel": par,
+                "max_grad_norm": 0.0,
+                "algo": algo,
+                "activation_checkpointing": True,
+            },
+        }
+        for par in ("fsdp", "ddp")
+        for algo in ("gspo", "grpo")
+    ]
+    + [
         {  # LoRA: frozen base, adapters trained (and their gradients averaged over ranks)
             "name": f"{par}-adamw-lora",
             "opt": "adamw",
@@ -89,7 +105,8 @@ def synthetic_rollout(vocab: int, seed: int = 0) -> RolloutData:
 def _single(run: dict, data: RolloutData, vocab: int):
     from tests.dist_worker import make_optimizer
 
-    cfg = Config(**run["cfg"]).validate()
+    # the reference never checkpoints: 2 ranks with checkpointing must make the plain 1-process update
+    cfg = Config(**{k: v for k, v in run["cfg"].items() if k != "activation_checkpointing"}).validate()
     model = build_tiny_moe(vocab, seed=0)
     if cfg.lora_rank:
         from gspo.model.lora import apply_lora

@@ -164,3 +164,95 @@ def test_mismatch_correction_enters_the_update_as_the_pure_functions_say(tiny_mo
     for g_got, p in zip(grads, mm.parameters(), strict=True):
         if p.grad is not None:
             torch.testing.assert_close(g_got, p.grad, atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(algo="gspo"),
+        dict(algo="grpo", routing_replay=True),  # R2: the recomputed forwards replay pi_old's experts
+        dict(algo="gspo", routing_replay=True, num_minibatches=1, micro_batch_size=4),
+    ],
+    ids=["gspo", "grpo-replay", "gspo-replay-micro"],
+)
+def test_activation_checkpointing_leaves_every_gradient_unchanged(tiny_moe, batch, kw):
+    """Every optimizer step's gradient (float32) is the same with and without per-layer activation
+    checkpointing: the backward's recomputed forward is the forward, Routing Replay included (its
+    hooks stay on through the backward)."""
+    from gspo.model.load import enable_activation_checkpointing
+
+    model, _ = tiny_moe
+    cfg = Config(
+        prompts_per_step=2,
+        group_size=8,
+        old_logp="recompute",
+        max_grad_norm=0,
+        **{"num_minibatches": 2, **kw},
+    ).validate()
+    seen = []
+    for checkpointing in (False, True):
+        m = copy.deepcopy(model)
+        if checkpointing:
+            enable_activation_checkpointing(m)
+        opt = _Recorder(m.parameters(), lr=0.05)
+        policy_update(
+            m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch, plan_update(cfg, m, True), 1
+        )
+        seen.append(opt.seen)
+    assert len(seen[0]) == cfg.num_minibatches
+    for (_, plain), (_, ckpt) in zip(*seen, strict=True):
+        assert any(g is not None and float(g.abs().max()) > 0 for g in plain)
+        for a, b in zip(plain, ckpt, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+def test_activation_checkpointing_recomputes_and_needs_the_replay_in_the_backward(
+    tiny_moe, batch, monkeypatch
+):
+    """The checkpointed update recomputes every decoder layer in its backward (one more call each), and
+    a replay that ended before the backward (the bug the update avoids) is caught by torch."""
+    from gspo.model import routing as R
+    from gspo.model.load import enable_activation_checkpointing
+
+    model, _ = tiny_moe
+    cfg = Config(prompts_per_step=2, group_size=8, routing_replay=True, log_volatility=False).validate()
+    calls = {}
+    for checkpointing in (False, True):
+        m = copy.deepcopy(model)
+        if checkpointing:
+            enable_activation_checkpointing(m)
+        n = []  # calls inside the first decoder layer (the layer's own hooks stay outside the checkpoint)
+        h = m.model.layers[0].self_attn.register_forward_pre_hook(lambda *a, n=n: n.append(1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        policy_update(
+            m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch, plan_update(cfg, m, True), 1
+        )
+        h.remove()
+        calls[checkpointing] = len(n)
+    assert calls[True] == calls[False] + cfg.num_minibatches  # one recompute per training forward
+
+    real = R.replay_routing
+    monkeypatch.setattr(
+        R, "replay_routing", lambda model, routing, backward_inside=False: real(model, routing)
+    )
+    from gspo.train import update as U
+
+    def backward_outside(policy, mb, plan, normalizer, world_size, capture):  # the replay ends first
+        with U.nullcontext() if mb.replay is None else real(U.unwrap(policy, "hf"), mb.replay):
+            f = U.forward(policy, mb, plan, entropy=True)
+        f.logp_BT.sum().backward()
+        return f.logp_BT.sum().detach(), {}, None
+
+    monkeypatch.setattr(U, "_train_micro_batch", backward_outside)
+    m = copy.deepcopy(model)
+    enable_activation_checkpointing(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with (
+        pytest.raises(torch.utils.checkpoint.CheckpointError),
+        pytest.warns(UserWarning, match="checkpointing"),
+    ):
+        policy_update(
+            m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch, plan_update(cfg, m, True), 1
+        )

@@ -44,6 +44,11 @@ class Optimization(Group):
     sequences fall back to separate rows (the shared mask is dense)."""
     logp_chunk_size: Annotated[int, AtLeast(1)] = 512
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in the training forward and recompute the layer in the
+    backward (torch's non-reentrant checkpointing, through transformers' per-layer switch): activation
+    memory of one layer instead of all, for about one more forward. Exact, Routing Replay included:
+    the recomputed forward is forced to the same experts."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:

@@ -264,3 +264,21 @@ def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     """Write an HF-layout directory (safetensors weights, config, tokenizer)."""
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Checkpoint every decoder layer of ``model`` (PEFT-wrapped or not) in its training forwards,
+    with torch's non-reentrant checkpoint (transformers' public switch; eval and no-grad forwards,
+    generation included, run as before)."""
+    from gspo.model.unwrap import unwrap
+
+    hf = unwrap(model, "hf")
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        raise GspoError(
+            f"config field 'activation_checkpointing': {type(hf).__name__} does not support activation checkpointing"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.25 (the older name is deprecated)
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

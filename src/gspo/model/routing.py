@@ -237,8 +237,11 @@ def _checkpointing(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
+def replay_routing(model: nn.Module, routing: Routing, backward_inside: bool = False) -> Iterator[None]:
     """Force every router to use ``routing[name]`` (``[B, T, k]``) in the forwards run inside.
+
+    With activation checkpointing the backward recomputes each layer's forward, and the hooks must
+    still be there: run the backward inside too and say so (``backward_inside``), or get a warning.
 
     Each router returns its own probabilities gathered at the forced indices (renormalised iff the
     router renormalises, same dtype), so ``router.weight`` still gets gradients; ``router_logits``
@@ -250,7 +253,7 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
         raise GspoError(
             f"replay_routing: routing has no entry for router(s) {missing} (has {sorted(routing)})"
         )
-    if _checkpointing(model) and torch.is_grad_enabled():
+    if _checkpointing(model) and torch.is_grad_enabled() and not backward_inside:
         warnings.warn(
             "replay_routing with activation checkpointing: a backward after the context exits recomputes "
             "without the replay hooks (non-reentrant checkpointing then raises CheckpointError, reentrant "

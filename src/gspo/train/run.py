@@ -20,7 +20,7 @@ from torch import nn
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_resources
-from gspo.model.load import save_pretrained
+from gspo.model.load import enable_activation_checkpointing, save_pretrained
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
 from gspo.rollout.base import RolloutEngine, Sampler
@@ -132,6 +132,8 @@ class Run:
         elif cfg.sft_steps:
             warm_start_run(start, cfg, dctx.device, progress, should_stop)
         model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
         policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx)
         optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)

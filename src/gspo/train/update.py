@@ -190,8 +190,24 @@ def _train_micro_batch(
     capture: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], R.Routing | None]:
     """Forward, loss and backward of one micro-batch -> (its loss, its metrics, its routing when
-    ``capture`` and not replayed)."""
-    f = forward(policy, mb, plan, entropy=True, replay=mb.replay, capture=capture and mb.replay is None)
+    ``capture`` and not replayed). A replayed routing stays forced through the backward, where
+    activation checkpointing recomputes each layer's forward: the same experts, exactly."""
+    forcing = nullcontext()
+    if mb.replay is not None:
+        forcing = R.replay_routing(unwrap(policy, "hf"), mb.replay, backward_inside=True)
+    with forcing:
+        return _loss_and_backward(policy, mb, plan, normalizer, world_size, capture)
+
+
+def _loss_and_backward(
+    policy: nn.Module,
+    mb: MicroBatch,
+    plan: UpdatePlan,
+    normalizer: float | torch.Tensor,
+    world_size: int,
+    capture: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], R.Routing | None]:
+    f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
     trainer_old_BT = f.logp_BT.detach() if mb.on_policy else mb.old_logp_BT
     sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
     old_logp = sampler_BT if plan.pi_old == "rollout" else trainer_old_BT
