@@ -24,7 +24,7 @@ def local_rows(B: int, n_mb: int, rank: int, world: int) -> torch.Tensor:
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=name == "adamw-fused")
 
 
 def main() -> None:

@@ -133,3 +133,11 @@ def test_cli_missing_config_file(capsys):
     """A missing YAML file is named in a one-line error."""
     assert main(["train", "--config", "/nonexistent/x.yaml"]) == 2
     assert "config file not found: /nonexistent/x.yaml" in capsys.readouterr().err
+
+
+def test_mixed_precision_needs_fsdp2_and_float32_master_weights():
+    """bf16 mixed precision is FSDP2's (float32 master weights): anything else is refused by name."""
+    assert Config(nproc=2, mixed_precision="bf16").validate().mixed_precision == "bf16"
+    for kw in (dict(), dict(nproc=2, parallel="ddp"), dict(nproc=2, dtype="bfloat16")):
+        with pytest.raises(GspoError, match="config field 'mixed_precision'"):
+            Config(mixed_precision="bf16", **kw).validate()

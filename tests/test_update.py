@@ -383,3 +383,16 @@ def test_the_update_plan_is_decided_once_from_the_config(tiny_moe, kw, want):
     plan = plan_update(Config(**kw).validate(), model, is_moe=True)
     assert {k: getattr(plan, k) for k in want} == want
     assert plan_update(Config(**kw).validate(), model, is_moe=False).volatility is None  # dense: no experts
+
+
+def test_gradients_are_freed_after_the_last_optimizer_step(tiny_moe, batch):
+    """The rollout and weight sync after an update hold no gradient memory."""
+    model, _ = tiny_moe
+    m = copy.deepcopy(model)
+    cfg = Config(prompts_per_step=2, group_size=8).validate()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    out = policy_update(
+        m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), batch, plan_update(cfg, m, True), 1
+    )
+    assert out["loss/grad_norm"] > 0 and out["loss/skipped_updates"] == 0
+    assert all(p.grad is None for p in m.parameters())

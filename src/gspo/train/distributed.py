@@ -128,13 +128,16 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
         # buffers (rotary tables) never change; syncing them is a collective inside every forward
         return nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ctx.rollout_copy = copy.deepcopy(policy.model).requires_grad_(False)  # tying survives deepcopy
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mp = MixedPrecisionPolicy()  # the parameters' own dtype throughout
+    if cfg.mixed_precision == "bf16":  # compute in bf16; float32 master weights and gradient reduction
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in _decoder_layers(policy.model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
     return policy
 
 

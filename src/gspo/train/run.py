@@ -404,13 +404,14 @@ def make_optimizer(
     model: nn.Module, cfg: Config, world_size: int = 1
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters and a linear-warmup LR schedule."""
-    # fused AdamW: one kernel for all parameters instead of a Python loop (5% of a tiny-model step)
+    # fused AdamW at every world size: one kernel for all parameters instead of a Python loop (5% of a
+    # tiny-model step); FSDP2's sharded parameters (DTensors) take it as plain tensors do
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
-        fused=world_size == 1,
+        fused=True,
     )
     warm = max(cfg.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))

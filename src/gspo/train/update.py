@@ -309,6 +309,7 @@ def policy_update(
         if i == 0 and plan.volatility == "forward":  # now exactly one optimizer step from pi_old
             out.update(measure_volatility(policy, minibatches[vol_i], vol_old, plan))
 
+    optimizer.zero_grad(set_to_none=True)  # the rollout and the sync that follow need no gradients
     out.update(reduce_metrics(parts, metric_reductions(plan.algo)))
     out["loss/loss"], out["loss/grad_norm"] = torch.stack(
         [torch.stack(step_losses).mean(), torch.stack(grad_norms).mean()]
