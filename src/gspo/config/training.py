@@ -46,9 +46,9 @@ class Optimization(Group):
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input in the training forward and recompute the layer in the
-    backward (torch's non-reentrant checkpointing, through transformers' per-layer switch): activation
-    memory of one layer instead of all, for about one more forward. Exact, Routing Replay included:
-    the recomputed forward is forced to the same experts."""
+    backward (torch's non-reentrant checkpointing, through transformers' per-layer switch): less
+    activation memory for about one more forward (measured in benchmarks/RESULTS.md). Exact, Routing
+    Replay included: the recomputed forward is forced to the same experts."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
