@@ -196,28 +196,17 @@ def _train_micro_batch(
     if mb.replay is not None:
         forcing = R.replay_routing(unwrap(policy, "hf"), mb.replay, backward_inside=True)
     with forcing:
-        return _loss_and_backward(policy, mb, plan, normalizer, world_size, capture)
-
-
-def _loss_and_backward(
-    policy: nn.Module,
-    mb: MicroBatch,
-    plan: UpdatePlan,
-    normalizer: float | torch.Tensor,
-    world_size: int,
-    capture: bool,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], R.Routing | None]:
-    f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
-    trainer_old_BT = f.logp_BT.detach() if mb.on_policy else mb.old_logp_BT
-    sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
-    old_logp = sampler_BT if plan.pi_old == "rollout" else trainer_old_BT
-    weight, loss_mask_BT, corr_metrics = mismatch_correction(trainer_old_BT, sampler_BT, m_BT, plan)
-    kwargs = {} if plan.aggregation is None else {"aggregation": plan.aggregation}
-    loss, loss_metrics = LOSSES[plan.algo][0](
-        f.logp_BT, old_logp, mb.data.adv_B, loss_mask_BT, plan.eps_low, plan.eps_high, normalizer,
-        **kwargs, weight=weight,
-    )  # fmt: skip
-    (loss * world_size).backward()
+        f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
+        trainer_old_BT = f.logp_BT.detach() if mb.on_policy else mb.old_logp_BT
+        sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
+        old_logp = sampler_BT if plan.pi_old == "rollout" else trainer_old_BT
+        weight, loss_mask_BT, corr_metrics = mismatch_correction(trainer_old_BT, sampler_BT, m_BT, plan)
+        kwargs = {} if plan.aggregation is None else {"aggregation": plan.aggregation}
+        loss, loss_metrics = LOSSES[plan.algo][0](
+            f.logp_BT, old_logp, mb.data.adv_B, loss_mask_BT, plan.eps_low, plan.eps_high, normalizer,
+            **kwargs, weight=weight,
+        )  # fmt: skip
+        (loss * world_size).backward()
     metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in loss_metrics.items()} | corr_metrics
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
     return loss.detach() * world_size, metrics, f.routing
