@@ -711,9 +711,10 @@ CLIP_KEYS = {f"clip_frac_{u}{s}" for u in ("seq", "tok") for s in ("", "_low", "
 RATIO_KEYS = {"ratio_mean", "ratio_min", "ratio_max", "approx_kl"}
 SEQ_RATIO_KEYS = {"seq_ratio_mean", "seq_ratio_min", "seq_ratio_max"}
 GATE_KEYS = {"gate_seq_mean", "gate_tok_mean", "gate_min"}
+UNUSED_TOKEN_RATIO_KEYS = {"tok_ratio_min", "tok_ratio_max"}
 EXPECTED_KEYS = {
-    "gspo": CLIP_KEYS | RATIO_KEYS,
-    "gspo_token": CLIP_KEYS | RATIO_KEYS,
+    "gspo": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
+    "gspo_token": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     "sapo": GATE_KEYS | RATIO_KEYS,
     **{
         n: CLIP_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS for n in ("grpo", "grpo_tm", "cispo", "cispo_smtm", "gmpo")
@@ -760,6 +761,19 @@ def test_token_ratio_losses_report_token_and_sequence_ratios(name):
     s = [math.exp(((logp[i] - old[i])[mask[i].bool()]).mean().item()) for i in range(5)]
     assert abs(m["seq_ratio_mean"].item() - sum(s) / 5) < ATOL
     assert abs(m["seq_ratio_min"].item() - min(s)) < ATOL
+
+
+@pytest.mark.parametrize("fn", [gspo_loss, gspo_token_loss])
+def test_sequence_ratio_losses_report_the_token_ratio_extremes_they_do_not_use(fn):
+    """tok_ratio_min / max are the extremes of exp(logp - old_logp) over response tokens only."""
+    logp, old, adv, mask = _token_batch(seed=26)
+    _, m = fn(logp, old, adv, mask)
+    d = (logp.detach() - old)[mask.bool()]
+    assert abs(m["tok_ratio_max"].item() - d.exp().max().item()) < ATOL
+    assert abs(m["tok_ratio_min"].item() - d.exp().min().item()) < ATOL
+    assert (
+        m["tok_ratio_min"].item() < m["ratio_min"].item() <= m["ratio_max"].item() < m["tok_ratio_max"].item()
+    )
 
 
 @pytest.mark.parametrize("fn", [grpo_loss, sapo_token_loss, cispo_loss])

@@ -12,7 +12,7 @@ from gspo.study import load_preset, write_report, write_study
 TINY = dict(steps=3, sft_steps=3, eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=8)
 
 
-def _runs(out: Path, finals: dict[str, list[float]], token_ratios: bool = False) -> None:
+def _runs(out: Path, finals: dict[str, list[float]], gspo_token_ratios: bool = False) -> None:
     """Finished runs: held-out accuracy 0.3 -> ``final`` over 4 evals; importance ratios per step."""
     for v, per_seed in finals.items():
         for s, final in enumerate(per_seed):
@@ -24,6 +24,8 @@ def _runs(out: Path, finals: dict[str, list[float]], token_ratios: bool = False)
                 r |= {"loss/ratio_min": 0.5, "loss/clip_frac_tok": 0.1, "loss/clip_frac_seq": 0.2}
                 if v.startswith("grpo"):  # a token-ratio loss also logs the sequence ratios s_i
                     r |= {"loss/seq_ratio_max": 1.1, "loss/seq_ratio_min": 1.0}
+                elif gspo_token_ratios:  # GSPO logs the token ratios it does not use
+                    r |= {"loss/tok_ratio_max": 2.0, "loss/tok_ratio_min": 0.25}
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -76,3 +78,8 @@ def test_report_shows_token_and_sequence_ratio_spreads(tmp_path):
     assert summary["grpo"]["clip_seq"]["mean"] == pytest.approx(0.2)
     text = (tmp_path / "report.md").read_text()
     assert "## Importance ratios, clipping and routing per variant" in text
+    _runs(tmp_path / "new", {"gspo": [0.6, 0.6], "grpo": [0.5, 0.5]}, gspo_token_ratios=True)
+    write_report(tmp_path / "new", ["gspo", "grpo"], [0, 1], Config(**TINY))
+    summary = json.loads((tmp_path / "new" / "summary.json").read_text())["summary"]
+    assert summary["gspo"]["tok_ratio_spread"]["mean"] == pytest.approx(math.log(8))
+    assert summary["gspo"]["seq_ratio_spread"]["mean"] == pytest.approx(math.log(3))

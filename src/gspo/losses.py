@@ -54,6 +54,14 @@ Tensor = torch.Tensor
 # GSPO (arXiv 2507.18071) and the GRPO baseline
 
 
+def unused_token_ratio_extremes(inp: LossInputs) -> dict[str, Tensor]:
+    """``tok_ratio_min`` / ``tok_ratio_max``: the token ratios a sequence-ratio loss does not use, so
+    that their spread can be set beside a token-ratio loss's (GRPO's ``ratio_*``)."""
+    tok_r_BT = torch.exp(inp.log_r_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    tok = ratio_stats("tok_ratio", tok_r_BT, inp.valid_BT)
+    return {k: tok[k] for k in ("tok_ratio_min", "tok_ratio_max")}
+
+
 def gspo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -86,6 +94,7 @@ def gspo_loss(
     loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
     metrics = sequence_clip_metrics(inp, s_B, adv_B, eps_low, eps_high)
     metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
+    metrics.update(unused_token_ratio_extremes(inp))
     return loss, metrics
 
 
@@ -144,6 +153,7 @@ def gspo_token_loss(
     )
     metrics.update(ratio_stats("ratio", torch.exp(log_s_B.detach()), inp.has_tok_B))
     metrics["approx_kl"] = k3_kl(log_r_BT, inp.n_tok_B)
+    metrics.update(unused_token_ratio_extremes(inp))
     return loss, metrics
 
 

@@ -157,11 +157,12 @@ MEANS = {
 def run_stats(rows: list[dict[str, Any]], crit: Criteria) -> dict[str, Any]:
     """One run's numbers from its metrics.jsonl rows. Ratio spreads: a token-ratio loss (GRPO) logs
     its token ratios as ``loss/ratio_*`` and the sequence ratios s_i as ``loss/seq_ratio_*``; a
-    sequence-ratio loss (GSPO) logs s_i as ``loss/ratio_*`` and no token ratios."""
+    sequence-ratio loss (GSPO) logs s_i as ``loss/ratio_*`` and its token ratios as ``loss/tok_ratio_*``."""
     out = accuracy_stats(rows, crit) | event_stats(rows, crit)
     out |= {name: _mean(rows, key) for name, key in MEANS.items()}
     token_ratio_loss = bool(col(rows, "loss/seq_ratio_max")[0])
-    out["tok_ratio_spread"] = _spread(rows, "loss/ratio") if token_ratio_loss else None
+    # GSPO logs the token ratios it does not use as ``loss/tok_ratio_*`` (runs before 2026-12-04 did not)
+    out["tok_ratio_spread"] = _spread(rows, "loss/ratio" if token_ratio_loss else "loss/tok_ratio")
     out["seq_ratio_spread"] = _spread(rows, "loss/seq_ratio" if token_ratio_loss else "loss/ratio")
     out["collapsed"] = out["acc_collapse_step"] is not None
     out["spikes"] = len(out["grad_spike_steps"]) + len(out["ratio_spike_steps"])

@@ -46,6 +46,8 @@ METRICS: dict[str, str] = {
     "loss/seq_ratio_mean": SEQUENCE,  # s_i, where the loss's own ratio is per token
     "loss/seq_ratio_min": MIN,
     "loss/seq_ratio_max": MAX,
+    "loss/tok_ratio_min": MIN,  # token ratios, where the loss's own ratio is s_i (not used by it)
+    "loss/tok_ratio_max": MAX,
     "loss/gate_tok_mean": TOKEN,  # SAPO's soft gate
     "loss/gate_seq_mean": SEQUENCE,
     "loss/gate_min": MIN,
