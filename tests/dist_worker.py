@@ -63,21 +63,23 @@ def main() -> None:
             enable_activation_checkpointing(hf)
         model = D.wrap(PolicyLogprobs(hf), cfg, ctx)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        rollout = D.rollout_model(model, ctx)
+        rollout = D.rollout_model(model)
         opt = make_optimizer(run["opt"], trainable, run["lr"])
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         metrics = D.mean_metrics(
             policy_update(model, opt, sched, local, plan_update(cfg, model, True), world), ctx
         )
-        D.sync_rollout_model(model, rollout, ctx)
+        D.sync_rollout_model(model, rollout)
         sd = D.full_state_dict(model, ctx)
         osd = D.optimizer_state_dict(model, opt, ctx)
         # every rank reads the full optimizer state, as on resume; loading must give it back unchanged
         osd_all = D.gather_objects(osd if rank == 0 else None, ctx)[0]
         D.load_optimizer_state_dict(model, opt, osd_all, ctx)
         osd2 = D.optimizer_state_dict(model, opt, ctx)
+        with D.gathered(model):  # what the sampler sees: the trained module's weights, gathered
+            rsd = {k: v.detach().clone() for k, v in rollout.named_parameters(remove_duplicate=False)}
+            tied = rollout.lm_head.weight is rollout.get_input_embeddings().weight
         if rank == 0:
-            rsd = rollout.state_dict()
             rollout_diff = max(float((rsd[k] - v).abs().max()) for k, v in sd.items())
             opt_diff = max(
                 (
@@ -88,7 +90,6 @@ def main() -> None:
                 ),
                 default=0.0,
             )
-            tied = rollout.lm_head.weight is rollout.get_input_embeddings().weight
             results[run["name"]] = {
                 "params": sd,
                 "metrics": metrics,

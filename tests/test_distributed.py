@@ -4,6 +4,7 @@ One torchrun launch runs every (wrapper, optimizer) pair in tests/dist_worker.py
 AdamW's first step normalises the gradient scale away, so only SGD catches a wrong loss normalizer.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -236,7 +237,8 @@ def test_two_process_update_equals_single_process(distributed, run):
         assert abs(got["metrics"][k] - ref_m[k]) < (2e-2 * abs(ref_m[k]) if bf16 else 1e-5), k
     if bf16:  # ... and it did run in bf16: float32 would match to 1e-6
         assert any(float((got["params"][n] - ref_sd[n]).abs().max()) > 1e-6 for n in got["params"])
-    assert got["rollout_diff"] == 0.0  # the rollout module holds the updated weights
+    # the module the sampler uses holds the updated weights (gathered in bf16 under mixed precision)
+    assert got["rollout_diff"] <= (1e-2 if bf16 else 0.0)
     assert got["rollout_tied"]
     assert got["opt_diff"] == 0.0  # the full optimizer state survives a save/load round trip
     if run["opt"] != "sgd":  # (plain SGD keeps no state)
@@ -271,3 +273,54 @@ def test_cli_two_process_training_end_to_end(launches):
     final = runs[0] / "final"
     assert (final / "model.safetensors").exists() and (final / "config.json").exists()
     assert (runs[0] / "checkpoints" / "step-000002").is_dir()
+
+
+def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process(tmp_path):
+    """FSDP2 from weights on disk (no warm start): every rank builds the model on the meta device and
+    rank 0 alone reads the folder; the step-0 checkpoint holds exactly the folder's weights (the
+    rotary tables and the tied LM head included, or the eval would differ), and the step-0 held-out
+    accuracy, sampled from the gathered shards, equals one process's."""
+    from safetensors.torch import load_file
+
+    from gspo.model.load import build_tiny_moe, save_pretrained
+
+    tok = build_char_tokenizer()
+    folder = tmp_path / "model"
+    save_pretrained(build_tiny_moe(len(tok), seed=3), tok, folder)
+    args = ["--model", str(folder), "--sft-steps", "0", "--steps", "1", "--eval-size", "8"]
+    args += ["--prompts-per-step", "4", "--group-size", "4", "--threads", "1", "--no-progress"]
+    procs = {
+        n: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gspo",
+                "train",
+                *args,
+                "--nproc",
+                str(k),
+                "--output-dir",
+                str(tmp_path / n),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+        )  # fmt: skip
+        for n, k in (("two", NPROC), ("one", 1))
+    }
+    done = {n: _wait(p, 300) for n, p in procs.items()}
+    for n, (rc, out) in done.items():
+        assert rc == 0, (n, out[-6000:])
+    runs = {n: next((tmp_path / n).iterdir()) for n in procs}
+    want = load_file(folder / "model.safetensors")
+    got = load_file(runs["two"] / "checkpoints" / "step-000000" / "model.safetensors")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    evals = {
+        n: json.loads((r / "metrics.jsonl").read_text().splitlines()[0])["eval/accuracy"]
+        for n, r in runs.items()
+    }
+    assert evals["two"] == evals["one"]
+    assert (runs["two"] / "final" / "model.safetensors").exists()

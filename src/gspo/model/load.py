@@ -8,6 +8,7 @@ local directory), exactly as a user of TRL/verl would.
 
 from __future__ import annotations
 
+import contextlib
 import string
 from pathlib import Path
 from typing import Any
@@ -150,9 +151,11 @@ EMBEDDED_MODELS = {
 
 
 def load_model_and_tokenizer(
-    spec: str, tokenizer_spec: str | None = None, dtype: str = "float32", seed: int = 0
+    spec: str, tokenizer_spec: str | None = None, dtype: str = "float32", seed: int = 0, meta: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Return ``(model, tokenizer)`` for an ``embedded:<name>`` spec, a local directory or a hub id."""
+    """Return ``(model, tokenizer)`` for an ``embedded:<name>`` spec, a local directory or a hub id.
+    ``meta``: the model's structure only, on the meta device (no weights read or allocated), for a
+    sharded model whose weights arrive from rank 0 (:func:`gspo.train.distributed.wrap`)."""
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise GspoError(f"config field 'dtype': expected float32, bfloat16 or float16, got {dtype!r}")
@@ -163,7 +166,8 @@ def load_model_and_tokenizer(
                 f"config field 'model': unknown embedded model {name!r} (known: {sorted(EMBEDDED_MODELS)})"
             )
         tokenizer = build_char_tokenizer()
-        model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
         return model, tokenizer
     for field, path in (("model", spec), ("tokenizer", tokenizer_spec)):
         if path is not None and _looks_local(path) and not Path(path).expanduser().is_dir():
@@ -187,7 +191,13 @@ def load_model_and_tokenizer(
             f"config field '{tok_field}': cannot load the tokenizer of {tok_path!r}: {_first(e)}"
         ) from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+        if meta:
+            from transformers import AutoConfig
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec), dtype=torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
     except Exception as e:  # noqa: BLE001 (OSError, ValueError, safetensors' own error for a bad file...)
         raise GspoError(f"config field 'model': cannot load {spec!r}: {_first(e)}") from None
     check_vocab(model, tokenizer, spec, tok_path)

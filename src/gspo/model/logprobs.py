@@ -382,6 +382,17 @@ def probe(model: PreTrainedModel) -> None:
     shared_prefix_is_exact(model)
 
 
+def probe_results(model: PreTrainedModel) -> dict[tuple[str, str], bool]:
+    """Every probe answer cached for ``model`` (run :func:`probe` first)."""
+    return dict(_PROBES.get(model, {}))
+
+
+def adopt_probes(model: PreTrainedModel, results: dict[tuple[str, str], bool]) -> None:
+    """Take ``results`` (another module's :func:`probe_results`, same architecture and weights) as
+    ``model``'s own: a model built on the meta device cannot run a probe before its weights arrive."""
+    _PROBES.setdefault(model, {}).update(results)
+
+
 def lm_head_is_plain(model: PreTrainedModel) -> bool:
     """True when the causal LM's logits are exactly ``hidden @ W^T`` of its output embeddings, so the
     chunked LM head may replace them. Checked once per model by a probe on two tiny rows against the

@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class RolloutBatch:
-    """Sampled responses, right-padded. Row ``i`` answers ``prompt_ids[i]``.
+    """Sampled responses, right-padded, as CPU tensors. Row ``i`` answers ``prompt_ids[i]``.
 
     ``response_mask_BT`` is 1 on generated tokens including the final EOS, 0 after it.
     ``sampler_logp_BT`` is log pi_sampler(y_t) of the distribution the token was drawn from

@@ -88,8 +88,9 @@ class HFRolloutEngine:
                 self._generate(prompt_ids[i : i + self.max_batch_size], max_new_tokens, temperature, greedy)
                 for i in range(0, len(prompt_ids), self.max_batch_size)
             ]
-        # plain tensors again, so the trainer may use them next to autograd (sampler log-probs as pi_old)
-        parts = [tuple(x.clone() for x in p) for p in parts]
+        # plain CPU tensors (the RolloutBatch contract), so scoring and the trainer may use them next to
+        # autograd (sampler log-probs as pi_old); the update moves them to its device
+        parts = [tuple(x.to("cpu", copy=True) for x in p) for p in parts]
         T = max(p[0].shape[1] for p in parts)
         pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
         return RolloutBatch(

@@ -12,17 +12,23 @@ loop really calls, through public APIs only:
   embeddings, final norm and LM head -- tied or not -- in one group).
 * DDP: ``DistributedDataParallel(policy)``.
 
+Under FSDP2 each rank only ever holds its shard of the weights when the run starts from weights on
+disk (no LoRA, no warm start to train first): every rank builds the model on the meta device, shards
+it, and rank 0 alone reads the weights (on the CPU) and broadcasts them through
+``torch.distributed.checkpoint.state_dict`` (:func:`builds_sharded`).
+
 Each rank samples its own prompts and stops at EOS, so its generation forwards differ from the other
 ranks'; nothing collective may run inside generation. DDP samples from the HF module inside the
-wrapper (a full replica). FSDP samples from an unsharded copy made before sharding, refreshed after
-every update by :func:`sync_rollout_model` (collective). That copy costs one extra full model per rank.
+wrapper (a full replica). FSDP samples from the same module with every group's parameters gathered
+for the rollout and freed after it (:func:`gathered`); no second copy of the model is kept.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import os
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,8 +48,6 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
-    rollout_copy: Any = field(default=None, repr=False)
-    """FSDP with world > 1: the unsharded module generation runs on (set by :func:`wrap`)."""
 
 
 def _device(cfg: Config, local_rank: int) -> torch.device:
@@ -115,14 +119,41 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
         dist.broadcast(t.data, src=0)
 
 
-def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
-    """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself."""
+def builds_sharded(cfg: Config, world_size: int, warm_start: bool) -> bool:
+    """True when each rank builds the model on the meta device and only ever materialises its shard:
+    FSDP2 over several ranks, no LoRA (PEFT wraps a model with real weights) and no supervised warm
+    start to run first (it trains the whole model on every rank before sharding)."""
+    return world_size > 1 and cfg.parallel == "fsdp" and not cfg.lora_rank and not warm_start
+
+
+def share_probes(model: nn.Module, source: nn.Module | None) -> None:
+    """A model on the meta device cannot run the model probes (plain forwards): rank 0 runs them on
+    its ``source`` and every rank takes the answers (collective)."""
+    from gspo.model.logprobs import adopt_probes, probe, probe_results
+
+    if source is not None:
+        probe(source)
+    answers = [probe_results(source) if source is not None else None]
+    dist.broadcast_object_list(answers, src=0)
+    adopt_probes(model, answers[0])
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext, source: nn.Module | None = None) -> nn.Module:
+    """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself.
+    A ``policy`` on the meta device (:func:`builds_sharded`) is sharded first, then filled from
+    ``source``, the full model on rank 0's CPU (None on the other ranks)."""
     if not _distributed(ctx):
         return policy
     from gspo.model.logprobs import probe
 
-    probe(unwrap(policy, "hf"))  # the probes' plain forwards cannot run on sharded weights
-    _broadcast_from_rank0(policy)  # identical replicas whatever happened before (init, warm start)
+    meta = _on_meta(policy)
+    if not meta:  # (a model on the meta device took rank 0's answers: share_probes)
+        probe(unwrap(policy, "hf"))  # the probes' plain forwards cannot run on sharded weights
+        _broadcast_from_rank0(policy)  # identical replicas whatever happened before (init, warm start)
     if cfg.parallel == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # buffers (rotary tables) never change; syncing them is a collective inside every forward
@@ -130,7 +161,6 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    ctx.rollout_copy = copy.deepcopy(policy.model).requires_grad_(False)  # tying survives deepcopy
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     mp = MixedPrecisionPolicy()  # the parameters' own dtype throughout
     if cfg.mixed_precision == "bf16":  # compute in bf16; float32 master weights and gradient reduction
@@ -138,14 +168,67 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext) -> nn.Module:
     for layer in _decoder_layers(policy.model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
+    if meta:
+        _load_from_rank0(policy, source, ctx)
+    _first_forward(policy, ctx.device)
     return policy
 
 
-def rollout_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """The module the rollout engine samples from: one without collectives in its forward."""
-    if ctx.rollout_copy is not None:
-        return ctx.rollout_copy
+def _load_from_rank0(policy: nn.Module, source: nn.Module | None, ctx: DistContext) -> None:
+    """Allocate this rank's shards and fill them from rank 0's ``source`` (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    policy.to_empty(device=ctx.device)
+    full = {PREFIX + k: v for k, v in source.state_dict().items()} if source is not None else {}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(policy, full, options=opts)
+    # buffers outside the state dict (rotary tables) are left uninitialised by to_empty
+    own = dict(source.named_buffers()) if source is not None else {}
+    for name, b in policy.named_buffers():
+        if ctx.rank == 0:
+            b.copy_(own[name.removeprefix(PREFIX)])
+        dist.broadcast(b, src=0)
+
+
+@torch.no_grad()
+def _first_forward(policy: nn.Module, device: torch.device) -> None:
+    """FSDP2 takes the first module to run a forward as its root, and generation calls the decoder
+    layers without the root: run the root once now (collective; two rows of two tokens)."""
+    from gspo.model.logprobs import make_layout
+
+    V = unwrap(policy, "hf").config.vocab_size
+    ids = (torch.arange(4, device=device).view(2, 2) + 5) % V
+    ones = torch.ones_like(ids)
+    policy(make_layout(ids, ones, ids, ones, "rows"), ids, ones)
+    _reshard(policy)
+
+
+def rollout_model(model: nn.Module) -> nn.Module:
+    """The module the rollout engine samples from: the trainer's own HF module (under FSDP, used
+    inside :func:`gathered`)."""
     return unwrap(model, "model")
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 group's parameters unsharded while held (collective on entry: every rank enters),
+    so that the forwards inside run no collective: ranks sample different lengths, and rank 0
+    evaluates alone. Costs one full model per rank while held (none outside FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    layers = [m for m in groups if m is not model]  # generation never calls the root's forward
+    for m in layers:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in groups:
+            m.unshard()
+        yield
+    finally:
+        for m in groups:
+            m.reshard()
+        for m in layers:
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def _reshard(model: nn.Module) -> None:
@@ -158,8 +241,9 @@ def _reshard(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def sync_rollout_model(model: Any, rollout: Any, ctx: DistContext) -> None:
-    """Copy updated weights into the rollout module when it is a separate copy (collective)."""
+def sync_rollout_model(model: Any, rollout: Any) -> None:
+    """Copy updated weights (and buffers) into the rollout module when it is a separate copy, e.g.
+    the HF engine's copy in another precision (collective: every rank calls it)."""
     if rollout is None or rollout is unwrap(model, "model"):
         return None
 
@@ -167,6 +251,9 @@ def sync_rollout_model(model: Any, rollout: Any, ctx: DistContext) -> None:
     dst = dict(rollout.named_parameters())
     for name, p in unwrap(model, "policy").named_parameters():
         dst[name.removeprefix(PREFIX)].copy_(full_tensor(p))
+    dst_buffers = dict(rollout.named_buffers())
+    for name, b in unwrap(model, "policy").named_buffers():
+        dst_buffers[name.removeprefix(PREFIX)].copy_(b)
     return None
 
 
@@ -186,7 +273,12 @@ def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | N
     if _is_fsdp(model):
         _reshard(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix(PREFIX): v for k, v in sd.items()} if ctx.rank == 0 else None
+    # a tied weight once (under its first name), as save_pretrained writes it from the module
+    policy = unwrap(model, "policy")
+    tied = {n for n, _ in policy.named_parameters(remove_duplicate=False)} - {
+        n for n, _ in policy.named_parameters()
+    }
+    return {k.removeprefix(PREFIX): v for k, v in sd.items() if k not in tied} if ctx.rank == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------

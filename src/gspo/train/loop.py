@@ -92,7 +92,8 @@ def train(cfg: Config) -> TrainResult:
 def rl_step(run: Run) -> dict[str, float]:
     """One RL step on this rank: sample, score, update, sync the sampler. Returns its metrics."""
     t0 = time.time()
-    data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
+    with run.sampling():
+        data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
     run.engine.sleep()  # vLLM on a GPU gives its memory to the update

@@ -7,6 +7,7 @@ applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from collections.abc import Callable
@@ -112,11 +113,17 @@ class Run:
         should_stop: Callable[[], bool],
     ) -> Run:
         from gspo.model.routing import is_moe
-        from gspo.train.sft import load_start, warm_start_run
+        from gspo.train.sft import load_source, load_start, warm_start_run
 
+        # FSDP2 from weights on disk: every rank builds the model on the meta device, rank 0 alone
+        # reads the weights (CPU) and wrap() hands each rank its shard
+        sharded = dist_utils.builds_sharded(cfg, dctx.world_size, resume_from is None and cfg.sft_steps > 0)
         # seeds, model (dropout off), task (reward limits included), context and env checks: the same
         # code gspo compare's shared warm starts begin with
-        start = load_start(cfg, dctx.device)
+        start = load_start(cfg, dctx.device, meta=sharded)
+        source = load_source(cfg) if sharded and dctx.rank == 0 else None
+        if sharded:
+            dist_utils.share_probes(start.model, source)
         model, tokenizer, task = start.model, start.tokenizer, start.task
         train_ids, eval_ids = start.train_ids, start.eval_ids
         moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
@@ -127,21 +134,26 @@ class Run:
         plan = plan_update(cfg, PolicyLogprobs(model), moe)  # a layout the model cannot take fails now
         check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
         progress = cfg.progress and dctx.rank == 0
-        if resume_from is not None:
-            _load_weights(model, cfg, resume_from)
+        if resume_from is not None and not (sharded and source is None):
+            _load_weights(source if sharded else model, cfg, resume_from)
         elif cfg.sft_steps:
             warm_start_run(start, cfg, dctx.device, progress, should_stop)
         model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
-        policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx)
+        rollout_copy = None
+        if cfg.rollout_engine == "hf" and cfg.rollout_dtype not in (None, cfg.dtype):
+            # a copy in the sampler's precision (made before sharding; on the meta device its memory
+            # is allocated here and filled by the first sync); sync_sampler copies and casts the weights
+            rollout_copy = copy.deepcopy(model).requires_grad_(False).to(getattr(torch, cfg.rollout_dtype))
+            if sharded:
+                rollout_copy.to_empty(device=dctx.device)
+        policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx, source)
+        del source
         optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
-        module = dist_utils.rollout_model(policy, dctx)
-        if cfg.rollout_engine == "hf" and cfg.rollout_dtype not in (None, cfg.dtype):
-            # a copy in the sampler's precision; sync_sampler copies (and casts) the weights after updates
-            dtype = getattr(torch, cfg.rollout_dtype)
-            module = copy.deepcopy(module).requires_grad_(False).to(dtype)
+        module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
+        dist_utils.sync_rollout_model(policy, module)
         engine = make_engine(cfg, module, tokenizer, sample_gen)
         sampler = make_sampler(
             cfg, engine, tokenizer, task, model=unwrap(policy, "model"), train_ids=train_ids,
@@ -177,11 +189,19 @@ class Run:
         ckpt.set_rng_state(state["rng"])
 
     # --------------------------------------------------------------------------------------------
+    def sampling(self) -> contextlib.AbstractContextManager[None]:
+        """Hold this around the engine's use (every rank): an HF engine sampling from the trainer's
+        own FSDP2 module needs its weights gathered (:func:`dist_utils.gathered`)."""
+        if self.cfg.rollout_engine == "hf" and self.rollout_module is self.hf:
+            return dist_utils.gathered(self.policy)
+        return contextlib.nullcontext()
+
     def evaluate(self) -> dict[str, float]:
-        """Held-out greedy accuracy (rank 0; the other ranks return nothing)."""
-        if self.rank != 0:
-            return {}
-        return evaluate(self.engine, self.tokenizer, self.task, self.eval_ids, self.cfg)
+        """Held-out greedy accuracy (rank 0; the other ranks return nothing; every rank calls it)."""
+        with self.sampling():
+            if self.rank != 0:
+                return {}
+            return evaluate(self.engine, self.tokenizer, self.task, self.eval_ids, self.cfg)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
@@ -241,7 +261,7 @@ class Run:
 
     def sync_sampler(self, version: int) -> None:
         """After update ``version``: the sampler's weights become the trainer's."""
-        dist_utils.sync_rollout_model(self.policy, self.rollout_module, self.dctx)
+        dist_utils.sync_rollout_model(self.policy, self.rollout_module)
         self.sampler.sync(version)
 
     def close(self) -> None:

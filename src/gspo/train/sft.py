@@ -30,11 +30,12 @@ class Start:
     eval_ids: list[list[int]]
 
 
-def load_start(cfg: Config, device: torch.device, dtype: str | None = None) -> Start:
+def load_start(cfg: Config, device: torch.device, dtype: str | None = None, meta: bool = False) -> Start:
     """Seed, load the model and tokenizer, load the task and check it fits the model's context: the
     one way ``gspo train`` (``Run.open``) and ``gspo compare``'s shared warm starts begin a run, so
     both see the same task with the same settings. ``dtype`` overrides ``cfg.dtype`` (compare warm
-    starts in float32 whatever precision the RL runs use)."""
+    starts in float32 whatever precision the RL runs use). ``meta``: the model's structure only, on
+    the meta device (its weights come later from rank 0, see :func:`load_source`)."""
     import numpy as np
 
     from gspo.model.load import load_model_and_tokenizer
@@ -44,8 +45,9 @@ def load_start(cfg: Config, device: torch.device, dtype: str | None = None) -> S
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, dtype or cfg.dtype, cfg.seed)
-    model.to(device)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, dtype or cfg.dtype, cfg.seed, meta)
+    if not meta:
+        model.to(device)
     if not cfg.keep_dropout:
         disable_dropout(model)
     task = task_from_config(cfg)
@@ -66,6 +68,15 @@ def load_start(cfg: Config, device: torch.device, dtype: str | None = None) -> S
         encode_prompts(tokenizer, task.train, cfg),
         encode_prompts(tokenizer, task.eval, cfg),
     )
+
+
+def load_source(cfg: Config) -> torch.nn.Module:
+    """The model's weights on the CPU (rank 0 of a sharded start, :func:`load_start` with ``meta``):
+    the same weights :func:`load_start` would load, without touching the global RNG state."""
+    from gspo.model.load import load_model_and_tokenizer
+
+    with torch.random.fork_rng(devices=[]):
+        return load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)[0]
 
 
 def warm_start_run(

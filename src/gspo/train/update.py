@@ -324,13 +324,11 @@ def reduce_metrics(
     unknown = [k for k in keys if k not in reductions]
     if unknown:
         raise KeyError(f"metrics without a declared reduction in update.METRICS: {unknown}")
-    nan = torch.tensor(float("nan"))
-    rows = [  # [metric (+ tokens, sequences)] per micro-batch, then one transfer each
-        torch.stack(
-            [m.get(k, nan).detach().float() for k in keys] + [mb.n_tokens.float(), mb.n_sequences.float()]
-        ).cpu()
-        for m, mb in parts
-    ]
+    rows = []  # [metric (+ tokens, sequences)] per micro-batch, then one transfer each
+    for m, mb in parts:
+        nan = torch.tensor(float("nan"), device=mb.n_tokens.device)
+        vals = [m.get(k, nan).detach().float().to(nan.device) for k in keys]
+        rows.append(torch.stack(vals + [mb.n_tokens.float(), mb.n_sequences.float()]).cpu())
     V_KM = torch.stack(rows, 1)  # [metric (+ tokens, sequences), micro-batch]
     V_KM, n_tok_M, n_seq_M = V_KM[:-2], V_KM[-2], V_KM[-1]
     present = ~V_KM.isnan()
