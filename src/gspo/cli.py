@@ -129,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
+    pl = sub.add_parser(
+        "plan",
+        help="per-GPU memory of a run before it starts, and whether it fits",
+        description="Estimate each GPU's memory (weights, gradients, AdamW, activations, sampler, weight "
+        "sync) for a model, a world size and the training settings, without loading any weight. The "
+        "model: an embedded one, a local HF folder, or a hub id whose numbers gspo ships. Exit 2 when "
+        "it does not fit.",
+    )
+    pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
+    pl.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) [default: 8]")
+    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GB [default: 80]")
+    _add_config_flags(pl, skip=("nproc",))
+
     e = sub.add_parser(
         "eval",
         help="greedy held-out evaluation of a checkpoint",
@@ -257,6 +270,20 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from gspo.capacity import report
+    from gspo.config import make_config
+
+    if ns.gpus < 1 or ns.gpu_memory_gb <= 0:
+        raise GspoError("--gpus must be >= 1 and --gpu-memory-gb > 0")
+    cfg = make_config(ns.config, {**_overrides(ns, ("nproc",)), "nproc": ns.gpus})
+    text, fits = report(cfg, cfg.model, ns.gpus, ns.gpu_memory_gb)
+    print(text)
+    if not fits:
+        raise GspoError(f"does not fit in {ns.gpu_memory_gb:g} GB per GPU (see the table above)")
+    return 0
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from gspo.evaluate import EVAL_FIELDS, evaluate_checkpoint
 
@@ -269,7 +296,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "compare": cmd_compare, "eval": cmd_eval}[ns.command](ns)
+        commands = {"train": cmd_train, "compare": cmd_compare, "plan": cmd_plan, "eval": cmd_eval}
+        return commands[ns.command](ns)
     except GspoError as e:
         print(f"gspo: error: {e}", file=sys.stderr)
         return 2

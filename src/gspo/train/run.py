@@ -20,7 +20,7 @@ from torch import nn
 
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
-from gspo.limits import check_resources
+from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
 from gspo.model.load import enable_activation_checkpointing, save_pretrained
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
@@ -118,6 +118,7 @@ class Run:
         # FSDP2 from weights on disk: every rank builds the model on the meta device, rank 0 alone
         # reads the weights (CPU) and wrap() hands each rank its shard
         sharded = dist_utils.builds_sharded(cfg, dctx.world_size, resume_from is None and cfg.sft_steps > 0)
+        check_plan_fits(cfg, dctx.world_size, gpu_total_memory(dctx.device))  # before any weight is read
         # seeds, model (dropout off), task (reward limits included), context and env checks: the same
         # code gspo compare's shared warm starts begin with
         start = load_start(cfg, dctx.device, meta=sharded)

@@ -1,0 +1,300 @@
+"""Per-GPU memory of a run, before it starts: the model behind ``gspo plan``.
+
+What one rank holds (bytes), for a decoder-only (dense or MoE) transformer:
+
+* **weights, optimizer**: every parameter in the trainer's dtype and AdamW's two moments, each
+  divided by the world size under FSDP2 (``parallel: fsdp``), whole under DDP or in one process;
+* **gradients**: the same size as the weights they belong to, held from the first backward of a
+  minibatch to its optimizer step (so at the peak only when a minibatch takes more than one
+  micro-batch per rank); under FSDP2 also the unsharded working set (the root group, with the
+  embeddings, and two decoder layers in the compute dtype);
+* **activations** of one training micro-batch: per token and layer the tensors a decoder layer
+  keeps for backward (counted per projection below, times a factor fitted to measurements), plus
+  the attention probabilities (``heads x pairs x 4`` bytes per layer: gspo loads transformers' sdpa
+  attention, which keeps them when given a mask), and the chunked LM head's buffers; with activation checkpointing only each layer's
+  input is kept, and one layer's activations while it is recomputed;
+* **sampler**: the HF engine's KV cache for one generation chunk (and under FSDP2 the gathered
+  weights while it samples); vLLM its configured share of the GPU, given back during the update
+  by sleep mode on a GPU.
+
+The peak is the larger of the update (at the first layer's backward or the LM head's, whichever is
+larger) and the rollout. The per-token count's factor and the shape of the peak were fitted to, and
+checked against, measured peaks (``benchmarks/memory_probe.py``; ``benchmarks/RESULTS_scale.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gspo.errors import GspoError
+
+# what a decoder layer keeps per token, relative to the per-projection count (fitted: see module doc)
+ACTIVATION_FACTOR = 1.05
+# per token-pair and layer, attention keeps its probabilities (float32, one per head) and the
+# backward of the softmax holds two more tensors of that size for the layer being differentiated
+ATTN_TRANSIENT = 3
+LM_HEAD_BUFFERS = 2  # [chunk, V] float32 buffers of the chunked LM head
+HF_GENERATION_CHUNK = 256  # rows the HF engine samples at once (gspo.rollout.hf)
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# config numbers of models users ask for by hub id (this machine cannot download them)
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-0.6B": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen/Qwen3-1.7B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "Qwen/Qwen3-30B-A3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                               num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                               num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a model config the memory model reads."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width (0 for MoE layers)
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    tied: bool = False
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> Shape:
+        heads = int(c["num_attention_heads"])
+        experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+        return cls(
+            vocab=int(c["vocab_size"]), hidden=int(c["hidden_size"]), layers=int(c["num_hidden_layers"]),
+            heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            intermediate=0 if experts else int(c["intermediate_size"]), experts=experts,
+            top_k=int(c.get("num_experts_per_tok") or 0), moe_intermediate=int(c.get("moe_intermediate_size") or 0),
+            tied=bool(c.get("tie_word_embeddings", False)),
+        )  # fmt: skip
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        h = self.hidden
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 2 * h + 2 * self.head_dim
+        mlp = (
+            3 * h * self.intermediate
+            if not self.experts
+            else self.experts * (3 * h * self.moe_intermediate + h)
+        )
+        return attn + mlp
+
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embed + self.layers * self.layer_params() + self.hidden
+
+    def saved_floats_per_token(self) -> float:
+        """Floats one decoder layer keeps per token for backward (x ACTIVATION_FACTOR): attention's
+        input, norm, q/k/v, their norms and rotations, output (3h + 4q + 4kv), then the MLP's input,
+        norm, gate, up, activation and product (2h + 4i), or for MoE the router's logits and
+        probabilities and, per routed copy, input, output and the four expert tensors."""
+        h, i = self.hidden, self.intermediate
+        attn = 3 * h + 4 * self.q_dim + 4 * self.kv_dim
+        mlp = (
+            2 * h + 4 * i
+            if not self.experts
+            else 2 * h + 2 * self.experts + self.top_k * (2 * h + 4 * self.moe_intermediate)
+        )
+        return ACTIVATION_FACTOR * (attn + mlp)
+
+
+def shape_of(spec: str) -> Shape:
+    """``embedded:<name>``, a local HF folder (its config.json) or a known hub id (KNOWN_MODELS)."""
+    if spec in KNOWN_MODELS:
+        return Shape.from_config(KNOWN_MODELS[spec])
+    if spec.startswith("embedded:"):
+        from gspo.model.load import load_model_and_tokenizer
+
+        return Shape.from_config(load_model_and_tokenizer(spec, meta=True)[0].config.to_dict())
+    path = Path(spec).expanduser() / "config.json"
+    if path.is_file():
+        try:
+            return Shape.from_config(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise GspoError(f"config field 'model': {path}: cannot read the model's shape ({e})") from None
+    raise GspoError(
+        f"config field 'model': {spec!r} is neither an embedded model, a local folder with config.json, "
+        f"nor a model whose numbers gspo ships ({', '.join(KNOWN_MODELS)})"
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank (GPU) by part, and the peaks of the two phases of an RL step."""
+
+    weights: float
+    optimizer: float
+    gradients: float
+    fsdp_unsharded: float
+    activations: float  # of one micro-batch, at the update's peak
+    lm_head: float
+    sampler: float  # KV cache (HF engine) or vLLM's share, plus weights gathered for sampling
+    sync: float  # extra while the sampler's weights are refreshed (about one decoder layer)
+    update_peak: float
+    rollout_peak: float
+    rows_per_forward: int
+
+    @property
+    def peak(self) -> float:
+        return max(self.update_peak, self.rollout_peak)
+
+
+def _rows_per_forward(cfg: Any, world: int) -> int:
+    per_minibatch = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
+    return min(cfg.micro_batch_size or per_minibatch, per_minibatch)
+
+
+def _tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
+    """Tokens of one training forward and the attention pairs it computes: responses of a group
+    share their prompt's forward where prefix sharing applies (group_size > 1); packed rows form one
+    sequence with a block mask (transformers' sdpa, the attention gspo loads, takes it dense)."""
+    P, T = cfg.max_prompt_tokens, cfg.max_new_tokens
+    if cfg.packing == "on":
+        return rows * (P + T), (rows * (P + T)) ** 2
+    if cfg.group_size > 1 and cfg.prefix_sharing != "off":
+        return P + rows * T, P * P + rows * T * (P + T)
+    return rows * (P + T), rows * (P + T) ** 2
+
+
+def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None) -> Estimate:
+    """Per-rank memory of ``cfg`` on ``world`` GPUs (FSDP2 shards by ``world``)."""
+    bw = BYTES[cfg.dtype]
+    compute = 2 if cfg.mixed_precision == "bf16" else bw
+    shards = world if cfg.parallel == "fsdp" and world > 1 else 1
+    n = shape.params()
+    weights, optimizer, grads = n * bw / shards, 2 * n * bw / shards, n * bw / shards
+    unsharded = 0.0
+    if shards > 1:
+        root = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+        unsharded = (root + 2 * shape.layer_params()) * compute
+    rows = _rows_per_forward(cfg, world)
+    tokens, pairs = _tokens_and_pairs(cfg, rows)
+    per_layer = tokens * shape.saved_floats_per_token() * compute
+    attn = pairs * shape.heads * 4  # sdpa with a mask keeps float32 probabilities
+    if cfg.activation_checkpointing:
+        kept = shape.layers * tokens * shape.hidden * compute
+    else:
+        kept = shape.layers * (per_layer + attn)
+    # the peak: the first layer's backward (its attention transients; under checkpointing its
+    # recomputed activations too) or the LM head's backward, on top of what every layer keeps
+    layer_peak = kept + ATTN_TRANSIENT * attn + (per_layer if cfg.activation_checkpointing else 0.0)
+    lm = LM_HEAD_BUFFERS * cfg.logp_chunk_size * shape.vocab * 4 + shape.vocab * shape.hidden * 4
+    activations, lm_part = (layer_peak, 0.0) if layer_peak >= kept + lm else (kept, lm)
+    several = cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches > rows
+    held_grads = grads if several else 0.0
+    update = weights + optimizer + held_grads + unsharded + activations + lm_part
+    sampler, sync = _sampler(cfg, shape, world, gpu_bytes)
+    gathered = n * compute if shards > 1 and cfg.rollout_engine == "hf" else 0.0
+    rollout = weights + optimizer + gathered + sampler + sync
+    if cfg.rollout_engine == "vllm" and not _sleeps(gpu_bytes):
+        update += sampler  # vLLM keeps its share through the update where it cannot sleep
+    return Estimate(
+        weights,
+        optimizer,
+        held_grads,
+        unsharded,
+        activations,
+        lm_part,
+        sampler + gathered,
+        sync,
+        update,
+        rollout,
+        rows,
+    )
+
+
+def _sleeps(gpu_bytes: float | None) -> bool:
+    return gpu_bytes is not None  # sleep mode exists on GPUs only
+
+
+def _sampler(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None) -> tuple[float, float]:
+    """The sampler's memory while it samples, and the extra of a weight sync (one decoder layer in
+    the rollout dtype, plus its unsharded copy under FSDP2)."""
+    rb = BYTES[cfg.rollout_dtype or cfg.dtype]
+    sync = 2 * shape.layer_params() * rb
+    if cfg.rollout_engine == "vllm":
+        share = cfg.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
+        return share, sync
+    rows = min(HF_GENERATION_CHUNK, max(1, cfg.prompts_per_step * cfg.group_size // world))
+    kv = rows * (cfg.max_prompt_tokens + cfg.max_new_tokens) * 2 * shape.layers * shape.kv_dim * rb
+    logits = rows * shape.vocab * 4 * 2
+    copy = shape.params() * rb if cfg.rollout_dtype not in (None, cfg.dtype) else 0.0
+    return kv + logits + copy, sync if copy else 0.0
+
+
+def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) -> int:
+    """The largest ``micro_batch_size`` (sequences per forward) whose peak fits, 0 when none does."""
+    per_minibatch = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
+    best = 0
+    for m in range(1, per_minibatch + 1):
+        if estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, world, gpu_bytes).peak <= gpu_bytes:
+            best = m
+    return best
+
+
+def report(cfg: Any, spec: str, gpus: int, gpu_gb: float) -> tuple[str, bool]:
+    """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs of ``gpu_gb`` GB, and whether it fits."""
+    shape = shape_of(spec)
+    gpu = gpu_gb * 1e9
+    e = estimate(cfg, shape, gpus, gpu)
+    gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
+    kind = f"MoE, {shape.experts} experts top-{shape.top_k}" if shape.experts else "dense"
+    shard = (
+        f"FSDP2 over {gpus}" if cfg.parallel == "fsdp" and gpus > 1 else ("DDP" if gpus > 1 else "1 process")
+    )
+    P, T = cfg.max_prompt_tokens, cfg.max_new_tokens
+    lines = [
+        f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {gpus} GPU(s) x "
+        f"{gpu_gb:g} GB; {shard}; trainer {cfg.dtype}"
+        + (", bf16 compute" if cfg.mixed_precision == "bf16" else "")
+        + (", activation checkpointing" if cfg.activation_checkpointing else ""),
+        f"per GPU, update (micro-batch of {e.rows_per_forward} x up to {P}+{T} tokens):",
+        f"  weights                 {gib(e.weights)}",
+        f"  AdamW moments           {gib(e.optimizer)}",
+        f"  gradients held          {gib(e.gradients)}",
+        f"  FSDP2 unsharded groups  {gib(e.fsdp_unsharded)}",
+        f"  activations             {gib(e.activations)}",
+        f"  LM head buffers         {gib(e.lm_head)}",
+        f"  update peak             {gib(e.update_peak)}",
+        f"per GPU, rollout ({cfg.rollout_engine} engine):",
+        f"  sampler                 {gib(e.sampler)}",
+        f"  weight sync (one layer) {gib(e.sync)}",
+        f"  rollout peak            {gib(e.rollout_peak)}",
+    ]
+    fits = e.peak <= gpu
+    verdict = "fits" if fits else "does NOT fit"
+    if cfg.rollout_engine == "vllm":
+        need = shape.params() * BYTES[cfg.rollout_dtype or cfg.dtype] / cfg.vllm_tensor_parallel_size
+        lines.append(f"  vLLM weights in its share {gib(need)} of {gib(e.sampler).strip()}")
+        if need >= e.sampler:
+            fits, verdict = (
+                False,
+                "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights)",
+            )
+    lines.append(f"peak {gib(e.peak).strip()} of {gpu / 2**30:.1f} GiB per GPU: {verdict}")
+    best = largest_micro_batch(cfg, shape, gpus, gpu)
+    lines.append(f"largest micro_batch_size that fits: {best}" if best else "no micro_batch_size fits")
+    return "\n".join(lines), fits
