@@ -83,3 +83,13 @@ def test_report_shows_token_and_sequence_ratio_spreads(tmp_path):
     summary = json.loads((tmp_path / "new" / "summary.json").read_text())["summary"]
     assert summary["gspo"]["tok_ratio_spread"]["mean"] == pytest.approx(math.log(8))
     assert summary["gspo"]["seq_ratio_spread"]["mean"] == pytest.approx(math.log(3))
+
+
+def test_study_volatility_interval_clusters_the_variants_of_a_seed():
+    """Variants of one seed share its warm start and prompts: the interval is over per-seed means
+    (3 seeds), not over the 6 runs as if independent."""
+    from gspo.study.combine import _seed_means
+
+    r = {"per_seed": {"gspo": {0: {"volatility": 0.1}, 1: {"volatility": 0.2}, 2: {"volatility": 0.3}},
+                      "grpo": {0: {"volatility": 0.3}, 1: {"volatility": None}, 2: {"volatility": 0.5}}}}  # fmt: skip
+    assert _seed_means(r, "volatility") == pytest.approx([0.2, 0.2, 0.4])

@@ -61,9 +61,20 @@ def _twins(regs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, A
     return out
 
 
+def _seed_means(r: dict[str, Any], key: str) -> list[float]:
+    """Per seed, the mean of ``key`` over the variants that ran it: the variants of a seed share its
+    warm start and prompts, so they are one cluster, not independent samples."""
+    out = []
+    for seed in sorted({s for v in r["per_seed"].values() for s in v}):
+        xs = [v[seed][key] for v in r["per_seed"].values() if v.get(seed, {}).get(key) is not None]
+        if xs:
+            out.append(sum(xs) / len(xs))
+    return out
+
+
 def _regime_row(r: dict[str, Any], ci: str) -> dict[str, Any]:
     c = r["config"]
-    vol = interval([x.get("volatility") for v in r["per_seed"].values() for x in v.values()], ci)
+    vol = interval(_seed_means(r, "volatility"), ci)
     cfg = Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__})
     row: dict[str, Any] = {
         "preset": r["preset"],
