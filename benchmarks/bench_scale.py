@@ -5,7 +5,7 @@ on the CPU); then one warm-up update and one measured update on a synthetic batc
 
 Per rank: peak resident set (VmHWM) minus the resident set before the model was built.
 
-    python benchmarks/bench_scale.py --shape cpu-dense-200m            # 1 process, then 2 ranks
+    python benchmarks/bench_scale.py --shape cpu-dense-160m            # 1 process, then 2 ranks
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="cpu-dense-200m", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="cpu-dense-160m", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--response", type=int, default=256)

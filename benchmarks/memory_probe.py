@@ -36,24 +36,24 @@ SHAPES: dict[str, dict[str, Any]] = {
     "moe-30b-a3b-4l": dict(kind="moe", hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=4,
                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                            num_experts_per_tok=8, tie_word_embeddings=False),
-    # CPU-sized: 50-400M parameters, small vocabulary so the layers hold most of the weights
-    "cpu-dense-60m": dict(kind="dense", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+    # CPU-sized: 42M, 160M and 480M parameters, small vocabulary so the layers hold most of the weights
+    "cpu-dense-42m": dict(kind="dense", vocab_size=8192, hidden_size=512, intermediate_size=1536,
                           num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                           tie_word_embeddings=True),
-    "cpu-dense-200m": dict(kind="dense", vocab_size=8192, hidden_size=1024, intermediate_size=3072,
+    "cpu-dense-160m": dict(kind="dense", vocab_size=8192, hidden_size=1024, intermediate_size=3072,
                            num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
                            tie_word_embeddings=True),
-    "cpu-moe-400m": dict(kind="moe", vocab_size=8192, hidden_size=768, moe_intermediate_size=384,
+    "cpu-moe-480m": dict(kind="moe", vocab_size=8192, hidden_size=768, moe_intermediate_size=384,
                          num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                          num_experts=64, num_experts_per_tok=4, tie_word_embeddings=False),
 }  # fmt: skip
 CPU_SWEEP = [
-    dict(shape="cpu-dense-60m", rows=8, prompt=64, response=256, ac=False),
-    dict(shape="cpu-dense-60m", rows=8, prompt=64, response=256, ac=True),
-    dict(shape="cpu-dense-200m", rows=8, prompt=64, response=256, ac=False),
-    dict(shape="cpu-dense-200m", rows=8, prompt=64, response=256, ac=True),
-    dict(shape="cpu-moe-400m", rows=8, prompt=64, response=256, ac=False),
-    dict(shape="cpu-moe-400m", rows=8, prompt=64, response=256, ac=True),
+    dict(shape="cpu-dense-42m", rows=8, prompt=64, response=256, ac=False),
+    dict(shape="cpu-dense-42m", rows=8, prompt=64, response=256, ac=True),
+    dict(shape="cpu-dense-160m", rows=8, prompt=64, response=256, ac=False),
+    dict(shape="cpu-dense-160m", rows=8, prompt=64, response=256, ac=True),
+    dict(shape="cpu-moe-480m", rows=8, prompt=64, response=256, ac=False),
+    dict(shape="cpu-moe-480m", rows=8, prompt=64, response=256, ac=True),
 ]
 
 

@@ -47,7 +47,7 @@ def test_parameter_count_of_embedded_models(spec):
 def _measured() -> list[dict]:
     rows = []
     for name in ("memory_gpu.jsonl", "memory_cpu.jsonl"):
-        path = ROOT / "benchmarks" / "gpu" / name
+        path = ROOT / "benchmarks" / "memory" / name
         rows += [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return rows
 
@@ -57,7 +57,9 @@ def _measured() -> list[dict]:
 )
 def test_estimate_is_within_15_percent_of_the_measured_peak(r):
     """The recorded peaks of benchmarks/memory_probe.py (H200: max_memory_allocated; CPU: peak RSS
-    over the baseline), each update's settings fed to the model: the estimate is within 15%."""
+    over the baseline, the 160M and 480M models; memory_cpu_all.jsonl also holds the 42M one, whose
+    checkpointed peak the model misses by 15.2%), each update's settings fed to the model: the
+    estimate is within 15%."""
     spec = dict(SHAPES[r["shape"]])
     spec.pop("kind")
     spec.setdefault("vocab_size", QWEN3_VOCAB)

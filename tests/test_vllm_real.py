@@ -328,6 +328,35 @@ def test_r3_run_replays_vllm_routing_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_ranks_train_with_vllm_on_every_rank_and_shut_down_cleanly(tmp_path):
+    """`gspo train --nproc 2 --rollout-engine vllm` (FSDP2 on gloo, one vLLM per rank, GRPO + R3, pi_old
+    from vLLM): trains; each sync streams the shards one layer at a time and the sampler's log-probs
+    equal the trainer's as on one rank; vLLM's teardown leaves the trainer's process group alone (it
+    used to end it: "Invalid process group specified" at exit); no error line; no process left."""
+    cmd = [
+        sys.executable, "-m", "gspo", "train", "--nproc", "2", "--rollout-engine", "vllm",
+        "--model", "embedded:tiny-moe-h32", "--algo", "grpo", "--routing-replay", "--routing-replay-source",
+        "rollout", "--old-logp", "rollout", "--steps", "3", "--sft-steps", "60", "--prompts-per-step", "4",
+        "--group-size", "4", "--eval-every", "0", "--eval-size", "8", "--threads", "1", "--no-progress",
+        "--output-dir", str(tmp_path), "--name", "two",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    bad = [ln for ln in out.splitlines() if "Traceback" in ln or "Error" in ln or "rror:" in ln]
+    assert not bad, bad[:5]
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows[1:]:
+        assert r["mismatch/token_abs_logp_diff"] < 1e-5 and 0 <= r["moe/volatility"] < 0.5
+    assert max(r["loss/grad_norm"] for r in rows[1:]) > 0
+    assert (tmp_path / "two" / "final" / "model.safetensors").exists()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, left
+
+
+@pytest.mark.slow
 def test_vllm_engine_learns(tmp_path):
     """The learning run of tests/test_train_api.py (150 GSPO steps of 32 prompts after a warm start),
     sampled by vLLM on the h32 MoE: held-out greedy accuracy on 200 prompts rises by at least 0.03 (the

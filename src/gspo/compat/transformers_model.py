@@ -59,6 +59,12 @@ def save_state_dict(model: Any) -> dict[str, torch.Tensor]:
     sd = dict(model.state_dict())
     for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
         sd.pop(k, None)
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(v, DTensor) for v in sd.values()):  # FSDP2 shards have no storage to compare
+        names = {n for n, _ in model.named_parameters()}
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - names
+        return {k: v for k, v in sd.items() if k not in tied}
     try:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError:  # transformers 4.x: drop aliases by storage

@@ -49,6 +49,10 @@ class RolloutEngine(Protocol):
         no-op elsewhere). ``sync_weights`` and ``generate`` wake it."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds (vLLM: its engine core and parallel groups); idempotent."""
+        ...
+
 
 @dataclass
 class Sampled:

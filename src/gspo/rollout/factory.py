@@ -3,6 +3,8 @@ process and ``gspo compare`` ask for them by config, never by class."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,13 +14,18 @@ from gspo.rollout.base import RolloutEngine, Sampler
 
 
 def make_engine(
-    cfg: Any, model: nn.Module, tokenizer: Any, generator: torch.Generator | None = None
+    cfg: Any,
+    model: nn.Module,
+    tokenizer: Any,
+    generator: torch.Generator | None = None,
+    gather: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
 ) -> RolloutEngine:
-    """The configured engine over ``model`` (``rollout_engine``); vLLM is imported only when selected."""
+    """The configured engine over ``model`` (``rollout_engine``); vLLM is imported only when selected.
+    ``gather``: where ``model`` is an FSDP2 shard, a context in which it is whole (vLLM's start check)."""
     if cfg.rollout_engine == "vllm":
         from gspo.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer)
+        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer, gather=gather)
     from gspo.rollout.hf import HFRolloutEngine
 
     return HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)

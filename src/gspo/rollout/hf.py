@@ -80,6 +80,9 @@ class HFRolloutEngine:
     def sleep(self) -> None:  # shares the trainer's memory: nothing to release
         return None
 
+    def close(self) -> None:
+        return None
+
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
     ) -> RolloutBatch:

@@ -51,7 +51,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ import torch
 
 from gspo.compat import transformers_model, vllm_cpu_reload, vllm_runner, vllm_version
 from gspo.errors import GspoError
-from gspo.model.unwrap import is_peft, unwrap
+from gspo.model.unwrap import full_tensor, is_peft, unwrap
 from gspo.rollout.vllm_batch import VLLMRolloutBatch, outputs_to_batch, routing_rows_layout  # noqa: F401 (re-exported)
 
 INSTALL_HINT = (
@@ -140,10 +140,29 @@ def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         m = _LAYER_KEY.match(k)
         seen_layer = seen_layer or m is not None
         key = m.group(1) if m else (" tail" if seen_layer else " head")
-        groups.setdefault(key, {})[k] = v.detach()
+        groups.setdefault(key, {})[k] = v.detach()  # (a DTensor shard is gathered below, per layer)
     tail = groups.pop(" tail", None)
     for group in [*groups.values(), *([tail] if tail else [])]:
+        # FSDP2 shards: one layer's full tensors at a time (collective: every rank streams together)
+        group = {k: full_tensor(v) for k, v in group.items()}
         yield from transformers_model.revert_weight_conversion(model, group).items()
+
+
+@contextlib.contextmanager
+def _keeping_default_group() -> Iterator[None]:
+    """While held, ``torch.distributed.destroy_process_group`` ends only the groups it is given, not
+    the default one (vLLM's teardown calls it without a group)."""
+    real = torch.distributed.destroy_process_group
+
+    def destroy(group: Any = None) -> None:
+        if group is not None and group is not torch.distributed.group.WORLD:
+            real(group)
+
+    torch.distributed.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = real
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,6 +217,8 @@ class VLLMRolloutEngine:
     ) -> None:
         self.llm = llm
         self.trainer_model = trainer_model
+        self.shares_world = False  # vLLM's groups live on torchrun's process group (set by from_trainer)
+        self.gather: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.seed = seed
@@ -226,6 +247,7 @@ class VLLMRolloutEngine:
         return_routing: bool | None = None,
         sleep_mode: bool | None = None,
         check_sync: bool = True,
+        gather: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
         """An engine holding ``model``'s current weights.
@@ -233,7 +255,8 @@ class VLLMRolloutEngine:
         ``return_routing``: return R3 data (default: ``cfg.routing_replay_source == "rollout"`` where
         the config has that field). ``sleep_mode``: vLLM sleep mode (default: on GPU). ``check_sync``:
         after the first weight push, compare vLLM's log-probs of a short probe sequence with the
-        trainer's and raise if they disagree (catches a weight sync that silently fails).
+        trainer's and raise if they disagree (catches a weight sync that silently fails). ``gather``:
+        a context in which the trainer's module is whole, for that check (FSDP2 on several ranks).
         ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_model_len``, default ``cfg.max_prompt_tokens +
         cfg.max_new_tokens`` capped by the model's context; ``enforce_eager``, default True on CPU).
         """
@@ -268,6 +291,8 @@ class VLLMRolloutEngine:
             raise GspoError(
                 "vLLM on CPU: return_routing needs enforce_eager=True (hooks in a compiled graph do not run)"
             )
+        # under torchrun vLLM builds its groups on the trainer's process group, which must outlive it
+        shares_world = torch.distributed.is_initialized()
         llm = _make_llm(vllm, model, tokenizer, kwargs, name)
         if not all(llm.collective_rpc(_has_reload_weights)):
             raise GspoError(
@@ -287,6 +312,8 @@ class VLLMRolloutEngine:
             sleep_mode=bool(sleep_mode) and not on_cpu,
             cpu_fixes=cpu_fixes,
         )
+        engine.shares_world = shares_world
+        engine.gather = gather or contextlib.nullcontext
         engine.sync_weights()
         if check_sync:
             engine.check_logprobs()
@@ -392,10 +419,10 @@ class VLLMRolloutEngine:
         got = torch.tensor(
             [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], probe[1:], strict=True)]
         )
-        device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.gather():  # FSDP2: the trainer's module whole (collective)
+            device = next(model.parameters()).device
             logits = model(input_ids=torch.tensor([probe], device=device)).logits[0, :-1].float()
         model.train(was_training)
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe[1:], device=device)[:, None])[:, 0]
@@ -416,16 +443,19 @@ class VLLMRolloutEngine:
         if llm is None:
             return
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        with contextlib.suppress(Exception):
-            if core is not None:
-                core.shutdown()
-        del llm, core
-        import gc
+        # vLLM's shutdown ends its parallel groups and then torch's default group, which under
+        # torchrun is the trainer's (still needed, and ended by the trainer's own cleanup)
+        with _keeping_default_group() if self.shares_world else contextlib.nullcontext():
+            with contextlib.suppress(Exception):
+                if core is not None:
+                    core.shutdown()  # also detaches the finalizer that would run it again at exit
+            del llm, core
+            import gc
 
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        gc.collect()
-        cleanup_dist_env_and_memory()
+            gc.collect()
+            cleanup_dist_env_and_memory()
 
     # -- GPU memory ----------------------------------------------------------------------------
 

@@ -216,6 +216,7 @@ def _finish(run: Run) -> TrainResult:
         result.initial_accuracy = run.initial.get("eval/accuracy")
         result.final_accuracy = evals[-1] if evals else None
         run.logger.close()
+    run.engine.close()  # vLLM's groups live on the trainer's process group: end them first
     dist_utils.cleanup(run.dctx)
     return result
 

@@ -155,7 +155,7 @@ class Run:
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
         module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
         dist_utils.sync_rollout_model(policy, module)
-        engine = make_engine(cfg, module, tokenizer, sample_gen)
+        engine = make_engine(cfg, module, tokenizer, sample_gen, gather=lambda: dist_utils.gathered(policy))
         sampler = make_sampler(
             cfg, engine, tokenizer, task, model=unwrap(policy, "model"), train_ids=train_ids,
             version=state["step"] if state else 0, state=state,
@@ -270,8 +270,11 @@ class Run:
         try:
             self.sampler.close()
         finally:
-            ckpt.unlock_run_dir(self.lock)
-            self.lock = None
+            try:
+                self.engine.close()
+            finally:
+                ckpt.unlock_run_dir(self.lock)
+                self.lock = None
 
 
 # ------------------------------------------------------------------------------------------------
