@@ -66,6 +66,21 @@ def _version() -> str:
         return __version__
 
 
+def _add_plan_parser(sub: Any) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="per-GPU memory of a run before it starts, and whether it fits",
+        description="Estimate each GPU's memory (weights, gradients, AdamW, activations, sampler, weight "
+        "sync) for a model, a world size and the training settings, without loading any weight. The "
+        "model: an embedded one, a local HF folder, or a hub id whose numbers gspo ships. Exit 2 when "
+        "it does not fit.",
+    )
+    pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
+    pl.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) [default: 8]")
+    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GB [default: 80]")
+    _add_config_flags(pl, skip=("nproc",))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
     parser.add_argument("--version", action="version", version=f"gspo {_version()}")
@@ -129,18 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
-    pl = sub.add_parser(
-        "plan",
-        help="per-GPU memory of a run before it starts, and whether it fits",
-        description="Estimate each GPU's memory (weights, gradients, AdamW, activations, sampler, weight "
-        "sync) for a model, a world size and the training settings, without loading any weight. The "
-        "model: an embedded one, a local HF folder, or a hub id whose numbers gspo ships. Exit 2 when "
-        "it does not fit.",
-    )
-    pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
-    pl.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) [default: 8]")
-    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GB [default: 80]")
-    _add_config_flags(pl, skip=("nproc",))
+    _add_plan_parser(sub)
 
     e = sub.add_parser(
         "eval",

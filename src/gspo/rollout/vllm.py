@@ -312,8 +312,7 @@ class VLLMRolloutEngine:
             sleep_mode=bool(sleep_mode) and not on_cpu,
             cpu_fixes=cpu_fixes,
         )
-        engine.shares_world = shares_world
-        engine.gather = gather or contextlib.nullcontext
+        engine.shares_world, engine.gather = shares_world, gather or contextlib.nullcontext
         engine.sync_weights()
         if check_sync:
             engine.check_logprobs()
