@@ -142,3 +142,20 @@ def test_train_refuses_a_plan_that_does_not_fit_before_loading_weights():
     check_plan_fits(Config(model="someone/unknown").validate(), 1, 80e9)  # shape unknown until loaded
     need = estimate(cfg, shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
     check_plan_fits(cfg, 1, need / 1.1)  # within the model's 15% tolerance
+
+
+def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
+    """benchmarks/bench_scale.py, cpu-moe-480m: per-rank peak RSS at 2 ranks (FSDP2, gloo, meta-device
+    start) against the model's per-rank estimate; and sharding brought the peak to about 0.6x."""
+    rows = [json.loads(x) for x in (ROOT / "benchmarks/memory/scale_cpu.jsonl").read_text().splitlines()]
+    spec = dict(SHAPES["cpu-moe-480m"])
+    spec.pop("kind")
+    shape = Shape.from_config(spec)
+    for r in rows:
+        cfg = Config(
+            prompts_per_step=r["rows"] // 2, group_size=2, num_minibatches=4, micro_batch_size=1, nproc=r["world"],
+            max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], parallel="fsdp",
+        ).validate()  # fmt: skip
+        assert abs(estimate(cfg, shape, r["world"]).update_peak / r["peak"] - 1) <= 0.15, r
+    one = next(r["peak"] for r in rows if r["world"] == 1)
+    assert max(r["peak"] for r in rows if r["world"] == 2) / one < 0.65

@@ -6,8 +6,10 @@ What one rank holds (bytes), for a decoder-only (dense or MoE) transformer:
   divided by the world size under FSDP2 (``parallel: fsdp``), whole under DDP or in one process;
 * **gradients**: the same size as the weights they belong to, held from the first backward of a
   minibatch to its optimizer step (so at the peak only when a minibatch takes more than one
-  micro-batch per rank); under FSDP2 also the unsharded working set (the root group, with the
-  embeddings, and two decoder layers in the compute dtype);
+  micro-batch per rank); under FSDP2 also the unsharded working set: the root group (with the
+  embeddings) and, per decoder layer being gathered, its all-gather buffer and unsharded copy (this
+  layer and the prefetched next one, in the compute dtype), its unsharded gradients and the
+  reduce-scatter buffer (float32);
 * **activations** of one training micro-batch: per token and layer the tensors a decoder layer
   keeps for backward (counted per projection below, times a factor fitted to measurements), plus
   the attention probabilities (``heads x pairs x 4`` bytes per layer: gspo loads transformers' sdpa
@@ -187,9 +189,12 @@ def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None)
     n = shape.params()
     weights, optimizer, grads = n * bw / shards, 2 * n * bw / shards, n * bw / shards
     unsharded = 0.0
-    if shards > 1:
+    if shards > 1:  # the root group (embeddings, LM head), and per gathered decoder layer its
+        # all-gather buffer and unsharded parameters (this layer and the prefetched next one), then
+        # in backward its unsharded gradients and the reduce-scatter buffer (reduced in float32)
         root = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-        unsharded = (root + 2 * shape.layer_params()) * compute
+        layer = shape.layer_params() * (4 * compute + 2 * 4)
+        unsharded = root * compute + layer
     rows = _rows_per_forward(cfg, world)
     tokens, pairs = _tokens_and_pairs(cfg, rows)
     per_layer = tokens * shape.saved_floats_per_token() * compute
