@@ -25,3 +25,15 @@ for p in $PRESETS; do
   cp runs/compare-$p/{report.md,summary.json,per_seed.csv,timing.json} runs/compare-$p/*.png docs/stability/$p/
 done
 gspo compare --study "$(for p in $PRESETS; do printf 'docs/stability/%s,' $p; done | sed 's/,$//')" --out docs/stability
+
+# The pre-registered confirmatory family issue21-confirm (fresh seeds 100+), run from a frozen
+# checkout of the commit each preset was declared at; then the family's Holm table.
+gspo compare --preset confirm-lr-6e-4 --out runs/confirm-lr-6e-4
+gspo compare --preset confirm-lr-1e-3 --out runs/confirm-lr-1e-3
+gspo compare --preset confirm-long-response --out runs/confirm-long-response
+gspo compare --preset confirm-staleness-8 --out runs/confirm-staleness-8      # not run yet
+for p in confirm-lr-6e-4 confirm-lr-1e-3 confirm-long-response; do
+  mkdir -p docs/stability/$p
+  cp runs/$p/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/$p/*.png docs/stability/$p/
+done
+gspo compare --study docs/stability/confirm-lr-6e-4,docs/stability/confirm-lr-1e-3,docs/stability/confirm-long-response --out docs/stability/confirm
