@@ -31,9 +31,9 @@ gspo compare --study "$(for p in $PRESETS; do printf 'docs/stability/%s,' $p; do
 gspo compare --preset confirm-lr-6e-4 --out runs/confirm-lr-6e-4
 gspo compare --preset confirm-lr-1e-3 --out runs/confirm-lr-1e-3
 gspo compare --preset confirm-long-response --out runs/confirm-long-response
-gspo compare --preset confirm-staleness-8 --out runs/confirm-staleness-8      # not run yet
-for p in confirm-lr-6e-4 confirm-lr-1e-3 confirm-long-response; do
+gspo compare --preset confirm-staleness-8 --out runs/confirm-staleness-8
+for p in confirm-lr-6e-4 confirm-lr-1e-3 confirm-long-response confirm-staleness-8; do
   mkdir -p docs/stability/$p
   cp runs/$p/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/$p/*.png docs/stability/$p/
 done
-gspo compare --study docs/stability/confirm-lr-6e-4,docs/stability/confirm-lr-1e-3,docs/stability/confirm-long-response --out docs/stability/confirm
+gspo compare --study docs/stability/confirm-lr-6e-4,docs/stability/confirm-lr-1e-3,docs/stability/confirm-long-response,docs/stability/confirm-staleness-8 --out docs/stability/confirm
