@@ -85,40 +85,24 @@ def test_sharding_divides_the_states_and_checkpointing_shrinks_activations():
     assert ac.activations < one.activations / 4
 
 
+def _plan_one_node(*args: str) -> int:
+    return main(["plan", "--config", str(ROOT / "recipes/qwen3-30b-a3b-1node.yaml"), *args])
+
+
 def test_plan_of_the_one_node_recipe_fits(capsys):
-    rc = main(
-        [
-            "plan",
-            "--config",
-            str(ROOT / "recipes/qwen3-30b-a3b-1node.yaml"),
-            "--gpus",
-            "8",
-            "--gpu-memory-gb",
-            "141",
-        ]
-    )
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "141")
     out = capsys.readouterr().out
     assert rc == 0 and "30.53B parameters" in out and ": fits" in out
 
 
 def test_plan_that_does_not_fit_exits_2_with_one_line(capsys):
-    rc = main(
-        [
-            "plan",
-            "--config",
-            str(ROOT / "recipes/qwen3-30b-a3b-1node.yaml"),
-            "--gpus",
-            "8",
-            "--gpu-memory-gb",
-            "40",
-        ]
-    )
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "40")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "does not fit in 40 GB per GPU" in err[0]
 
 
 def test_plan_refuses_a_world_size_that_does_not_divide_the_batch(capsys):
-    rc = main(["plan", "--config", str(ROOT / "recipes/qwen3-30b-a3b-1node.yaml"), "--gpus", "3"])
+    rc = _plan_one_node("--gpus", "3")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "config field" in err[0]
 
