@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import typing
+from pathlib import Path
 from typing import Any
 
 from gspo.config import Config, field_docs, field_type, parse_values
@@ -145,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
     _add_plan_parser(sub)
+    x = sub.add_parser(
+        "export",
+        help="turn a sharded checkpoint into a Hugging Face folder",
+        description="Write the HF folder (safetensors, config, tokenizer; loadable by from_pretrained) of a "
+        "sharded checkpoint (runs/NAME/checkpoints/step-N written by FSDP2 on several ranks), reading one "
+        "decoder layer at a time, in one process.",
+    )
+    x.add_argument("checkpoint", help="a sharded checkpoint folder (runs/NAME/checkpoints/step-N)")
+    x.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
 
     e = sub.add_parser(
         "eval",
@@ -288,6 +298,26 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    from gspo.model.export import export_dcp
+    from gspo.train.checkpoint import check_manifest
+    from gspo.train.sharded import is_sharded
+
+    src, out = Path(ns.checkpoint), Path(ns.out)
+    if not src.is_dir():
+        raise GspoError(f"checkpoint folder not found: {src}")
+    if not is_sharded(src):
+        raise GspoError(f"{src} is not a sharded checkpoint (no dcp/.metadata); an HF folder needs no export")
+    why = check_manifest(src)
+    if why:
+        raise GspoError(f"{src}: {why}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GspoError(f"--out {out} already exists and is not an empty folder")
+    files = export_dcp(src, out)
+    print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})")
+    return 0
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from gspo.evaluate import EVAL_FIELDS, evaluate_checkpoint
 
@@ -301,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         commands = {"train": cmd_train, "compare": cmd_compare, "plan": cmd_plan, "eval": cmd_eval}
+        commands["export"] = cmd_export
         return commands[ns.command](ns)
     except GspoError as e:
         print(f"gspo: error: {e}", file=sys.stderr)

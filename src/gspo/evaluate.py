@@ -15,6 +15,7 @@ import torch
 from gspo.config import Config, load_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_resources
+from gspo.model.export import DCP_DIR
 
 # the config fields that decide what a held-out evaluation measures
 EVAL_FIELDS = (
@@ -77,6 +78,11 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     folder = Path(path)
     if not folder.is_dir():
         raise GspoError(f"checkpoint folder not found: {path}")
+    if (folder / DCP_DIR / ".metadata").is_file():
+        raise GspoError(
+            f"{path} is a sharded checkpoint (FSDP2, {DCP_DIR}/): write its HF folder with "
+            f"`gspo export {path} --out DIR`, then evaluate DIR"
+        )
     run_yaml = run_config_of(folder.resolve())
     saved = load_yaml(str(run_yaml)) if run_yaml else {}
     values = {k: v for k, v in saved.items() if k in EVAL_FIELDS}

@@ -57,9 +57,10 @@ from typing import Any
 
 import torch
 
-from gspo.compat import transformers_model, vllm_cpu_reload, vllm_runner, vllm_version
+from gspo.compat import vllm_cpu_reload, vllm_runner, vllm_version
 from gspo.errors import GspoError
-from gspo.model.unwrap import full_tensor, is_peft, unwrap
+from gspo.model.export import hf_checkpoint_weights
+from gspo.model.unwrap import is_peft, unwrap
 from gspo.rollout.vllm_batch import VLLMRolloutBatch, outputs_to_batch, routing_rows_layout  # noqa: F401 (re-exported)
 
 INSTALL_HINT = (
@@ -112,40 +113,6 @@ def _is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-# ------------------------------------------------------------------------------------------------
-# trainer weights -> HF checkpoint names and layouts, one layer at a time
-
-_LAYER_KEY = re.compile(r"^(.*?\blayers\.\d+)\.")
-
-
-def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs as ``save_pretrained`` would write them (the names and layouts vLLM's
-    loaders expect), produced one decoder layer at a time: the conversion of a layer's weights is
-    computed when the consumer asks for them, so the extra memory is about one layer's converted
-    tensors (unconverted tensors are the live parameters themselves, detached, no copy).
-
-    Weights outside the decoder layers (embeddings, final norm, LM head) come first and last, in the
-    state dict's order.
-    """
-    if is_peft(model):
-        raise GspoError(
-            "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
-        )
-    # groups in state-dict order: weights before the first layer, each layer, the weights after
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    seen_layer = False
-    for k, v in transformers_model.save_state_dict(model).items():
-        m = _LAYER_KEY.match(k)
-        seen_layer = seen_layer or m is not None
-        key = m.group(1) if m else (" tail" if seen_layer else " head")
-        groups.setdefault(key, {})[k] = v.detach()  # (a DTensor shard is gathered below, per layer)
-    tail = groups.pop(" tail", None)
-    for group in [*groups.values(), *([tail] if tail else [])]:
-        # FSDP2 shards: one layer's full tensors at a time (collective: every rank streams together)
-        group = {k: full_tensor(v) for k, v in group.items()}
-        yield from transformers_model.revert_weight_conversion(model, group).items()
 
 
 @contextlib.contextmanager

@@ -5,6 +5,9 @@ Layout under ``<run_dir>/checkpoints``::
     step-000050/          model.safetensors, config.json, tokenizer files  (from_pretrained-able)
                           trainer_state.pt (optimizer, scheduler, step, data position, RNG states)
                           manifest.json (size and sha256 of every other file; written last)
+    step-000050/          sharded (FSDP2 on N ranks): dcp/ (each rank's model and optimizer shards,
+                          torch.distributed.checkpoint), config.json, tokenizer, trainer_state.pt
+                          (no optimizer), manifest.json; ``gspo export`` makes it an HF folder
     latest                text file naming the newest complete checkpoint
 
 A checkpoint is written to ``step-N.tmp`` and renamed when complete; ``latest`` is replaced with
@@ -30,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from gspo.model.export import DCP_DIR
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -100,22 +105,36 @@ def write_manifest(folder: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, save_model: Any, trainer_state: dict[str, Any], keep: int = 2
-) -> Path:
-    """Write checkpoint ``step`` atomically. ``save_model(path)`` writes the HF weights + tokenizer."""
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """The empty ``step-N.tmp`` folder checkpoint ``step`` is written into."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
     tmp = root / f"step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    save_model: Any,
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+    tmp: Path | None = None,
+) -> Path:
+    """Write checkpoint ``step`` atomically. ``save_model(path)`` writes the HF weights + tokenizer
+    (or, for a sharded checkpoint whose shards are already in ``tmp``, the config and tokenizer)."""
+    root = run_dir / "checkpoints"
+    final = root / f"step-{step:06d}"
     try:
-        tmp.mkdir()
+        tmp = tmp if tmp is not None else begin_checkpoint(run_dir, step)
         save_model(tmp)
         torch.save(trainer_state, tmp / TRAINER_STATE)
         write_manifest(tmp)  # last: a folder with a matching manifest is complete
     except BaseException:  # a full disk, Ctrl-C: no half checkpoint left behind (``latest`` is untouched)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if final.exists():
         shutil.rmtree(final)
@@ -169,8 +188,9 @@ def _manifest_names(path: Path) -> list[str]:
 def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
     """``(trainer state, "")`` for a complete checkpoint, else ``(None, why not)``."""
     why = check_manifest(path, (TRAINER_STATE, "config.json"))
-    if not why and not any(n.endswith(".safetensors") for n in _manifest_names(path)):
-        why = f"{MANIFEST} lists no weights (*.safetensors)"
+    names = [] if why else _manifest_names(path)
+    if not why and not any(n.endswith(".safetensors") or n == f"{DCP_DIR}/.metadata" for n in names):
+        why = f"{MANIFEST} lists no weights (*.safetensors, or {DCP_DIR}/ shards)"
     if why:
         return None, why
     try:

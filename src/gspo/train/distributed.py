@@ -200,7 +200,7 @@ def _first_forward(policy: nn.Module, device: torch.device) -> None:
     ids = (torch.arange(4, device=device).view(2, 2) + 5) % V
     ones = torch.ones_like(ids)
     policy(make_layout(ids, ones, ids, ones, "rows"), ids, ones)
-    _reshard(policy)
+    reshard(policy)
 
 
 def rollout_model(model: nn.Module) -> nn.Module:
@@ -231,7 +231,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
             m.set_reshard_after_forward(True, recurse=False)
 
 
-def _reshard(model: nn.Module) -> None:
+def reshard(model: nn.Module) -> None:
     """Put every FSDP group back to its sharded parameters (no-grad forwards leave the root unsharded)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -247,7 +247,7 @@ def sync_rollout_model(model: Any, rollout: Any) -> None:
     if rollout is None or rollout is unwrap(model, "model"):
         return None
 
-    _reshard(model)
+    reshard(model)
     dst = dict(rollout.named_parameters())
     for name, p in unwrap(model, "policy").named_parameters():
         dst[name.removeprefix(PREFIX)].copy_(full_tensor(p))
@@ -271,7 +271,7 @@ def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if _is_fsdp(model):
-        _reshard(model)
+        reshard(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # a tied weight once (under its first name), as save_pretrained writes it from the module
     policy = unwrap(model, "policy")
@@ -311,6 +311,8 @@ def optimizer_state_dict(model: Any, optimizer: torch.optim.Optimizer, ctx: Dist
     """Full (unsharded) optimizer state, keyed by parameter name when distributed (collective)."""
     if not _distributed(ctx):
         return optimizer.state_dict()
+    if not optimizer.state:  # not stepped yet: torch's API would initialise it with a zero step, which
+        return _int_to_fqn(model, optimizer, optimizer.state_dict())  # shifts AdamW's bias correction
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

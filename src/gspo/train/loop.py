@@ -21,6 +21,7 @@ from typing import Any
 
 from gspo.config import Config
 from gspo.errors import GspoError
+from gspo.model.export import save_streamed
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
 from gspo.train import distributed as dist_utils
@@ -205,10 +206,16 @@ def _finish(run: Run) -> TrainResult:
     """Final HF folder, curves and summary."""
     cfg = run.cfg
     result = TrainResult(cfg.run_dir, run.hf)
-    model, final_sd = run.savable()  # collective
+    final_dir = cfg.run_dir / "final"
+    if run.sharded_checkpoints:  # gathered and written one decoder layer at a time (collective)
+        dist_utils.reshard(run.policy)
+        save_streamed(run.hf, run.tokenizer, final_dir if run.rank == 0 else None)
+    else:
+        model, final_sd = run.savable()  # collective
+        if run.rank == 0:
+            save_hf(model, run.tokenizer, final_dir, final_sd)
     if run.rank == 0:
-        result.final_dir = cfg.run_dir / "final"
-        save_hf(model, run.tokenizer, result.final_dir, final_sd)
+        result.final_dir = final_dir
         rows = read_metrics(cfg.run_dir / "metrics.jsonl")
         result.plot = cfg.run_dir / "curves.png"
         plot_metrics(rows, result.plot, title=f"{cfg.algo} on {cfg.task} ({cfg.model})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from torch import nn
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
+from gspo.model.export import save_config_and_tokenizer
 from gspo.model.load import enable_activation_checkpointing, save_pretrained
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
@@ -29,6 +31,7 @@ from gspo.rollout.factory import make_engine, make_sampler
 from gspo.tasks import Task
 from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
+from gspo.train import sharded as sharded_ckpt
 from gspo.train.logger import MetricsLogger, read_metrics
 from gspo.train.plan import UpdatePlan, plan_update
 from gspo.train.scoring import evaluate
@@ -65,6 +68,7 @@ class Run:
     lock: int | None = None  # descriptor holding the run folder's lock (rank 0)
     saving: bool = False  # writing a checkpoint (a stop lets it finish)
     should_stop: Callable[[], bool] = lambda: False  # a Ctrl-C / SIGTERM came (long phases poll it)
+    sharded_checkpoints: bool = False  # each rank saves its own shards (FSDP2 on N ranks; gspo.train.sharded)
 
     @property
     def rank(self) -> int:
@@ -135,7 +139,8 @@ class Run:
         plan = plan_update(cfg, PolicyLogprobs(model), moe)  # a layout the model cannot take fails now
         check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
         progress = cfg.progress and dctx.rank == 0
-        if resume_from is not None and not (sharded and source is None):
+        from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
+        if resume_from is not None and not from_shards and not (sharded and source is None):
             _load_weights(source if sharded else model, cfg, resume_from)
         elif cfg.sft_steps:
             warm_start_run(start, cfg, dctx.device, progress, should_stop)
@@ -152,6 +157,8 @@ class Run:
         policy = dist_utils.wrap(PolicyLogprobs(model), cfg, dctx, source)
         del source
         optimizer, scheduler = make_optimizer(policy, cfg, dctx.world_size)
+        if from_shards:  # before the sampler takes the weights
+            sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
         module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
         dist_utils.sync_rollout_model(policy, module)
@@ -164,6 +171,7 @@ class Run:
             cfg, dctx, policy, tokenizer, task, train_ids, eval_ids, optimizer, scheduler,
             engine, module, sampler, sample_gen, moe, plan, None,
         )  # fmt: skip
+        run.sharded_checkpoints = sharded_ckpt.uses_sharded_checkpoints(policy, bool(cfg.lora_rank))
         if state is not None:
             run._restore(state)
         run.logger = (
@@ -180,14 +188,16 @@ class Run:
         return run
 
     def _restore(self, state: dict[str, Any]) -> None:
-        dist_utils.load_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"], self.dctx)
+        if "dcp" not in state["optimizer"]:  # a sharded checkpoint's optimizer was loaded with the weights
+            dist_utils.load_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"], self.dctx)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = self.last_saved = state["step"]
         self.data_pos = state["data_pos"]
         gens = state["sample_gen"]
         if self.rank < len(gens):  # a rank the saved run did not have keeps its fresh seed
             self.sample_gen.set_state(gens[self.rank])
-        ckpt.set_rng_state(state["rng"])
+        rngs = state.get("rng_ranks") or [state["rng"]]
+        ckpt.set_rng_state(rngs[self.rank] if self.rank < len(rngs) else state["rng"])
 
     # --------------------------------------------------------------------------------------------
     def sampling(self) -> contextlib.AbstractContextManager[None]:
@@ -219,8 +229,16 @@ class Run:
     def _save(self) -> None:
         _check_finite(self.policy, self.step, self.last_saved)
         gens = dist_utils.gather_objects(self.sample_gen.get_state(), self.dctx)
-        model, full_sd = self.savable()
-        opt_sd = dist_utils.optimizer_state_dict(self.policy, self.optimizer, self.dctx)
+        tmp = None
+        if self.sharded_checkpoints:  # each rank writes its shards; rank 0 the rest, as below
+            tmp, opt_sd = self._save_shards()
+            write = lambda p: save_config_and_tokenizer(self.hf, self.tokenizer, p)  # noqa: E731
+        else:
+            model, full_sd = self.savable()
+            opt_sd = dist_utils.optimizer_state_dict(self.policy, self.optimizer, self.dctx)
+            write = lambda p: save_hf(model, self.tokenizer, p, full_sd)  # noqa: E731
+        # each rank's generators (rewards draw from them), after the collectives above, which may draw
+        rngs = dist_utils.gather_objects(ckpt.rng_state(), self.dctx)
         if self.rank == 0:
             state = {
                 "optimizer": opt_sd,
@@ -228,22 +246,48 @@ class Run:
                 "step": self.step,
                 "data_pos": self.data_pos,
                 "sample_gen": gens,
-                "rng": ckpt.rng_state(),
+                "rng": rngs[0],
+                "rng_ranks": rngs,
                 "config": self.cfg.to_dict(),
                 "initial": self.initial,
             }
             state |= self.sampler.state(self.step)  # e.g. batches sampled ahead, from older versions
-            try:
-                ckpt.save_checkpoint(
-                    self.cfg.run_dir, self.step, lambda p: save_hf(model, self.tokenizer, p, full_sd), state
-                )
-            except OSError as e:  # e.g. a full disk
-                kept = f"step {self.last_saved}" if self.last_saved >= 0 else "none"
-                raise GspoError(
-                    f"cannot write checkpoint step {self.step} under {self.cfg.run_dir}/checkpoints: "
-                    f"{e.strerror or e}; the last complete checkpoint is kept ({kept})"
-                ) from None
+            self._attempt(lambda: ckpt.save_checkpoint(self.cfg.run_dir, self.step, write, state, tmp=tmp))
         self.last_saved = self.step
+
+    def _save_shards(self) -> tuple[Path, dict[str, Any]]:
+        """Every rank writes its model and optimizer shards into the new checkpoint's folder, which
+        rank 0 makes (collective). Returns the folder and the trainer state's optimizer entry."""
+        made: tuple[Path | None, str] = (None, "")
+        if self.rank == 0:
+            try:
+                made = (self._attempt(lambda: ckpt.begin_checkpoint(self.cfg.run_dir, self.step)), "")
+            except GspoError as e:
+                made = (None, str(e))
+        tmp, error = dist_utils.gather_objects(made, self.dctx)[0]
+        if tmp is None:
+            raise GspoError(error)
+        try:
+            saved = self._attempt(lambda: sharded_ckpt.save(self.policy, self.optimizer, tmp))
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp, {"dcp": saved}
+
+    def _attempt(self, write: Callable[[], Any]) -> Any:
+        """``write()``; a failure to write (e.g. a full disk) is one line naming what is kept."""
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            return write()
+        except (OSError, dcp.api.CheckpointException) as e:
+            kept = f"step {self.last_saved}" if self.last_saved >= 0 else "none"
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise GspoError(
+                f"cannot write checkpoint step {self.step} under {self.cfg.run_dir}/checkpoints: "
+                f"{why}; the last complete checkpoint is kept ({kept})"
+            ) from None
 
     def savable(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
         """What rank 0 writes as the HF folder (collective): the trained module, with the full state

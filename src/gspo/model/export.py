@@ -1,0 +1,168 @@
+"""Hugging Face folders written one decoder layer at a time: no process holds the whole model.
+
+* :func:`hf_checkpoint_weights`: the trainer's weights named and laid out as ``save_pretrained``
+  writes them, produced a layer at a time (FSDP2 shards gathered per layer). The vLLM weight sync and
+  the final export both stream from it.
+* :func:`write_safetensors`: ``(name, tensor)`` pairs into ``model.safetensors`` (or numbered shards
+  with ``model.safetensors.index.json``, as ``save_pretrained`` names them), a shard's worth held at a
+  time.
+* :func:`save_streamed`: a ``from_pretrained``-loadable folder from a (sharded) training model.
+* :func:`export_dcp`: the same folder from a sharded (``torch.distributed.checkpoint``) checkpoint, in
+  one process without a process group, reading one layer's tensors at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo.compat import transformers_model
+from gspo.errors import GspoError
+from gspo.model.unwrap import full_tensor, is_peft
+
+#: the largest safetensors file written (``save_pretrained``'s default, 5 GB)
+MAX_SHARD_BYTES = 5 * 10**9
+#: where a sharded checkpoint keeps its DCP files, and the key its model state is saved under
+DCP_DIR = "dcp"
+DCP_MODEL_KEY = "model"
+POLICY_PREFIX = "model."  # PolicyLogprobs holds the HF module as ``.model``
+
+_LAYER_KEY = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def layer_groups(names: Iterable[str]) -> list[list[str]]:
+    """``names`` (state-dict order) grouped: the weights before the first decoder layer, each layer's,
+    then the weights after the last one."""
+    groups: dict[str, list[str]] = {}
+    seen_layer = False
+    for k in names:
+        m = _LAYER_KEY.match(k)
+        seen_layer = seen_layer or m is not None
+        groups.setdefault(m.group(1) if m else (" tail" if seen_layer else " head"), []).append(k)
+    tail = groups.pop(" tail", None)
+    return [*groups.values(), *([tail] if tail else [])]
+
+
+def hf_checkpoint_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as ``save_pretrained`` would write them (the names and layouts vLLM's
+    loaders expect), produced one decoder layer at a time: the conversion of a layer's weights is
+    computed when the consumer asks for them, so the extra memory is about one layer's converted
+    tensors (unconverted tensors are the live parameters themselves, detached, no copy).
+
+    Weights outside the decoder layers (embeddings, final norm, LM head) come first and last, in the
+    state dict's order. On FSDP2 shards this is a collective: every rank iterates it to the end.
+    """
+    if is_peft(model):
+        raise GspoError(
+            "config field 'rollout_engine': vLLM rollouts with LoRA (lora_rank > 0) are not supported"
+        )
+    sd = transformers_model.save_state_dict(model)
+    for names in layer_groups(sd):
+        group = {k: full_tensor(sd[k].detach()) for k in names}  # a DTensor shard gathered, per layer
+        yield from transformers_model.revert_weight_conversion(model, group).items()
+
+
+def write_safetensors(
+    weights: Iterable[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[Path]:
+    """Write ``weights`` as ``save_pretrained`` lays them out, holding at most one shard (plus the
+    tensor being added) in memory. Returns the files written."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    parts: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            path = folder / f"model-part-{len(parts):05d}.tmp"
+            save_file(pending, str(path), metadata={"format": "pt"})
+            parts.append((path, list(pending)))
+        pending, size = {}, 0
+
+    for name, t in weights:
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t.detach().to("cpu").contiguous()
+        size, total = size + nbytes, total + nbytes
+    flush()
+    if len(parts) == 1:
+        names = [folder / "model.safetensors"]
+    else:
+        names = [folder / f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    for (tmp, _), final in zip(parts, names, strict=True):
+        os.replace(tmp, final)
+    if len(parts) > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {
+                k: final.name for (_, keys), final in zip(parts, names, strict=True) for k in keys
+            },
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return names
+
+
+def save_config_and_tokenizer(model: Any, tokenizer: Any, folder: Path) -> None:
+    """Everything of an HF folder but the weights (config, generation config, tokenizer files)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def save_streamed(model: Any, tokenizer: Any, folder: Path | None) -> None:
+    """A ``from_pretrained``-loadable folder of ``model`` (FSDP2 shards or a whole module), gathered
+    and written one decoder layer at a time (collective: every rank calls it; the rank passing a
+    ``folder`` writes, the others only take part in the gathers)."""
+    weights = hf_checkpoint_weights(model)
+    if folder is None:
+        for _ in weights:
+            pass
+        return
+    save_config_and_tokenizer(model, tokenizer, folder)
+    write_safetensors(weights, folder)
+
+
+def export_dcp(step_dir: Path, out: Path) -> list[Path]:
+    """Turn a sharded checkpoint (``step_dir/dcp``, any world size) into an HF folder at ``out``, in
+    this process, reading one decoder layer's tensors at a time. Returns the weight files."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    reader = dcp.FileSystemReader(str(step_dir / DCP_DIR))
+    stored = reader.read_metadata().state_dict_metadata
+    config = AutoConfig.from_pretrained(step_dir)
+    with torch.device("meta"):  # names, tied weights and the save-time conversion; no memory
+        model = AutoModelForCausalLM.from_config(config)
+    names = list(transformers_model.save_state_dict(model))
+    prefix = f"{DCP_MODEL_KEY}.{POLICY_PREFIX}"
+    missing = [k for k in names if prefix + k not in stored]
+    if missing:
+        raise GspoError(
+            f"{step_dir}/{DCP_DIR}: the checkpoint has no weight {missing[0]!r} of {config.model_type}"
+        )
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for group in layer_groups(names):
+            sd = {}
+            for k in group:
+                md = stored[prefix + k]
+                sd[POLICY_PREFIX + k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            dcp.load({DCP_MODEL_KEY: sd}, storage_reader=reader, no_dist=True)
+            yield from transformers_model.revert_weight_conversion(
+                model, {k.removeprefix(POLICY_PREFIX): v for k, v in sd.items()}
+            ).items()
+
+    save_config_and_tokenizer(model, AutoTokenizer.from_pretrained(step_dir), out)
+    return write_safetensors(weights(), out)
