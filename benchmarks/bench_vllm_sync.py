@@ -6,7 +6,11 @@ parts (``reload``: streaming + vLLM's reload; ``fixes``: the CPU repack workarou
 conversion alone (iterating ``hf_checkpoint_weights``) and, as the baseline the engine replaced, of
 a sync through the disk (``save_pretrained`` to a temporary folder, tensors read back, then the same
 reload, workaround and reset); ``ratio`` = via disk / in memory. After the timed syncs it checks
-that vLLM's log-probs still equal the trainer's.
+that vLLM's log-probs still equal the trainer's. ``peak MB`` is the sync's peak above the resting
+state (the process's high-water mark, reset through ``/proc/self/clear_refs`` just before one sync,
+minus the resident size then), ``layer MB`` the largest decoder layer's float32 size, ``embed MB`` the
+embedding's, and ``peak/unit`` the peak over the larger of the two (the largest piece the sync
+streams at once; the issue's target: <= 1.5 x the largest decoder layer).
 
 Run in the vLLM venv (``bash .ci/vllm_env.sh``)::
 
@@ -39,6 +43,9 @@ SIZES = {
     "M": ("dense", 512, 8, 2048, 16, 8, 16384, 0),
     "L": ("dense", 1024, 12, 4096, 32, 8, 32768, 0),
     "MoE-M": ("moe", 512, 8, 512, 16, 8, 16384, 16),
+    # decoder layers larger than the embedding, as in Qwen3-30B-A3B (float32: a layer 2.4 GB, the
+    # embedding 1.2 GB); in dense Qwen3 models the embedding is the larger (Qwen3-8B: 2.5 GB, a layer 0.7 GB)
+    "W": ("dense", 1024, 4, 8192, 16, 8, 4096, 0),
 }
 
 
@@ -69,6 +76,30 @@ def build(kind: str, h: int, layers: int, inter: int, heads: int, kv: int, vocab
         )
         return Qwen3MoeForCausalLM(cfg).eval()
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=inter, **common)).eval()
+
+
+def _status_kb(field: str) -> int:
+    import re
+
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def sync_peak_mb(engine) -> float:
+    """MB above the resting state at the peak of one ``sync_weights`` (Linux: VmHWM reset to VmRSS)."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from now
+    rest = _status_kb("VmRSS")
+    engine.sync_weights()
+    return (_status_kb("VmHWM") - rest) / 1024
+
+
+def largest_layer_mb(model) -> float:
+    return (
+        max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
+        / 2**20
+    )
 
 
 def median_time(fn, repeats: int) -> float:
@@ -106,7 +137,8 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, repeats {args.repeats} (median)")
     print(
         f"{'model':>6} {'params':>8} {'MB fp32':>8} {'sync ms':>8} {'reload ms':>9} {'fixes ms':>8} "
-        f"{'convert ms':>10} {'via disk ms':>11} {'ratio':>6} {'|dlogp| after':>13}"
+        f"{'convert ms':>10} {'via disk ms':>11} {'ratio':>6} {'|dlogp| after':>13} {'ms/Mparam':>9} "
+        f"{'peak MB':>8} {'layer MB':>8} {'embed MB':>8} {'peak/unit':>9}"
     )
     for name in args.sizes.split(","):
         model = build(*SIZES[name])
@@ -126,11 +158,15 @@ def main() -> None:
             convert = median_time(lambda m=model: sum(1 for _ in hf_checkpoint_weights(m)), args.repeats)
             disk = median_time(lambda e=engine: sync_through_disk(e), args.repeats)
             diff = engine.check_logprobs()
+            peak = statistics.median(sync_peak_mb(engine) for _ in range(3))
+            layer = largest_layer_mb(model)
+            embed = model.get_input_embeddings().weight.numel() * 4 / 2**20
         finally:
             engine.close()
         print(
             f"{name:>6} {n / 1e6:7.1f}M {n * 4 / 2**20:8.0f} {sync * 1e3:8.1f} {med['stream_reload_s'] * 1e3:9.1f} "
-            f"{med['cpu_fixes_s'] * 1e3:8.1f} {convert * 1e3:10.1f} {disk * 1e3:11.1f} {disk / sync:6.2f} {diff:13.1e}",
+            f"{med['cpu_fixes_s'] * 1e3:8.1f} {convert * 1e3:10.1f} {disk * 1e3:11.1f} {disk / sync:6.2f} {diff:13.1e} "
+            f"{sync * 1e9 / n:9.2f} {peak:8.1f} {layer:8.1f} {embed:8.1f} {peak / max(layer, embed):9.2f}",
             flush=True,
         )
         del model

@@ -46,6 +46,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "cpu-moe-480m": dict(kind="moe", vocab_size=8192, hidden_size=768, moe_intermediate_size=384,
                          num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                          num_experts=64, num_experts_per_tok=4, tie_word_embeddings=False),
+    # the same size over 16 thinner layers (real models have 28-48): FSDP2's per-layer working set is
+    # a smaller share of a rank's memory
+    "cpu-moe-490m-16l": dict(kind="moe", vocab_size=8192, hidden_size=768, moe_intermediate_size=384,
+                             num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                             num_experts=32, num_experts_per_tok=4, tie_word_embeddings=False),
 }  # fmt: skip
 CPU_SWEEP = [
     dict(shape="cpu-dense-42m", rows=8, prompt=64, response=256, ac=False),

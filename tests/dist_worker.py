@@ -69,7 +69,6 @@ def main() -> None:
         metrics = D.mean_metrics(
             policy_update(model, opt, sched, local, plan_update(cfg, model, True), world), ctx
         )
-        D.sync_rollout_model(model, rollout)
         sd = D.full_state_dict(model, ctx)
         osd = D.optimizer_state_dict(model, opt, ctx)
         # every rank reads the full optimizer state, as on resume; loading must give it back unchanged

@@ -129,17 +129,19 @@ def test_train_refuses_a_plan_that_does_not_fit_before_loading_weights():
 
 
 def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
-    """benchmarks/bench_scale.py, cpu-moe-480m: per-rank peak RSS at 2 ranks (FSDP2, gloo, meta-device
-    start) against the model's per-rank estimate; and sharding brought the peak to about 0.6x."""
+    """benchmarks/bench_scale.py, cpu-moe-480m (8 layers) and cpu-moe-490m-16l (16 thinner layers):
+    per-rank peak RSS at 2 ranks (FSDP2, gloo, meta-device start) against the model's per-rank
+    estimate; and sharding brought the peak to about 0.6x (0.58x with 16 layers)."""
     rows = [json.loads(x) for x in (ROOT / "benchmarks/memory/scale_cpu.jsonl").read_text().splitlines()]
-    spec = dict(SHAPES["cpu-moe-480m"])
-    spec.pop("kind")
-    shape = Shape.from_config(spec)
+    assert {r["shape"] for r in rows} == {"cpu-moe-480m", "cpu-moe-490m-16l"}
     for r in rows:
+        spec = dict(SHAPES[r["shape"]])
+        spec.pop("kind")
         cfg = Config(
             prompts_per_step=r["rows"] // 2, group_size=2, num_minibatches=4, micro_batch_size=1, nproc=r["world"],
             max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], parallel="fsdp",
         ).validate()  # fmt: skip
-        assert abs(estimate(cfg, shape, r["world"]).update_peak / r["peak"] - 1) <= 0.15, r
-    one = next(r["peak"] for r in rows if r["world"] == 1)
-    assert max(r["peak"] for r in rows if r["world"] == 2) / one < 0.65
+        assert abs(estimate(cfg, Shape.from_config(spec), r["world"]).update_peak / r["peak"] - 1) <= 0.15, r
+    for shape, bound in (("cpu-moe-480m", 0.65), ("cpu-moe-490m-16l", 0.6)):
+        one = next(r["peak"] for r in rows if r["world"] == 1 and r["shape"] == shape)
+        assert max(r["peak"] for r in rows if r["world"] == 2 and r["shape"] == shape) / one <= bound

@@ -277,9 +277,10 @@ def test_cli_two_process_training_end_to_end(launches):
 
 def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process(tmp_path):
     """FSDP2 from weights on disk (no warm start): every rank builds the model on the meta device and
-    rank 0 alone reads the folder; the step-0 checkpoint holds exactly the folder's weights (the
-    rotary tables and the tied LM head included, or the eval would differ), and the step-0 held-out
-    accuracy, sampled from the gathered shards, equals one process's."""
+    rank 0 alone reads the folder; the step-0 checkpoint (sharded, exported with ``gspo export``)
+    holds exactly the folder's weights (the rotary tables and the tied LM head included, or the eval
+    would differ), and the step-0 held-out accuracy, sampled from the gathered shards, equals one
+    process's."""
     from safetensors.torch import load_file
 
     from gspo.model.load import build_tiny_moe, save_pretrained
@@ -315,7 +316,10 @@ def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process
         assert rc == 0, (n, out[-6000:])
     runs = {n: next((tmp_path / n).iterdir()) for n in procs}
     want = load_file(folder / "model.safetensors")
-    got = load_file(runs["two"] / "checkpoints" / "step-000000" / "model.safetensors")
+    step0 = runs["two"] / "checkpoints" / "step-000000"  # sharded: each rank wrote its shard
+    export = [sys.executable, "-m", "gspo", "export", str(step0), "--out", str(tmp_path / "step0")]
+    subprocess.run(export, env=_env(), check=True, capture_output=True)
+    got = load_file(tmp_path / "step0" / "model.safetensors")
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     evals = {

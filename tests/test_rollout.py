@@ -111,3 +111,37 @@ def test_completion_texts_match_the_tokenizers_own_decode():
     assert completion_texts(tok, ids, mask) == want
     tok.clean_up_tokenization_spaces = True  # transformers' path: clean-up turns " ." into "."
     assert completion_texts(tok, ids, mask) == ["ab c", "x.y", "", ""]
+
+
+def test_a_copy_in_another_precision_takes_the_trainers_weights_with_each_sync(tiny_moe):
+    """The HF engine over a bf16 copy owns it: built with ``make_engine(..., trainer=)`` it holds the
+    trainer's weights cast to bf16, and after the trainer's weights change it
+    holds the old ones until ``sync_weights``, then the new ones; over the trainer's own module it
+    has nothing to copy."""
+    import copy
+    from types import SimpleNamespace
+
+    from gspo.model.logprobs import PolicyLogprobs
+    from gspo.rollout.factory import make_engine
+
+    shared, tok = tiny_moe
+    model = copy.deepcopy(shared)  # the fixture is shared: its weights stay as they are
+    policy = PolicyLogprobs(model)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    for p in bf16.parameters():
+        p.data.zero_()
+    cfg = SimpleNamespace(rollout_engine="hf")
+    engine = make_engine(cfg, bf16, tok, trainer=policy)
+
+    def matches() -> bool:
+        src = dict(model.named_parameters())
+        return all(torch.equal(p, src[n].to(torch.bfloat16)) for n, p in bf16.named_parameters())
+
+    assert matches()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    assert not matches()
+    engine.sync_weights()
+    assert matches()
+    assert make_engine(cfg, model, tok, trainer=policy).trainer is None

@@ -84,6 +84,14 @@ def test_each_rank_writes_its_shard_and_no_full_weights(runs):
     assert not list(step.glob("*.safetensors"))  # nothing gathered on rank 0
     state = torch.load(step / "trainer_state.pt", weights_only=True)
     assert state["optimizer"] == {"dcp": True} and state["step"] == 2
+    # AdamW's step count: 2 RL steps x 4 minibatches (the step-0 checkpoint did not add torch's
+    # zero-step initialisation, which would shift the bias correction of every later update)
+    import torch.distributed.checkpoint as dcp
+
+    name = "model.model.embed_tokens.weight"
+    got = {"optimizer": {"state": {name: {"step": torch.zeros(())}}}}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(step / "dcp")), no_dist=True)
+    assert got["optimizer"]["state"][name]["step"].item() == 8
 
 
 def test_resume_on_the_same_ranks_is_exact(runs):

@@ -154,7 +154,7 @@ class Estimate:
     activations: float  # of one micro-batch, at the update's peak
     lm_head: float
     sampler: float  # KV cache (HF engine) or vLLM's share, plus weights gathered for sampling
-    sync: float  # extra while the sampler's weights are refreshed (about one decoder layer)
+    sync: float  # extra while the sampler's weights are refreshed (2x a decoder layer or the embedding)
     update_peak: float
     rollout_peak: float
     rows_per_forward: int
@@ -236,10 +236,11 @@ def _sleeps(gpu_bytes: float | None) -> bool:
 
 
 def _sampler(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None) -> tuple[float, float]:
-    """The sampler's memory while it samples, and the extra of a weight sync (one decoder layer in
-    the rollout dtype, plus its unsharded copy under FSDP2)."""
+    """The sampler's memory while it samples, and the extra of a weight sync: twice the largest piece
+    streamed at once, a decoder layer or the embedding (measured on vLLM: 0.9-2.0x that piece,
+    benchmarks/RESULTS_scale.md section 4), in the rollout dtype."""
     rb = BYTES[cfg.rollout_dtype or cfg.dtype]
-    sync = 2 * shape.layer_params() * rb
+    sync = 2 * max(shape.layer_params(), shape.vocab * shape.hidden) * rb
     if cfg.rollout_engine == "vllm":
         share = cfg.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
         return share, sync
@@ -286,7 +287,7 @@ def report(cfg: Any, spec: str, gpus: int, gpu_gb: float) -> tuple[str, bool]:
         f"  update peak             {gib(e.update_peak)}",
         f"per GPU, rollout ({cfg.rollout_engine} engine):",
         f"  sampler                 {gib(e.sampler)}",
-        f"  weight sync (one layer) {gib(e.sync)}",
+        f"  weight sync             {gib(e.sync)}",
         f"  rollout peak            {gib(e.rollout_peak)}",
     ]
     fits = e.peak <= gpu

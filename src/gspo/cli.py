@@ -82,6 +82,18 @@ def _add_plan_parser(sub: Any) -> None:
     _add_config_flags(pl, skip=("nproc",))
 
 
+def _add_export_parser(sub: Any) -> None:
+    x = sub.add_parser(
+        "export",
+        help="turn a sharded checkpoint into a Hugging Face folder",
+        description="Write the HF folder (safetensors, config, tokenizer; loadable by from_pretrained) of a "
+        "sharded checkpoint (runs/NAME/checkpoints/step-N written by FSDP2 on several ranks), reading one "
+        "decoder layer at a time, in one process.",
+    )
+    x.add_argument("checkpoint", help="a sharded checkpoint folder (runs/NAME/checkpoints/step-N)")
+    x.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
     parser.add_argument("--version", action="version", version=f"gspo {_version()}")
@@ -146,15 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
     _add_plan_parser(sub)
-    x = sub.add_parser(
-        "export",
-        help="turn a sharded checkpoint into a Hugging Face folder",
-        description="Write the HF folder (safetensors, config, tokenizer; loadable by from_pretrained) of a "
-        "sharded checkpoint (runs/NAME/checkpoints/step-N written by FSDP2 on several ranks), reading one "
-        "decoder layer at a time, in one process.",
-    )
-    x.add_argument("checkpoint", help="a sharded checkpoint folder (runs/NAME/checkpoints/step-N)")
-    x.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
+    _add_export_parser(sub)
 
     e = sub.add_parser(
         "eval",

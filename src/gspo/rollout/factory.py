@@ -19,16 +19,23 @@ def make_engine(
     tokenizer: Any,
     generator: torch.Generator | None = None,
     gather: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+    trainer: nn.Module | None = None,
 ) -> RolloutEngine:
     """The configured engine over ``model`` (``rollout_engine``); vLLM is imported only when selected.
-    ``gather``: where ``model`` is an FSDP2 shard, a context in which it is whole (vLLM's start check)."""
+    ``gather``: where ``model`` is an FSDP2 shard, a context in which it is whole (vLLM's start check).
+    ``trainer``: the trainer's module, where the HF engine samples from a copy of it in another
+    precision (``model``): the engine takes its weights with every ``sync_weights``, the first now."""
     if cfg.rollout_engine == "vllm":
         from gspo.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer, gather=gather)
     from gspo.rollout.hf import HFRolloutEngine
 
-    return HFRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+    engine = HFRolloutEngine(
+        model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator, trainer=trainer
+    )
+    engine.sync_weights()
+    return engine
 
 
 def make_sampler(

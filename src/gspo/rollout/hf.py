@@ -42,8 +42,10 @@ def _sample(logp_bV: torch.Tensor, generator: torch.Generator | None) -> torch.T
 class HFRolloutEngine:
     """Samples from ``model`` token by token with a KV cache; stops each row at its EOS.
 
-    The engine shares the module with the trainer, so ``sync_weights`` has nothing to do. Sampler
-    log-probs come from the same logits the token was drawn from (after temperature).
+    The engine samples from the trainer's own module (then ``sync_weights`` has nothing to do) or,
+    given ``trainer``, from a copy of it in another precision, which ``sync_weights`` refills from the
+    trainer one tensor at a time (FSDP2 shards gathered per tensor). Sampler log-probs come from the
+    same logits the token was drawn from (after temperature).
 
     Cost savers, none of which changes what is sampled: each distinct prompt is prefilled once and
     its KV cache copied to all of its samples (the G samples of a GRPO/GSPO group share a prompt);
@@ -62,10 +64,13 @@ class HFRolloutEngine:
         pad_token_id: int,
         generator: torch.Generator | None = None,
         max_batch_size: int = 256,
+        trainer: torch.nn.Module | None = None,
     ) -> None:
         from gspo.model.unwrap import unwrap
 
         self.model = unwrap(model, "hf")  # under PEFT, the transformers model with adapters in place
+        # the trainer's module when this engine samples from a copy of it (synced, collective)
+        self.trainer = trainer if trainer is not None and unwrap(trainer, "hf") is not self.model else None
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.generator = generator
@@ -74,7 +79,25 @@ class HFRolloutEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
+    @torch.no_grad()
     def sync_weights(self) -> None:
+        """The copy's weights and buffers become the trainer's (collective under FSDP2: every rank)."""
+        if self.trainer is None:
+            return None
+        from torch.distributed.fsdp import FSDPModule
+
+        from gspo.model.unwrap import full_tensor, unwrap
+
+        for m in self.trainer.modules():  # no-grad forwards can leave the root unsharded
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        src = unwrap(self.trainer, "hf")
+        dst = dict(self.model.named_parameters())
+        for name, p in src.named_parameters():
+            dst[name].copy_(full_tensor(p))
+        dst_buffers = dict(self.model.named_buffers())
+        for name, b in src.named_buffers():
+            dst_buffers[name].copy_(b)
         return None
 
     def sleep(self) -> None:  # shares the trainer's memory: nothing to release

@@ -39,7 +39,7 @@ from gspo.compat import transformers_model
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.model.logprobs import PolicyLogprobs
-from gspo.model.unwrap import full_tensor, unwrap
+from gspo.model.unwrap import unwrap
 
 
 @dataclass
@@ -238,23 +238,6 @@ def reshard(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-@torch.no_grad()
-def sync_rollout_model(model: Any, rollout: Any) -> None:
-    """Copy updated weights (and buffers) into the rollout module when it is a separate copy, e.g.
-    the HF engine's copy in another precision (collective: every rank calls it)."""
-    if rollout is None or rollout is unwrap(model, "model"):
-        return None
-
-    reshard(model)
-    dst = dict(rollout.named_parameters())
-    for name, p in unwrap(model, "policy").named_parameters():
-        dst[name.removeprefix(PREFIX)].copy_(full_tensor(p))
-    dst_buffers = dict(rollout.named_buffers())
-    for name, b in unwrap(model, "policy").named_buffers():
-        dst_buffers[name.removeprefix(PREFIX)].copy_(b)
-    return None
 
 
 def _is_fsdp(model: Any) -> bool:

@@ -161,8 +161,8 @@ class Run:
             sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
         module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
-        dist_utils.sync_rollout_model(policy, module)
-        engine = make_engine(cfg, module, tokenizer, sample_gen, gather=lambda: dist_utils.gathered(policy))
+        gather = lambda: dist_utils.gathered(policy)  # noqa: E731
+        engine = make_engine(cfg, module, tokenizer, sample_gen, gather=gather, trainer=policy)
         sampler = make_sampler(
             cfg, engine, tokenizer, task, model=unwrap(policy, "model"), train_ids=train_ids,
             version=state["step"] if state else 0, state=state,
@@ -291,12 +291,11 @@ class Run:
 
     def savable(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
         """What rank 0 writes as the HF folder (collective): the trained module, with the full state
-        dict gathered from the shards when distributed. With LoRA on N ranks, the sampler's full copy
-        (synced after every update), which PEFT can merge and save as it is."""
+        dict gathered from the shards when distributed (PEFT merges a LoRA model's adapters itself)."""
         from gspo.model.lora import is_peft
 
         if is_peft(self.hf) and self.world > 1:
-            return self.rollout_module, None
+            return self.hf, None
         return self.hf, dist_utils.full_state_dict(self.policy, self.dctx)
 
     def maybe_save(self) -> None:
@@ -305,8 +304,8 @@ class Run:
             self.save()
 
     def sync_sampler(self, version: int) -> None:
-        """After update ``version``: the sampler's weights become the trainer's."""
-        dist_utils.sync_rollout_model(self.policy, self.rollout_module)
+        """After update ``version``: the sampler's weights become the trainer's (each engine takes
+        them from the trainer: :meth:`RolloutEngine.sync_weights`)."""
         self.sampler.sync(version)
 
     def close(self) -> None:
