@@ -37,3 +37,8 @@ for p in confirm-lr-6e-4 confirm-lr-1e-3 confirm-long-response confirm-staleness
   cp runs/$p/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/$p/*.png docs/stability/$p/
 done
 gspo compare --study docs/stability/confirm-lr-6e-4,docs/stability/confirm-lr-1e-3,docs/stability/confirm-long-response,docs/stability/confirm-staleness-8 --out docs/stability/confirm
+
+# Long responses on the dense twin (its own pre-registered endpoint, seeds 0-15), from a frozen checkout
+gspo compare --preset long-response-dense --workers 2 --out runs/long-response-dense
+mkdir -p docs/stability/long-response-dense
+cp runs/long-response-dense/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/long-response-dense/*.png docs/stability/long-response-dense/
