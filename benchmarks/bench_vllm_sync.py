@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ import torch  # noqa: E402
 import gspo.rollout.vllm as gv  # noqa: E402
 from gspo.model.load import build_char_tokenizer  # noqa: E402
 from gspo.rollout.vllm import VLLMRolloutEngine, hf_checkpoint_weights  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_realistic import _proc_status, _reset_peak  # noqa: E402  (VmRSS/VmHWM in MiB, VmHWM reset)
 
 SIZES = {
     # name: (kind, hidden, layers, intermediate, heads, kv heads, vocab, experts)
@@ -78,21 +82,16 @@ def build(kind: str, h: int, layers: int, inter: int, heads: int, kv: int, vocab
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=inter, **common)).eval()
 
 
-def _status_kb(field: str) -> int:
-    import re
-
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
 def sync_peak_mb(engine) -> float:
     """MB above the resting state at the peak of one ``sync_weights`` (Linux: VmHWM reset to VmRSS)."""
     import gc
 
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from now
-    rest = _status_kb("VmRSS")
+    if not _reset_peak():  # the high-water mark starts again from now
+        raise SystemExit("peak memory: /proc/self/clear_refs is not writable here (Linux >= 4.0 needed)")
+    rest = _proc_status()["VmRSS"]
     engine.sync_weights()
-    return (_status_kb("VmHWM") - rest) / 1024
+    return _proc_status()["VmHWM"] - rest
 
 
 def largest_layer_mb(model) -> float:

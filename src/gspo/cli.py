@@ -334,8 +334,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        commands = {"train": cmd_train, "compare": cmd_compare, "plan": cmd_plan, "eval": cmd_eval}
-        commands["export"] = cmd_export
+        commands = {
+            "train": cmd_train, "compare": cmd_compare, "plan": cmd_plan, "eval": cmd_eval, "export": cmd_export,
+        }  # fmt: skip
         return commands[ns.command](ns)
     except GspoError as e:
         print(f"gspo: error: {e}", file=sys.stderr)

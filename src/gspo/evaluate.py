@@ -16,6 +16,7 @@ from gspo.config import Config, load_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_resources
 from gspo.model.export import DCP_DIR
+from gspo.train.sharded import is_sharded
 
 # the config fields that decide what a held-out evaluation measures
 EVAL_FIELDS = (
@@ -78,7 +79,7 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     folder = Path(path)
     if not folder.is_dir():
         raise GspoError(f"checkpoint folder not found: {path}")
-    if (folder / DCP_DIR / ".metadata").is_file():
+    if is_sharded(folder):
         raise GspoError(
             f"{path} is a sharded checkpoint (FSDP2, {DCP_DIR}/): write its HF folder with "
             f"`gspo export {path} --out DIR`, then evaluate DIR"

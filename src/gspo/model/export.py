@@ -24,14 +24,13 @@ import torch
 
 from gspo.compat import transformers_model
 from gspo.errors import GspoError
-from gspo.model.unwrap import full_tensor, is_peft
+from gspo.model.unwrap import POLICY_PREFIX, full_tensor, is_peft
 
 #: the largest safetensors file written (``save_pretrained``'s default, 5 GB)
 MAX_SHARD_BYTES = 5 * 10**9
 #: where a sharded checkpoint keeps its DCP files, and the key its model state is saved under
 DCP_DIR = "dcp"
 DCP_MODEL_KEY = "model"
-POLICY_PREFIX = "model."  # PolicyLogprobs holds the HF module as ``.model``
 
 _LAYER_KEY = re.compile(r"^(.*?\blayers\.\d+)\.")
 

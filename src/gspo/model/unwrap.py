@@ -27,6 +27,8 @@ class ModelWrapper(nn.Module):
 
 
 LEVELS: tuple[Level, ...] = ("policy", "model", "hf")
+#: what the trainer's forward puts before the HF model's parameter names (it holds it as ``.model``)
+POLICY_PREFIX = "model."
 
 
 def is_peft(model: Any) -> bool:
@@ -60,3 +62,12 @@ def unwrap(model: Any, to: Level = "hf") -> Any:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` gathered whole when it is a (sharded or replicated) ``DTensor`` (FSDP2), else ``t``."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP group back to its sharded parameters (no-grad forwards leave the root unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -84,13 +84,9 @@ class HFRolloutEngine:
         """The copy's weights and buffers become the trainer's (collective under FSDP2: every rank)."""
         if self.trainer is None:
             return None
-        from torch.distributed.fsdp import FSDPModule
+        from gspo.model.unwrap import full_tensor, reshard, unwrap
 
-        from gspo.model.unwrap import full_tensor, unwrap
-
-        for m in self.trainer.modules():  # no-grad forwards can leave the root unsharded
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        reshard(self.trainer)  # no-grad forwards can leave the root unsharded
         src = unwrap(self.trainer, "hf")
         dst = dict(self.model.named_parameters())
         for name, p in src.named_parameters():

@@ -39,7 +39,7 @@ from gspo.compat import transformers_model
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.model.logprobs import PolicyLogprobs
-from gspo.model.unwrap import unwrap
+from gspo.model.unwrap import POLICY_PREFIX, reshard, unwrap
 
 
 @dataclass
@@ -103,9 +103,6 @@ def setup(cfg: Config) -> DistContext:
 
 # ------------------------------------------------------------------------------------------------
 # wrapping
-
-
-PREFIX = "model."  # PolicyLogprobs holds the HF module as ``.model``
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -179,14 +176,14 @@ def _load_from_rank0(policy: nn.Module, source: nn.Module | None, ctx: DistConte
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     policy.to_empty(device=ctx.device)
-    full = {PREFIX + k: v for k, v in source.state_dict().items()} if source is not None else {}
+    full = {POLICY_PREFIX + k: v for k, v in source.state_dict().items()} if source is not None else {}
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(policy, full, options=opts)
     # buffers outside the state dict (rotary tables) are left uninitialised by to_empty
     own = dict(source.named_buffers()) if source is not None else {}
     for name, b in policy.named_buffers():
         if ctx.rank == 0:
-            b.copy_(own[name.removeprefix(PREFIX)])
+            b.copy_(own[name.removeprefix(POLICY_PREFIX)])
         dist.broadcast(b, src=0)
 
 
@@ -231,15 +228,6 @@ def gathered(model: nn.Module) -> Iterator[None]:
             m.set_reshard_after_forward(True, recurse=False)
 
 
-def reshard(model: nn.Module) -> None:
-    """Put every FSDP group back to its sharded parameters (no-grad forwards leave the root unsharded)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 def _is_fsdp(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -261,7 +249,9 @@ def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | N
     tied = {n for n, _ in policy.named_parameters(remove_duplicate=False)} - {
         n for n, _ in policy.named_parameters()
     }
-    return {k.removeprefix(PREFIX): v for k, v in sd.items() if k not in tied} if ctx.rank == 0 else None
+    return (
+        {k.removeprefix(POLICY_PREFIX): v for k, v in sd.items() if k not in tied} if ctx.rank == 0 else None
+    )
 
 
 # ------------------------------------------------------------------------------------------------
