@@ -53,7 +53,11 @@ def test_paired_t_p_is_scipys_and_handles_no_spread():
     assert t_test_p(d) == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue, rel=1e-12)
     assert t_test_p(d, null=-0.02) == pytest.approx(stats.ttest_1samp(d, -0.02).pvalue, rel=1e-12)
     assert t_test_p([0.0, 0.0, 0.0]) == 1.0  # identical runs: no evidence of a difference
-    assert t_test_p([0.1, 0.1, 0.1]) == 0.0  # the same nonzero difference on every seed
+    # the same nonzero difference on every seed: t is undefined (x/0); p falls back to the exact
+    # sign-flip p, 2 / 2^n (it used to be 0, so two agreeing seeds read as "consistent")
+    assert t_test_p([0.1, 0.1, 0.1]) == pytest.approx(2 / 8)
+    assert t_test_p([0.1, 0.1]) == pytest.approx(0.5)
+    assert t_test_p([0.08, 0.08], null=0.08) == 1.0
     assert t_test_p([0.1]) is None
 
 
@@ -93,7 +97,29 @@ def test_sign_flip_p_monte_carlo_beyond_the_exact_limit():
     mc = sign_flip_p(d, exact_max_n=10, n_mc=50_000)
     assert mc == sign_flip_p(d, exact_max_n=10, n_mc=50_000)  # fixed seed
     assert abs(mc - exact) < 4 * math.sqrt(exact * (1 - exact) / 50_000) + 1e-4
-    assert sign_flip_p([0.1] * 30, n_mc=1000) == pytest.approx(1 / 1001)  # add-one: never 0
+    assert sign_flip_p([0.1] * 50, n_mc=1000) == pytest.approx(1 / 1001)  # add-one: never 0
+
+
+def _chunked_enumeration_p(d: list[float]) -> float:
+    """Every one of the 2^n sign patterns, listed (the first 16 signs as a matrix, the rest looped):
+    the definition, independent of the meet-in-the-middle count."""
+    x = np.asarray(d)
+    head = np.array(list(itertools.product((1.0, -1.0), repeat=16))) @ x[:16]
+    obs, hits = abs(x.sum()) - 1e-9 * max(1.0, np.abs(x).sum()), 0
+    for tail in itertools.product((1.0, -1.0), repeat=len(d) - 16):
+        hits += int((np.abs(head + float(np.dot(tail, x[16:]))) >= obs).sum())
+    return hits / 2 ** len(d)
+
+
+def test_sign_flip_p_is_exact_for_27_seeds():
+    """The confirmatory runs' n = 27 is exact (it was a 200k-draw Monte Carlo estimate above 20)."""
+    from gspo.study.statistics import sign_flip_is_exact
+
+    rng = random.Random(27)
+    d = [rng.gauss(0.02, 0.05) for _ in range(27)]
+    assert sign_flip_is_exact(27)
+    assert sign_flip_p(d) == _chunked_enumeration_p(d)  # the same count of 2^27 patterns, exactly
+    assert sign_flip_p([0.1] * 27) == 2 / 2**27
 
 
 def test_holm_on_a_worked_example():

@@ -28,11 +28,14 @@ from gspo.study.metrics import (
 from gspo.study.plots import band_plots, curves
 from gspo.study.presets import WARM_CHECK_EVERY, WARM_CHECK_PROMPTS, Preset, declaration
 from gspo.study.statistics import (
+    EXACT_MAX_N,
+    MC_FLIPS,
     Comparison,
     adjust_family,
     compare_paired,
     fmt_p,
     interval,
+    sign_flip_is_exact,
 )
 from gspo.train.logger import read_metrics
 from gspo.train.plan import pi_old_source
@@ -211,6 +214,15 @@ def _header(out: Path, seeds: list[int], base: Config, preset: Preset, timing: d
     ]
 
 
+def _test_name(test: str, ns: list[int]) -> str:
+    """How the family's p-values were computed: the sign-flip p is exact up to ``EXACT_MAX_N`` seeds."""
+    if test != "permutation":
+        return "paired t"
+    if all(sign_flip_is_exact(n) for n in ns):
+        return "exact sign-flip permutation"
+    return f"sign-flip permutation (exact up to {EXACT_MAX_N} seeds, Monte Carlo with {MC_FLIPS} draws above)"
+
+
 def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, Any]) -> list[str]:
     if not confirm or preset.family is None:
         return [
@@ -235,7 +247,7 @@ def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, 
             else ""
         )
         + f". Family `{f.name}`: {f.size} hypotheses, family-wise error {f.alpha} (Holm), test: "
-        f"{'exact sign-flip permutation' if f.test == 'permutation' else 'paired t'} (two-sided; the verdict "
+        f"{_test_name(f.test, [c.interval.n for c in confirm])} (two-sided; the verdict "
         "reads its sign). Endpoints of the family outside this preset count as p = 1 here.",
         "",
         "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | Holm-adjusted p | verdict |",

@@ -11,7 +11,6 @@ of the paired t test and of an exact sign-flip permutation test. A verdict is gi
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from gspo.errors import GspoError
 
 ALPHA = 0.05
 CONSISTENT, INCONSISTENT, INCONCLUSIVE = "consistent", "inconsistent", "inconclusive"
-EXACT_MAX_N = 20  # sign flips enumerated exactly up to 2^20; Monte Carlo beyond
+EXACT_MAX_N = 40  # exact by meeting in the middle (two halves of <= 2^20 sums); Monte Carlo beyond
 MC_FLIPS = 200_000
 
 
@@ -142,20 +141,29 @@ def welch_interval(a: Sequence[float | None], b: Sequence[float | None]) -> Inte
 # tests
 
 
-def _degenerate_p(d: np.ndarray) -> float | None:
-    """p of a sample with no spread: 1 when it sits on the null, 0 when it is wholly off it."""
-    if np.ptp(d) > 1e-12 * max(1.0, float(np.abs(d).max())):
-        return None
-    return 1.0 if abs(float(d.mean())) <= 1e-12 else 0.0
+def _no_spread(d: np.ndarray) -> bool:
+    return bool(np.ptp(d) <= 1e-12 * max(1.0, float(np.abs(d).max())))
 
 
 def t_test_p(diffs: Sequence[float], null: float = 0.0) -> float | None:
-    """Two-sided p of the paired (one-sample) t test of ``mean(diffs) = null``; None under 2 values."""
+    """Two-sided p of the paired (one-sample) t test of ``mean(diffs) = null``; None under 2 values.
+    With no spread the t statistic is undefined (0/0 on the null, x/0 off it): p is then the exact
+    sign-flip p, the only distribution-free answer (1 on the null; ``2 / 2^n`` for ``n`` identical
+    non-zero differences, never 0: two seeds that agree are not proof)."""
     d = np.asarray(diffs, dtype=np.float64) - null
     if d.size < 2:
         return None
-    deg = _degenerate_p(d)
-    return deg if deg is not None else float(stats.ttest_1samp(d, 0.0).pvalue)
+    if _no_spread(d):
+        return sign_flip_p(d)
+    return float(stats.ttest_1samp(d, 0.0).pvalue)
+
+
+def _signed_sums(d: np.ndarray) -> np.ndarray:
+    """``s @ d`` for every sign pattern ``s`` in ``{+1, -1}^n`` (2^n values)."""
+    sums = np.zeros(1)
+    for x in d:
+        sums = np.concatenate([sums + x, sums - x])
+    return sums
 
 
 def sign_flip_p(
@@ -167,25 +175,37 @@ def sign_flip_p(
 ) -> float | None:
     """Two-sided p of the sign-flip permutation test of ``mean(diffs) = null``: under the null each
     ``d_s - null`` is as likely positive as negative (pairs are exchangeable), so p is the share of the
-    ``2^n`` sign patterns whose |sum| reaches the observed one. Exact for ``n <= exact_max_n``; beyond,
-    ``n_mc`` random patterns with a fixed ``seed`` and the add-one estimate ``(1 + k) / (1 + n_mc)``."""
-    d = np.abs(np.asarray(diffs, dtype=np.float64) - null)
+    ``2^n`` sign patterns whose |sum| reaches the observed one.
+
+    Exact for ``n <= exact_max_n`` by meeting in the middle: the signed sums of each half of the
+    seeds are listed (``2^(n/2)`` each), one list sorted, and for every sum ``a`` of the other the
+    sums ``b`` with ``|a + b| >= observed`` are counted by binary search (27 seeds: 2^13 x 2^14, not
+    2^27). Beyond, ``n_mc`` random patterns with a fixed ``seed`` and the add-one estimate
+    ``(1 + k) / (1 + n_mc)``; :func:`sign_flip_is_exact` says which one a report quotes."""
+    dev = np.asarray(diffs, dtype=np.float64) - null
+    d = np.abs(dev)
     if d.size == 0:
         return None
-    observed = abs(float((np.asarray(diffs, dtype=np.float64) - null).sum()))
     tol = 1e-9 * max(1.0, float(d.sum()))  # flips equal to the observed one up to rounding count as ties
-    if d.size > exact_max_n:
+    threshold = abs(float(dev.sum())) - tol
+    if threshold <= 0:
+        return 1.0
+    if not sign_flip_is_exact(d.size, exact_max_n):
         rng = np.random.default_rng(seed)
         signs = rng.choice([-1.0, 1.0], size=(n_mc, d.size))
-        k = int((np.abs(signs @ d) >= observed - tol).sum())
+        k = int((np.abs(signs @ d) >= threshold).sum())
         return (1 + k) / (1 + n_mc)
-    # all 2^n patterns: the first (up to 16) signs as one matrix, the rest looped over
-    head = min(d.size, 16)
-    head_sums = np.array(list(itertools.product((1.0, -1.0), repeat=head))) @ d[:head]
-    hits = 0
-    for tail in itertools.product((1.0, -1.0), repeat=d.size - head):
-        hits += int((np.abs(head_sums + float(np.dot(tail, d[head:]))) >= observed - tol).sum())
-    return hits / 2.0**d.size
+    half = d.size // 2
+    left, right = _signed_sums(d[:half]), np.sort(_signed_sums(d[half:]))
+    # |a + b| >= t (t > 0) splits into b >= t - a and b <= -t - a, which never overlap
+    above = right.size - np.searchsorted(right, threshold - left, side="left")
+    below = np.searchsorted(right, -threshold - left, side="right")
+    return float(above.sum() + below.sum()) / 2.0**d.size
+
+
+def sign_flip_is_exact(n: int, exact_max_n: int = EXACT_MAX_N) -> bool:
+    """Whether :func:`sign_flip_p` enumerates every pattern for ``n`` seeds (else Monte Carlo)."""
+    return n <= exact_max_n
 
 
 def holm(pvalues: Sequence[float | None], family_size: int | None = None) -> list[float | None]:
