@@ -84,14 +84,18 @@ def exploratory(per: PerSeed) -> dict[tuple[str, str, str], Comparison]:
     }
 
 
-def _declared(confirm: list[Comparison], metric: str, a: str, b: str) -> Comparison | None:
-    return next((c for c in confirm if (c.metric, c.a, c.b) in ((metric, a, b), (metric, b, a))), None)
+def _declared(confirm: list[Comparison], c: Comparison, direction: str | None) -> Comparison | None:
+    """The declared endpoint that *is* claim ``c``: same metric, same arms in the same order, same
+    margin and direction. Reversed arms or another margin test another hypothesis (a non-inferiority
+    row must not inherit a superiority verdict, nor a reversed claim a verdict of the wrong sign)."""
+    key = (c.metric, c.a, c.b, c.margin, direction)
+    return next((d for d in confirm if (d.metric, d.a, d.b, d.margin, d.direction) == key), None)
 
 
-def _status(c: Comparison, confirm: list[Comparison]) -> str:
+def _status(c: Comparison, confirm: list[Comparison], direction: str | None = "greater") -> str:
     """A claim's last column: the pre-registered verdict when the claim is a declared endpoint,
     otherwise the raw p and no verdict."""
-    d = _declared(confirm, c.metric, c.a, c.b)
+    d = _declared(confirm, c, direction)
     if d is not None:
         return f"pre-registered: **{d.verdict}** (Holm p = {fmt_p(d.p_adj)})"
     return f"exploratory: no verdict (raw p_perm = {fmt_p(c.p_perm)}, p_t = {fmt_p(c.p_t)})"
@@ -126,7 +130,9 @@ def claims(per: PerSeed, ci: str, confirm: list[Comparison]) -> list[tuple[str, 
         if a not in per or b not in per:
             continue
         c = compare_paired(key, a, b, column(per, a, key), column(per, b, key), margin)
-        rows.append((claim, f"{a} - {b} {c.interval.fmt()}{_seeds_txt(c)}", reading, _status(c, confirm)))
+        direction = "greater" if reading.startswith(("a - b >", "non-inferiority")) else None
+        status = _status(c, confirm, direction)
+        rows.append((claim, f"{a} - {b} {c.interval.fmt()}{_seeds_txt(c)}", reading, status))
     if "gspo" in per and "grpo" in per:
         logr = [
             math.log10(r["clip_tok"] / per["grpo"][s]["clip_tok"])
