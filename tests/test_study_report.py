@@ -88,11 +88,11 @@ def test_report_shows_token_and_sequence_ratio_spreads(tmp_path):
 def test_study_volatility_interval_clusters_the_variants_of_a_seed():
     """Variants of one seed share its warm start and prompts: the interval is over per-seed means
     (3 seeds), not over the 6 runs as if independent."""
-    from gspo.study.combine import _seed_means
+    from gspo.study.metrics import seed_means
 
     r = {"per_seed": {"gspo": {0: {"volatility": 0.1}, 1: {"volatility": 0.2}, 2: {"volatility": 0.3}},
                       "grpo": {0: {"volatility": 0.3}, 1: {"volatility": None}, 2: {"volatility": 0.5}}}}  # fmt: skip
-    assert _seed_means(r, "volatility") == pytest.approx([0.2, 0.2, 0.4])
+    assert seed_means(r["per_seed"], "volatility") == pytest.approx([0.2, 0.2, 0.4])
 
 
 def test_a_claim_inherits_a_verdict_only_from_the_same_hypothesis():
@@ -115,3 +115,15 @@ def test_a_claim_inherits_a_verdict_only_from_the_same_hypothesis():
     reversed_arms = compare_paired("acc_final", "grpo_replay", "gspo", b, a, 0.0)
     assert _status(reversed_arms, [declared]).startswith("exploratory")
     assert _status(same, [declared], direction=None).startswith("exploratory")  # an equivalence claim
+
+
+def test_report_volatility_interval_clusters_the_variants_of_a_seed():
+    """The per-preset report's volatility row: the interval over per-seed means, as the study's
+    (it treated all 5 runs as independent)."""
+    from gspo.study.report import claims
+    from gspo.study.statistics import interval
+
+    per = {"gspo": {0: {"volatility": 0.1}, 1: {"volatility": 0.2}, 2: {"volatility": 0.3}},
+           "grpo": {0: {"volatility": 0.3}, 2: {"volatility": 0.5}}}  # fmt: skip
+    row = next(r for r in claims(per, "t", []) if r[0].startswith("About 10%"))
+    assert interval([0.2, 0.2, 0.4]).fmt(pct=True) in row[1] and "3 per-seed means" in row[1]

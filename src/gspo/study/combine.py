@@ -14,7 +14,7 @@ from typing import Any
 
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.study.metrics import PAPER_VOLATILITY
+from gspo.study.metrics import PAPER_VOLATILITY, seed_means
 from gspo.study.plots import accuracy_by_regime_plot, regimes_plot
 from gspo.study.report import sampler_dtype
 from gspo.study.statistics import Interval, fmt_p, holm, interval, paired_interval, verdict, welch_interval
@@ -61,20 +61,9 @@ def _twins(regs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, A
     return out
 
 
-def _seed_means(r: dict[str, Any], key: str) -> list[float]:
-    """Per seed, the mean of ``key`` over the variants that ran it: the variants of a seed share its
-    warm start and prompts, so they are one cluster, not independent samples."""
-    out = []
-    for seed in sorted({s for v in r["per_seed"].values() for s in v}):
-        xs = [v[seed][key] for v in r["per_seed"].values() if v.get(seed, {}).get(key) is not None]
-        if xs:
-            out.append(sum(xs) / len(xs))
-    return out
-
-
 def _regime_row(r: dict[str, Any], ci: str) -> dict[str, Any]:
     c = r["config"]
-    vol = interval(_seed_means(r, "volatility"), ci)
+    vol = interval(seed_means(r["per_seed"], "volatility"), ci)
     cfg = Config(**{k: v for k, v in c.items() if k in Config.__dataclass_fields__})
     row: dict[str, Any] = {
         "preset": r["preset"],

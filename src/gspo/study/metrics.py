@@ -202,3 +202,15 @@ RATIO_KEYS = [
     ("volatility", "expert volatility", True),
     ("response_len", "response tokens", False),
 ]
+
+
+def seed_means(per_seed: dict[str, dict[int, dict[str, Any]]], key: str) -> list[float]:
+    """Per seed, the mean of ``key`` over the variants that ran it (``per_seed``: variant -> seed ->
+    run stats): the variants of a seed share its warm start and prompts, so they are one cluster, not
+    independent samples."""
+    out = []
+    for seed in sorted({s for v in per_seed.values() for s in v}):
+        xs = [v[seed][key] for v in per_seed.values() if v.get(seed, {}).get(key) is not None]
+        if xs:
+            out.append(sum(xs) / len(xs))
+    return out
