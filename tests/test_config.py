@@ -34,7 +34,8 @@ def test_groups_compose_one_flat_config():
 
 def _other_value(f: dataclasses.Field):
     """A value of the field's type other than its default (not necessarily a valid config)."""
-    if f.name in ("eps_low", "eps_high", "mismatch_high"):  # float | None
+    float_or_none = ("eps_low", "eps_high", "mismatch_high", "opsm_threshold")
+    if f.name in float_or_none or f.name.startswith("vespo_"):  # float | None
         return 0.25
     if isinstance(f.default, bool):
         return not f.default

@@ -23,8 +23,10 @@ from gspo.losses import (
     grpo_loss,
     gspo_loss,
     gspo_token_loss,
+    luspo_loss,
     sapo_loss,
     sapo_token_loss,
+    vespo_loss,
 )
 
 F64 = torch.float64
@@ -144,9 +146,13 @@ VARIANTS = {
     "cispo": cispo_loss,  # token_mean by default
     "cispo_smtm": functools.partial(cispo_loss, aggregation="seq_mean_token_mean"),
     "gmpo": gmpo_loss,
+    "luspo": luspo_loss,
+    "vespo": vespo_loss,  # token_mean by default
+    "vespo_smtm": functools.partial(vespo_loss, aggregation="seq_mean_token_mean"),
 }
-TOKEN_NORMALIZED = {"grpo_tm", "sapo_token_tm", "cispo"}  # the normalizer counts tokens
-SEQUENCE_LEVEL = {"gspo", "sapo", "gmpo"}  # advantages and weight are [B]
+TOKEN_NORMALIZED = {"grpo_tm", "sapo_token_tm", "cispo", "vespo"}  # the normalizer counts tokens
+SEQUENCE_LEVEL = {"gspo", "sapo", "gmpo", "luspo"}  # advantages and weight are [B]
+SEQUENCE_ADVANTAGES = SEQUENCE_LEVEL | {"vespo", "vespo_smtm"}  # advantages [B], weight [B] or [B, T]
 TOKEN_RATIO = {"grpo", "grpo_tm", "sapo_token", "sapo_token_tm", "cispo", "cispo_smtm", "gmpo"}
 
 
@@ -567,7 +573,7 @@ def test_padding_invariance_with_garbage(name, kind):
     x = torch.where(keep, torch.cat([logp.detach(), fill[:, :pad]], 1), fill).requires_grad_(True)
     old2 = torch.where(keep, torch.cat([old, fill[:, :pad]], 1), fill_old)
     advs = [adv]
-    if name not in SEQUENCE_LEVEL:  # [B, T] advantages with garbage on padding
+    if name not in SEQUENCE_ADVANTAGES:  # [B, T] advantages with garbage on padding
         advs.append(torch.where(keep, adv[:, None].expand(B, T + pad), garbage[0]))
     for adv2 in advs:
         l2, m2 = fn(x, old2, adv2, mask2)
@@ -645,8 +651,8 @@ def test_extreme_log_ratios_finite(name, dtype):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_float32_log_ratio_overflow_stays_finite(name):
     """Finite float32 inputs whose difference overflows (3e38 - -3e38 = inf, and -inf in the same row)
-    give a finite loss, no gradient on the overflowing tokens (except CISPO, whose tokens all keep a
-    gradient, with a clipped weight), and leave the other rows untouched."""
+    give a finite loss, no gradient on the overflowing tokens (except CISPO and VESPO, whose tokens all
+    keep a gradient, with a bounded weight), and leave the other rows untouched."""
     fn = VARIANTS[name]
     logp = torch.tensor([[3e38, -3e38, -1.0, -1.0], [-1.0, -1.1, -0.9, -1.0]], requires_grad=True)
     old = torch.tensor([[-3e38, 3e38, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
@@ -656,7 +662,7 @@ def test_float32_log_ratio_overflow_stays_finite(name):
     g = _grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert all(torch.isfinite(v) for v in m.values())
-    if not name.startswith("cispo"):
+    if not name.startswith(("cispo", "vespo")):  # REINFORCE forms: every token keeps its gradient
         assert torch.all(g[0, :2] == 0)
     n = 8 if name in TOKEN_NORMALIZED else 2
     x1 = logp.detach()[1:].clone().requires_grad_(True)
@@ -716,6 +722,9 @@ EXPECTED_KEYS = {
     "gspo": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     "gspo_token": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     "sapo": GATE_KEYS | RATIO_KEYS,
+    "luspo": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
+    "vespo": GATE_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
+    "vespo_smtm": GATE_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     **{
         n: CLIP_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS for n in ("grpo", "grpo_tm", "cispo", "cispo_smtm", "gmpo")
     },
@@ -786,11 +795,11 @@ def test_rejects_unknown_aggregation(fn):
 
 def _gradcheck_case(name):
     """(logp, loss of logp) away from clip boundaries, for each loss whose gradient is its value's."""
-    if name in ("gspo", "gspo_token"):
+    if name in ("gspo", "gspo_token", "luspo"):
         logp, old, adv, mask = _batch(GSPO_LR, spread=1e-3)
         # gspo_token with constant A_it = A_i: with varying A_it the stop-gradient surrogate is, by
         # design, not the derivative of the loss value (covered by the per-token closed-form test)
-        adv = adv if name == "gspo" else adv[:, None].expand(5, 5)
+        adv = adv if name != "gspo_token" else adv[:, None].expand(5, 5)
         return logp, lambda x: VARIANTS[name](x, old, adv, mask, 3e-4, 4e-4)[0]
     if name in ("grpo", "grpo_tm"):
         logp, old, adv, mask = _batch([0.05, 0.5, -0.5, 0.4, -0.4], spread=0.02)
@@ -799,8 +808,8 @@ def _gradcheck_case(name):
     return logp, lambda x: VARIANTS[name](x, old, adv, mask)[0]
 
 
-# CISPO's stop-gradient surrogate is by design not the derivative of its value
-@pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"cispo", "cispo_smtm"}))
+# CISPO's and VESPO's stop-gradient surrogates are by design not the derivative of their value
+@pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"cispo", "cispo_smtm", "vespo", "vespo_smtm"}))
 def test_gradcheck(name):
     """torch.autograd.gradcheck passes in float64 away from clip boundaries."""
     logp, f = _gradcheck_case(name)
@@ -815,7 +824,9 @@ def test_gradcheck(name):
 def test_losses_registry_entries_and_default_eps():
     """LOSSES maps each name to its function with the papers' eps (SAPO: temperatures), equal to the
     signature defaults; every loss has the same leading parameters and an optional weight."""
-    assert list(LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "sapo_token", "cispo", "gmpo"]
+    assert list(LOSSES) == [
+        "gspo", "gspo_token", "grpo", "sapo", "sapo_token", "cispo", "gmpo", "luspo", "vespo"
+    ]  # fmt: skip
     assert LOSSES["gspo"] == (gspo_loss, 3e-4, 4e-4)
     assert LOSSES["gspo_token"] == (gspo_token_loss, 3e-4, 4e-4)
     assert LOSSES["grpo"] == (grpo_loss, 0.2, 0.27)
@@ -823,6 +834,8 @@ def test_losses_registry_entries_and_default_eps():
     assert LOSSES["sapo_token"] == (sapo_token_loss, 1.05, 1.0)
     assert LOSSES["cispo"] == (cispo_loss, 1.0, 0.28)
     assert LOSSES["gmpo"] == (gmpo_loss, 0.4, 0.4)
+    assert LOSSES["luspo"] == (luspo_loss, 2e-3, 2.5e-3)
+    assert LOSSES["vespo"] == (vespo_loss, 0.0, 0.0)  # no clip range
     for fn, el, eh in LOSSES.values():
         params = inspect.signature(fn).parameters
         assert params["eps_low"].default == el and params["eps_high"].default == eh
@@ -839,3 +852,4 @@ def test_losses_registry_entries_and_default_eps():
     assert inspect.signature(grpo_loss).parameters["aggregation"].default == "seq_mean_token_mean"
     assert inspect.signature(cispo_loss).parameters["aggregation"].default == "token_mean"
     assert inspect.signature(sapo_token_loss).parameters["aggregation"].default == "seq_mean_token_mean"
+    assert inspect.signature(vespo_loss).parameters["aggregation"].default == "token_mean"

@@ -33,6 +33,7 @@ response tokens, all others averages over the sequences that have at least one r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -246,6 +247,54 @@ def _estimators(
     out["mismatch_ratio_seq"] = seq["r_mean"]
     out["mismatch_ratio_seq_min"], out["mismatch_ratio_seq_max"] = seq["r_min"], seq["r_max"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# off-policy sequence masking (OPSM, DeepSeek-V3.2 technical report)
+
+
+def off_policy_sequence_mask(
+    logp: Tensor, sampler_logp: Tensor, advantages: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """OPSM: drop the sequences that are both bad (A_i < 0) and far off-policy -> keep ``[B]`` 0/1.
+
+    D_i = (1/|y_i|) sum_t (sampler_logp_it - sg(logp_it)), the mean per-token log-ratio of the policy
+    that sampled y_i (pi_sampler: the rollout engine, an older policy under async rollouts) against the
+    current one, pi_theta, on response tokens only (a k1 estimate of KL(pi_sampler || pi_theta) per
+    token). keep_i = 0 iff A_i < 0 and D_i > threshold. Detached, NaN-free (padding is zeroed first;
+    rows without tokens have D_i = 0 and are kept). Unlike :func:`sequence_mask` it compares with
+    pi_theta (it moves during the update: each micro-batch decides with its own training forward), so
+    it sees both the sampler mismatch and the policy's drift since sampling. Pass it as the loss's
+    ``weight`` (dropped sequences still count in the normalizer), e.g. through :func:`with_opsm`.
+    """
+    if not (math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"OPSM threshold must be a finite number >= 0, got {threshold!r}")
+    d_BT, D_B, n_tok_B = _mismatch(sampler_logp, logp, mask)
+    adv_B = torch.where(n_tok_B > 0, advantages.detach().to(d_BT.dtype), torch.zeros_like(D_B))
+    return (~((adv_B < 0) & (D_B > threshold))).to(d_BT.dtype)
+
+
+def with_opsm(
+    weight: Tensor | None,
+    logp: Tensor,
+    sampler_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    threshold: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A loss's ``weight`` (None, ``[B]`` or ``[B, T]``) times the OPSM keep mask, and its metrics:
+    ``opsm_frac_seq`` / ``opsm_frac_tok`` (share of sequences dropped, and of the tokens in them)."""
+    keep_B = off_policy_sequence_mask(logp, sampler_logp, advantages, mask, threshold)
+    n_tok_B = mask.detach().to(keep_B.dtype).sum(-1)
+    dropped_B = (1 - keep_B) * (n_tok_B > 0)
+    metrics = {
+        "opsm_frac_seq": dropped_B.sum() / (n_tok_B > 0).sum().clamp(min=1),
+        "opsm_frac_tok": (dropped_B * n_tok_B).sum() / n_tok_B.sum().clamp(min=1),
+    }
+    if weight is None:
+        return keep_B, metrics
+    w = weight.detach()
+    return w * (keep_B if w.dim() == 1 else keep_B[:, None]).to(w.dtype), metrics
 
 
 # ----------------------------------------------------------------------------------------------

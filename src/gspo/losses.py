@@ -1,4 +1,4 @@
-"""Policy-gradient losses: GSPO, GSPO-token, the GRPO baseline, SAPO, CISPO and GMPO.
+"""Policy-gradient losses: GSPO, GSPO-token, the GRPO baseline, SAPO, CISPO, GMPO, LUSPO and VESPO.
 
 All functions are pure tensor-in/tensor-out: no config objects, no ``.item()`` host syncs and no
 distributed calls. Shapes: ``B`` sequences, ``T`` response positions (padded). ``mask_BT`` is 1 on
@@ -8,8 +8,8 @@ starts from the same prologue, :func:`loss_inputs` (compute dtype, mask, token c
 log-ratio), so they differ only in their objective and metrics.
 
 Normalization is explicit: ``normalizer`` is the number of sequences (GSPO, GSPO-token, SAPO, GMPO,
-and the ``"seq_mean_token_mean"`` aggregation of GRPO, SAPO-token and CISPO) or tokens (their
-``"token_mean"`` aggregation) that the *whole* optimizer step averages over. Passing the global count
+LUSPO, and the ``"seq_mean_token_mean"`` aggregation of GRPO, SAPO-token, CISPO and VESPO) or tokens
+(their ``"token_mean"`` aggregation) that the *whole* optimizer step averages over. Passing the global count
 lets gradient accumulation and data-parallel ranks sum their gradients into exactly the update a
 single process would make on the full batch.
 
@@ -28,6 +28,7 @@ key is an average over the sequences that have at least one response token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -86,15 +87,57 @@ def gspo_loss(
         weight: optional ``[B]`` stop-gradient multiplier of each sequence's term (TIS weight, 0/1 mask).
     """
     inp = loss_inputs(logp, old_logp, mask)
+    obj_B, metrics = _clipped_sequence_objective(inp, advantages, eps_low, eps_high)
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
+    return loss, metrics
+
+
+def _clipped_sequence_objective(
+    inp: LossInputs, advantages: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO's per-sequence objective min(s_i A_i, clip(s_i) A_i) ``[B]`` and its metrics (GSPO, LUSPO)."""
     adv_B = inp.seq_advantages(advantages)
     log_s_B = sequence_mean(inp.log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     s_B = torch.exp(log_s_B)
     # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
     obj_B = torch.minimum(s_B * adv_B, s_B.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B)
-    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
     metrics = sequence_clip_metrics(inp, s_B, adv_B, eps_low, eps_high)
     metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
     metrics.update(unused_token_ratio_extremes(inp))
+    return obj_B, metrics
+
+
+def luspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 2e-3,
+    eps_high: float = 2.5e-3,
+    normalizer: float | Tensor | None = None,
+    weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """LUSPO (Length-Unbiased Sequence Policy Optimization, arXiv 2602.05261): GSPO's clipped sequence
+    objective, each sequence's term scaled by its length |y_i|:
+
+        loss = -(1/N) sum_i w_i |y_i| min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i),  N = B by default.
+
+    GSPO's gradient of a sequence is A_i s_i (1/|y_i|) sum_t d logp_it: the 1/|y_i| makes a long
+    response's tokens weigh less than a short one's. Scaling by |y_i| cancels it, d loss / d logp_it =
+    -(1/N) w_i A_i s_i on every unclipped token (0 on clipped ones): every token of the batch weighs the
+    same, as in a token-sum. The ratio s_i and its clip stay GSPO's (length-normalized). The length
+    is the token count of the row's own mask (``mask`` elementwise): padding never counts, whatever T.
+
+    Args:
+        eps_low, eps_high: the sequence ratio's clip range (paper section 5.1: 2e-3 / 2.5e-3).
+        advantages: ``[B]`` sequence advantages.
+        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term.
+
+    Metrics: GSPO's (clip fractions, ``ratio_*`` of s_i, ``approx_kl``, ``tok_ratio_min/max``).
+    """
+    inp = loss_inputs(logp, old_logp, mask)
+    obj_B, metrics = _clipped_sequence_objective(inp, advantages, eps_low, eps_high)
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B * inp.n_tok_B, weight), normalizer)
     return loss, metrics
 
 
@@ -440,12 +483,103 @@ def gmpo_loss(
     return loss, metrics
 
 
+# ----------------------------------------------------------------------------------------------
+# VESPO (Variational Sequence-level Soft Policy Optimization, arXiv 2602.10693)
+
+#: VESPO's floor of the sequence log-ratio, log(1e-8) (as the published code): the kernel is then
+#: ~e^(lambda - 18.4 k), 0 for every practical purpose
+VESPO_MIN_LOG_W = math.log(1e-8)
+VESPO_DEFAULTS = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
+
+
+def check_vespo_shape(k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> None:
+    """The kernel W^k e^(lambda (1 - W)) needs k >= 0 and lambda > 0 (else it grows without bound)."""
+    for name, v in (("k_pos", k_pos), ("k_neg", k_neg)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"VESPO {name} must be a finite number >= 0, got {v!r}")
+    for name, v in (("lambda_pos", lambda_pos), ("lambda_neg", lambda_neg)):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"VESPO {name} must be a finite number > 0, got {v!r}")
+
+
+def vespo_kernel(
+    log_w_B: Tensor, adv_B: Tensor, k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float
+) -> Tensor:
+    """phi(W) = W^k e^(lambda (1 - W)) from log W (already clamped), (k, lambda) by the sign of A
+    (A >= 0: the ``_pos`` pair). phi(1) = 1; computed in log space, lambda + k log W - lambda W."""
+    nonneg_B = adv_B >= 0
+    full = lambda v: torch.full_like(log_w_B, v)  # noqa: E731  (in log W's dtype: no float32 rounding of k)
+    k_B = torch.where(nonneg_B, full(k_pos), full(k_neg))
+    lam_B = torch.where(nonneg_B, full(lambda_pos), full(lambda_neg))
+    return torch.exp(lam_B + k_B * log_w_B - lam_B * torch.exp(log_w_B))
+
+
+def vespo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.0,
+    eps_high: float = 0.0,
+    normalizer: float | Tensor | None = None,
+    aggregation: str = "token_mean",
+    weight: Tensor | None = None,
+    k_pos: float = VESPO_DEFAULTS["k_pos"],
+    lambda_pos: float = VESPO_DEFAULTS["lambda_pos"],
+    k_neg: float = VESPO_DEFAULTS["k_neg"],
+    lambda_neg: float = VESPO_DEFAULTS["lambda_neg"],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """VESPO: REINFORCE on every token, each sequence's gradient scaled by a smooth kernel of its
+    *unnormalized* sequence ratio (no clip, no 1/|y_i| inside the ratio).
+
+    W_i = pi_theta(y_i) / pi_old(y_i) = exp(sum_t (logp_it - old_logp_it)) (token log-ratios clamped
+    to +-20, log W_i to [log 1e-8, 20]), phi_i = sg(W_i^k e^(lambda (1 - W_i))), (k, lambda) =
+    (k_pos, lambda_pos) for A_i >= 0 else (k_neg, lambda_neg). phi(1) = 1 and phi peaks at W = k/lambda,
+    so on-policy this is the plain policy gradient and far-off-policy sequences fade smoothly. The
+    surrogate's value is the weighted advantage (as :func:`cispo_loss`: sg(phi) A (1 + logp - sg(logp))):
+
+        ``"token_mean"`` (default, as TRL): loss = -(1/N) sum_it w_it phi_i A_i, N = tokens by default;
+        ``"seq_mean_token_mean"``: -(1/N) sum_i (1/|y_i|) sum_t w_it phi_i A_i, N = B by default.
+
+    d loss / d logp_it = -(1/N) w_it phi_i A_i (``/ (N |y_i|)`` for seq_mean_token_mean).
+
+    Args:
+        eps_low, eps_high: not used (VESPO has no clip range); present so every loss has the same
+            leading parameters.
+        advantages: ``[B]`` sequence advantages.
+        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
+        k_pos, lambda_pos, k_neg, lambda_neg: the kernel's power and decay for A >= 0 / A < 0 (the
+            paper's c1, c2; defaults 2, 3, 3, 2 as TRL).
+
+    Metrics: ``gate_*`` are phi (the gradient relative to plain REINFORCE: ``gate_seq_mean`` over
+    sequences, ``gate_tok_mean`` weighted by tokens, ``gate_min``); ``ratio_*`` of W_i; ``approx_kl``;
+    ``tok_ratio_min/max``.
+    """
+    check_aggregation(aggregation)
+    check_vespo_shape(k_pos, lambda_pos, k_neg, lambda_neg)
+    inp = loss_inputs(logp, old_logp, mask)
+    adv_B = inp.seq_advantages(advantages)
+    log_r_BT = inp.log_r_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # 0 on padding
+    log_w_B = log_r_BT.sum(-1).clamp(VESPO_MIN_LOG_W, MAX_LOG_RATIO)
+    phi_B = vespo_kernel(log_w_B, adv_B, k_pos, lambda_pos, k_neg, lambda_neg)
+    safe_logp_BT = torch.where(inp.valid_BT, inp.logp_BT, torch.zeros_like(inp.logp_BT))
+    unit_BT = 1.0 + (safe_logp_BT - safe_logp_BT.detach())  # exactly 1, d/d logp = 1
+    obj_BT = (phi_B * adv_B)[:, None] * unit_BT * inp.mask_BT
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
+
+    metrics = _gate_metrics(inp, phi_B[:, None].expand(inp.valid_BT.shape))
+    metrics.update(ratio_stats("ratio", torch.exp(log_w_B), inp.has_tok_B))
+    metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
+    metrics.update(unused_token_ratio_extremes(inp))
+    return loss, metrics
+
+
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 #: name -> (loss function, default eps_low, default eps_high). Normalizer: sequences for gspo,
-#: gspo_token, sapo, gmpo; for grpo, sapo_token, cispo it follows ``aggregation`` (sequences for
-#: "seq_mean_token_mean", tokens for "token_mean"; cispo defaults to "token_mean", the others to
-#: "seq_mean_token_mean").
+#: gspo_token, sapo, gmpo, luspo; for grpo, sapo_token, cispo, vespo it follows ``aggregation``
+#: (sequences for "seq_mean_token_mean", tokens for "token_mean"; cispo and vespo default to
+#: "token_mean", the others to "seq_mean_token_mean").
 LOSSES: dict[str, tuple[LossFn, float, float]] = {
     "gspo": (gspo_loss, 3e-4, 4e-4),
     "gspo_token": (gspo_token_loss, 3e-4, 4e-4),
@@ -457,4 +591,8 @@ LOSSES: dict[str, tuple[LossFn, float, float]] = {
     "cispo": (cispo_loss, 1.0, 0.28),
     # log-space token clip [-0.4, 0.4], i.e. ratios in (e^-0.4, e^0.4) (arXiv 2507.20673)
     "gmpo": (gmpo_loss, 0.4, 0.4),
+    # the sequence ratio's clip range 2e-3 / 2.5e-3 (arXiv 2602.05261, section 5.1)
+    "luspo": (luspo_loss, 2e-3, 2.5e-3),
+    # no clip range: its kernel's shape is k/lambda (VESPO_DEFAULTS, config vespo_*), eps unused
+    "vespo": (vespo_loss, 0.0, 0.0),
 }

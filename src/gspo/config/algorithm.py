@@ -27,11 +27,14 @@ def advantage_scales() -> tuple[str, ...]:
 @dataclass
 class Algorithm(Group):
     algo: Annotated[str, OneOf(loss_names)] = "gspo"
-    """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token) or ``grpo`` (token ratio baseline)."""
+    """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token), ``grpo`` (token ratio baseline), ``sapo``,
+    ``sapo_token``, ``cispo``, ``gmpo``, ``luspo`` (GSPO with each sequence's term scaled by its
+    length, arXiv 2602.05261) or ``vespo`` (REINFORCE scaled by a smooth kernel of the unnormalized
+    sequence ratio, arXiv 2602.10693)."""
     eps_low: Annotated[float | None, AtLeast(0)] = None
-    """Lower clip range (default per algo: gspo 3e-4, grpo 0.2)."""
+    """Lower clip range (default per algo: gspo 3e-4, grpo 0.2, luspo 2e-3; vespo has none)."""
     eps_high: Annotated[float | None, AtLeast(0)] = None
-    """Upper clip range (default per algo: gspo 4e-4, grpo 0.27)."""
+    """Upper clip range (default per algo: gspo 4e-4, grpo 0.27, luspo 2.5e-3; vespo has none)."""
     aggregation: Annotated[str | None, OneOf((None, "seq_mean_token_mean", "token_mean"))] = None
     """Token aggregation of the token-level losses (grpo, sapo_token, cispo): ``seq_mean_token_mean``
     (per-sequence token mean, then mean over sequences: GRPO paper) or ``token_mean`` (sum over all
@@ -45,10 +48,55 @@ class Algorithm(Group):
     the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
     ``recompute``."""
 
+    vespo_k_pos: Annotated[float | None, AtLeast(0)] = None
+    """``vespo``: the kernel's power k for A >= 0 (default 2.0; the paper's c1)."""
+    vespo_lambda_pos: Annotated[float | None, AtLeast(0)] = None
+    """``vespo``: the kernel's decay lambda for A >= 0 (default 3.0; the paper's c2)."""
+    vespo_k_neg: Annotated[float | None, AtLeast(0)] = None
+    """``vespo``: the kernel's power k for A < 0 (default 3.0)."""
+    vespo_lambda_neg: Annotated[float | None, AtLeast(0)] = None
+    """``vespo``: the kernel's decay lambda for A < 0 (default 2.0)."""
+
     @staticmethod
     def _rules(cfg: Any) -> None:
-        if cfg.eps_low is not None and cfg.algo in ("gspo", "gspo_token", "grpo") and cfg.eps_low > 1:
+        clipped = ("gspo", "gspo_token", "grpo", "luspo")
+        if cfg.eps_low is not None and cfg.algo in clipped and cfg.eps_low > 1:
             raise bad(cfg, "eps_low", f"must be <= 1 for {cfg.algo} (the ratio's lower clip is 1 - eps_low)")
+        if cfg.algo == "vespo":
+            for f in ("eps_low", "eps_high"):
+                if getattr(cfg, f) is not None:
+                    raise bad(
+                        cfg, f, "vespo has no clip range (its kernel's shape: vespo_k_*, vespo_lambda_*)"
+                    )
+            for f in ("vespo_lambda_pos", "vespo_lambda_neg"):
+                if getattr(cfg, f) == 0:
+                    raise bad(cfg, f, "must be > 0 (the kernel W^k e^(lambda (1 - W)) must decay)")
+        else:
+            for f in VESPO_FIELDS:
+                if getattr(cfg, f) is not None:
+                    raise bad(cfg, f, f"applies to algo vespo only, not {cfg.algo}")
+        if cfg.aggregation is not None and "aggregation" not in _loss_params(cfg.algo):
+            raise bad(cfg, "aggregation", f"{cfg.algo} takes no aggregation (its normalizer is fixed)")
+
+
+VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+
+
+def _loss_params(algo: str) -> tuple[str, ...]:
+    import inspect
+
+    from gspo.losses import LOSSES
+
+    return tuple(inspect.signature(LOSSES[algo][0]).parameters)
+
+
+def loss_options(cfg: Any) -> dict[str, float]:
+    """Keyword arguments of the loss beyond its shared ones: VESPO's kernel shape (config or default)."""
+    if cfg.algo != "vespo":
+        return {}
+    from gspo.losses import VESPO_DEFAULTS
+
+    return {k: v if (v := getattr(cfg, f"vespo_{k}")) is not None else d for k, d in VESPO_DEFAULTS.items()}
 
 
 @with_config(DOCUMENTED)
@@ -69,6 +117,11 @@ class Mismatch(Group):
     """``seq_mask`` / ``token_mask``: lowest ratio pi_old/pi_sampler kept."""
     mismatch_high: float | None = None
     """``seq_mask`` / ``token_mask``: highest ratio kept (default 2 for sequences, 5 for tokens: IcePop)."""
+    opsm_threshold: Annotated[float | None, AtLeast(0)] = None
+    """Off-policy sequence masking (OPSM, DeepSeek-V3.2): drop from the loss each sequence with a
+    negative advantage whose mean per-token log-ratio log(pi_sampler / pi_theta) exceeds this
+    threshold delta (nats per token; TRL suggests 0.5), for every loss, async and multi-turn included.
+    Logged: ``mismatch/opsm_frac_seq`` (and ``_tok``). None: off."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:

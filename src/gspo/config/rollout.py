@@ -24,6 +24,14 @@ class Rollout(Group):
     """Generation limit per response."""
     temperature: Annotated[float, Positive()] = 1.0
     """Sampling temperature (also applied to the trainer's log-probs)."""
+    top_k: Annotated[int, AtLeast(0)] = 0
+    """Sample from the ``top_k`` most likely tokens only (0: off). The trainer's log-probs are then
+    taken over the same truncated support, renormalized (DeepSeek-V3.2's "keep sampling mask"), so
+    pi_theta and pi_old are one family of distributions; see ``top_p``."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens holding ``top_p`` of the probability
+    (after ``top_k``; 1: off). The trainer rebuilds that support from its own logits with the same rule
+    (the sampled token always kept) and renormalizes its log-probs over it."""
     rollout_dtype: Annotated[str | None, OneOf((None, *DTYPES))] = None
     """Weights dtype of the sampler (default: ``dtype``). ``bfloat16`` with a float32 trainer samples
     from a bf16 copy (HF engine) or a bf16 vLLM: the paper's precision mismatch between inference and
@@ -42,6 +50,10 @@ class Rollout(Group):
         if cfg.group_size < 2:
             msg = "must be >= 2: a group of one response always has advantage 0 (nothing to learn)"
             raise bad(cfg, "group_size", msg)
+        if not 0 < cfg.top_p <= 1:
+            raise bad(cfg, "top_p", "must be in (0, 1] (the share of probability kept; 1: off)")
+        if cfg.top_k > 2**31 - 1:
+            raise bad(cfg, "top_k", "must be < 2**31 (0: off)")
         if cfg.vllm_gpu_memory_utilization > 1:
             raise bad(cfg, "vllm_gpu_memory_utilization", "must be <= 1 (a share of the GPU's memory)")
         if cfg.prompts_per_step % cfg.nproc:

@@ -25,6 +25,46 @@ import torch
 DEFAULT_CHUNK_SIZE = 512
 
 
+def truncation_mask(z_NV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor | None:
+    """The support a top-k / top-p sampler draws from, ``[N, V]`` bool (None: no truncation).
+
+    ``z_NV`` are the logits after temperature. top-k keeps every token whose logit is at least the
+    k-th largest (0: off); top-p then keeps the smallest set of the most likely tokens whose
+    probability (renormalized over the top-k set) reaches ``top_p`` (1: off), and always the most
+    likely one. The rule of transformers' and vLLM's samplers; the sampler (:mod:`gspo.rollout.hf`)
+    and the trainer's log-probs call this one function, so pi_theta and pi_old are distributions over
+    the same truncated support (DeepSeek-V3.2's "keep sampling mask"). Costs a sort of each row.
+    """
+    V = z_NV.shape[-1]
+    truncate_k, truncate_p = 0 < top_k < V, top_p < 1.0
+    if not (truncate_k or truncate_p):
+        return None
+    keep_NV = torch.ones(z_NV.shape, dtype=torch.bool, device=z_NV.device)
+    if truncate_k:
+        keep_NV = z_NV >= z_NV.topk(top_k, dim=-1).values[:, -1:]
+    if truncate_p:
+        z_sorted, order = z_NV.masked_fill(~keep_NV, float("-inf")).sort(-1)  # ascending
+        drop_sorted = z_sorted.softmax(-1).cumsum(-1) <= 1.0 - top_p
+        drop_sorted[:, -1] = False  # the most likely token stays
+        keep_NV = keep_NV & ~torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return keep_NV
+
+
+def truncate_logits(
+    z_NV: torch.Tensor, top_k: int, top_p: float, targets_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``z_NV`` with every token outside the sampler's support (:func:`truncation_mask`) set to -inf,
+    in place, and that support (None: unchanged). ``targets_N`` are always kept: a token the sampler
+    drew is in its support, and the trainer's logits may put a near-tie at the edge on the other side
+    (a difference of rounding, never -inf log-probs)."""
+    keep_NV = truncation_mask(z_NV, top_k, top_p)
+    if keep_NV is None:
+        return z_NV, None
+    if targets_N is not None:
+        keep_NV.scatter_(-1, targets_N[:, None], True)
+    return z_NV.masked_fill_(~keep_NV, float("-inf")), keep_NV
+
+
 def naive_logprobs_from_hidden(
     hidden_NH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -32,20 +72,38 @@ def naive_logprobs_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference: full ``[N, V]`` float32 logits, ``log_softmax`` and ``gather`` (``chunk_size`` unused)."""
-    return logprobs_from_logits(hidden_NH @ weight_VH.T, targets_N, temperature, return_entropy)
+    return logprobs_from_logits(hidden_NH @ weight_VH.T, targets_N, temperature, return_entropy, top_k, top_p)
 
 
 def logprobs_from_logits(
-    logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
+    logits_NV: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``log_softmax(logits / temperature)[target]`` in float32 (+ the entropy, detached)."""
-    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
+    """``log_softmax(logits / temperature)[target]`` in float32 (+ the entropy, detached); with
+    ``top_k`` / ``top_p``, over the sampler's truncated support, renormalized (:func:`truncate_logits`)."""
+    z_NV = logits_NV.float() / temperature
+    keep_NV = None
+    if top_k > 0 or top_p < 1.0:
+        with torch.no_grad():
+            _, keep_NV = truncate_logits(z_NV.detach().clone(), top_k, top_p, targets_N)
+        if keep_NV is not None:
+            z_NV = z_NV.masked_fill(~keep_NV, float("-inf"))
+    logp_NV = torch.log_softmax(z_NV, dim=-1)
     logp_N = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
     if not return_entropy:
         return logp_N
-    ent_N = -(logp_NV.exp() * logp_NV).sum(-1).detach()
+    plogp_NV = logp_NV.exp() * logp_NV
+    if keep_NV is not None:  # 0 * -inf outside the support
+        plogp_NV = torch.where(keep_NV, plogp_NV, torch.zeros_like(plogp_NV))
+    ent_N = -plogp_NV.sum(-1).detach()
     return logp_N, ent_N
 
 
@@ -99,6 +157,8 @@ def _forward_chunks(
     temperature: float,
     return_entropy: bool,
     dlogp_dh_NH: torch.Tensor | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-row (target log-prob, logsumexp, entropy or None), float32 ``[N]``, chunk by chunk.
 
@@ -116,6 +176,7 @@ def _forward_chunks(
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
         z_CV = bufs.logits(hidden_NH[s:e], weight_VH, temperature)
+        _, keep_CV = truncate_logits(z_CV, top_k, top_p, targets_N[s:e])  # -inf outside the support
         tgt_C = z_CV.gather(-1, targets_N[s:e, None]).squeeze(-1)
         m_C = z_CV.amax(-1)
         y_CV = z_CV.sub_(m_C[:, None])  # in place: y = z - max <= 0
@@ -125,6 +186,8 @@ def _forward_chunks(
         else:
             p_CV = torch.exp(y_CV, out=bufs.aux[: e - s])  # e^y in the second buffer, y kept
             sum_C = p_CV.sum(-1)
+            if keep_CV is not None:  # -inf * 0 outside the support
+                y_CV.masked_fill_(~keep_CV, 0.0)
             # H = log S - sum_v e^y y / S with S = sum_v e^y; y <= 0 keeps this well conditioned
             ent_N[s:e] = sum_C.log() - y_CV.mul_(p_CV).sum(-1) / sum_C
         lse_C = m_C + sum_C.log()
@@ -146,18 +209,27 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, top_k, top_p):
         # Frozen weight: the hidden gradient is row-separable, so compute it here (one matmul) instead
         # of recomputing the logits in backward (two matmuls). Costs that matmul even if no backward runs.
         dlogp_dh_NH = None
         if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1]:
             dlogp_dh_NH = torch.empty(hidden_NH.shape, dtype=weight_VH.dtype, device=hidden_NH.device)
         logp_N, lse_N, ent_N = _forward_chunks(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, dlogp_dh_NH
+            hidden_NH,
+            weight_VH,
+            targets_N,
+            chunk_size,
+            temperature,
+            return_entropy,
+            dlogp_dh_NH,
+            top_k,
+            top_p,
         )
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N, dlogp_dh_NH)
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
+        ctx.truncation = (top_k, top_p)
         if ent_N is None:
             return logp_N
         ctx.mark_non_differentiable(ent_N)
@@ -168,8 +240,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp_N, *_grad_ent):
         hidden_NH, weight_VH, targets_N, lse_N, dlogp_dh_NH = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        none = (None,) * 6  # chunk_size, temperature, return_entropy, top_k, top_p (and targets)
         if not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, *none
         chunk_size, temperature = ctx.chunk_size, ctx.temperature
         N = hidden_NH.shape[0]
         acc = _acc_dtype(weight_VH.dtype)
@@ -178,7 +251,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         g_N = grad_logp_N.to(acc) / temperature
         if dlogp_dh_NH is not None:  # frozen weight: hidden gradient precomputed in forward
             grad_h_NH = (dlogp_dh_NH.to(acc) * g_N[:, None]).to(hidden_NH.dtype)
-            return grad_h_NH, None, None, None, None, None
+            return grad_h_NH, None, *none
         grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
         grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
         bufs = _ChunkBuffers(min(chunk_size, N), weight_VH) if N else None
@@ -188,6 +261,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g_C = g_N[s:e]
             # grad_logits = g * (onehot - softmax) / T, built in place on the recomputed logits
             gl_CV = bufs.logits(h_CH, weight_VH, temperature)
+            truncate_logits(gl_CV, *ctx.truncation, targets_N[s:e])  # the forward's support, recomputed
             gl_CV.sub_(lse_N[s:e, None]).exp_().mul_(-g_C[:, None])
             gl_CV.scatter_add_(1, targets_N[s:e, None], g_C[:, None])
             if grad_h_NH is not None:
@@ -196,7 +270,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_w_VH.addmm_(gl_CV.T, h_CH.to(acc))
         if grad_w_VH is not None and grad_w_VH.dtype != weight_VH.dtype:
             grad_w_VH = grad_w_VH.to(weight_VH.dtype)
-        return grad_h_NH, grad_w_VH, None, None, None, None
+        return grad_h_NH, grad_w_VH, *none
 
 
 def logprobs_from_hidden(
@@ -206,8 +280,13 @@ def logprobs_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ W^T / temperature)[target] for N flattened positions -> ``[N]`` float32.
+
+    ``top_k`` / ``top_p``: over the sampler's truncated support, renormalized (:func:`truncate_logits`;
+    the support is piecewise constant in the logits, so the gradient is the truncated softmax's).
 
     With ``return_entropy`` also returns the per-position entropy ``[N]`` (detached). Computed
     ``chunk_size`` rows at a time in forward and backward; the full ``[N, V]`` logits never exist.
@@ -218,10 +297,10 @@ def logprobs_from_hidden(
     temperature = float(temperature)
     if torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad):
         return _ChunkedLogprobs.apply(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy
+            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, top_k, top_p
         )
     with torch.no_grad():
         logp_N, _, ent_N = _forward_chunks(
-            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy
+            hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, None, top_k, top_p
         )
     return logp_N if ent_N is None else (logp_N, ent_N)

@@ -279,6 +279,8 @@ def response_logprobs(
     chunk_size: int = 512,
     return_entropy: bool = False,
     layout: str | Layout = "rows",
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) for every response token -> ``[B, T]`` float32 (0 on padding).
 
@@ -286,7 +288,8 @@ def response_logprobs(
     Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
     positions (chunked, see :func:`logprobs_from_hidden`; plain autograd up to
     :data:`PLAIN_HEAD_MAX_LOGITS`), never on prompt or padding positions, unless the model
-    post-processes its logits (:func:`lm_head_is_plain`).
+    post-processes its logits (:func:`lm_head_is_plain`). ``top_k`` / ``top_p``: log-probs over the
+    sampler's truncated support, renormalized (:func:`~gspo.model.lm_head.truncate_logits`).
     """
     model = unwrap(model, "hf")
     lay = layout
@@ -294,7 +297,16 @@ def response_logprobs(
         lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, lay, model.dtype)
     plain = lm_head_is_plain(model)
     return _logprobs(
-        model, lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, plain
+        model,
+        lay,
+        response_ids_BT,
+        response_mask_BT,
+        temperature,
+        chunk_size,
+        return_entropy,
+        plain,
+        top_k,
+        top_p,
     )
 
 
@@ -320,11 +332,22 @@ class PolicyLogprobs(ModelWrapper):
         temperature: float = 1.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         return_entropy: bool = False,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hf = unwrap(self.model, "hf")
         plain = lm_head_is_plain(hf)
         return _logprobs(
-            hf, lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, plain
+            hf,
+            lay,
+            response_ids_BT,
+            response_mask_BT,
+            temperature,
+            chunk_size,
+            return_entropy,
+            plain,
+            top_k,
+            top_p,
         )
 
 
@@ -344,6 +367,8 @@ def _logprobs(
     chunk_size: int,
     return_entropy: bool,
     plain: bool,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``plain``: base model + chunked LM head at the predicting positions; else the whole causal-LM
     forward (its own logit post-processing included) and a float32 log-softmax of its logits there."""
@@ -361,11 +386,11 @@ def _logprobs(
         weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
         small = hidden_NH.shape[0] * weight_VH.shape[0] <= PLAIN_HEAD_MAX_LOGITS
         head = naive_logprobs_from_hidden if small else logprobs_from_hidden
-        res = head(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy)
+        res = head(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, top_k, top_p)
     else:
         logits = model(**kw).logits
         logits_NV = logits.reshape(-1, logits.shape[-1])[lay.pred_pos]
-        res = logprobs_from_logits(logits_NV, targets_N, temperature, return_entropy)
+        res = logprobs_from_logits(logits_NV, targets_N, temperature, return_entropy, top_k, top_p)
     logp_N, ent_N = res if return_entropy else (res, None)
     B, T = response_ids_BT.shape
     logp_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, logp_N)

@@ -32,8 +32,9 @@ def make_engine(
     from gspo.rollout.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(
-        model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator, trainer=trainer
-    )
+        model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator, trainer=trainer,
+        top_k=getattr(cfg, "top_k", 0), top_p=getattr(cfg, "top_p", 1.0),
+    )  # fmt: skip
     engine.sync_weights()
     return engine
 

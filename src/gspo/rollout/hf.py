@@ -8,6 +8,7 @@ from itertools import chain
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from gspo.model.lm_head import truncate_logits
 from gspo.model.logprobs import (
     additive_mask,
     lm_head_is_plain,
@@ -45,7 +46,9 @@ class HFRolloutEngine:
     The engine samples from the trainer's own module (then ``sync_weights`` has nothing to do) or,
     given ``trainer``, from a copy of it in another precision, which ``sync_weights`` refills from the
     trainer one tensor at a time (FSDP2 shards gathered per tensor). Sampler log-probs come from the
-    same logits the token was drawn from (after temperature).
+    same logits the token was drawn from (after temperature). With ``top_k`` / ``top_p`` the token is
+    drawn from the truncated, renormalized distribution (:func:`~gspo.model.lm_head.truncation_mask`,
+    the trainer's log-probs use the same rule over the same support) and that is its log-prob.
 
     Cost savers, none of which changes what is sampled: each distinct prompt is prefilled once and
     its KV cache copied to all of its samples (the G samples of a GRPO/GSPO group share a prompt);
@@ -65,6 +68,8 @@ class HFRolloutEngine:
         generator: torch.Generator | None = None,
         max_batch_size: int = 256,
         trainer: torch.nn.Module | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> None:
         from gspo.model.unwrap import unwrap
 
@@ -75,6 +80,7 @@ class HFRolloutEngine:
         self.pad_token_id = pad_token_id
         self.generator = generator
         self.max_batch_size = max_batch_size
+        self.top_k, self.top_p = top_k, top_p  # sampling truncation (greedy decoding ignores it)
         # transformers 5.x renamed ``past_key_values`` to ``cache``; support both
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -179,7 +185,8 @@ class HFRolloutEngine:
                 logp_bV = torch.log_softmax(logits_BV, -1)
                 tok_b = logits_BV.argmax(-1)
             else:
-                logp_bV = torch.log_softmax(logits_BV / temperature, -1)
+                z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
+                logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
                 tok_b = _sample(logp_bV, self.generator)
             out_ids[rows, t] = tok_b
             out_logp[rows, t] = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)

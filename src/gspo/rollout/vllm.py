@@ -161,12 +161,29 @@ def _head_dim(config: Any) -> int | None:
     return int(hd) if hd is not None else None
 
 
+def truncation_params(top_k: int, top_p: float) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` for a top-k / top-p truncation (only what is on: vLLM's own defaults,
+    which mean "off", differ across versions)."""
+    out: dict[str, Any] = {}
+    if top_k > 0:
+        out["top_k"] = int(top_k)
+    if top_p < 1.0:
+        out["top_p"] = float(top_p)
+    return out
+
+
 class VLLMRolloutEngine:
     """Rollouts with vLLM; the trainer's weights are pushed in by :meth:`sync_weights`.
 
     Make it with :meth:`from_trainer`. ``last_sync_s`` is the wall time of the last weight push,
     ``last_sync_parts`` its parts (streaming + vLLM's reload, the CPU repack workaround, cache reset).
+    ``top_k`` / ``top_p`` (config fields of the same names): vLLM's own truncation of each sampling
+    step; its ``processed_logprobs`` are then over the truncated, renormalized distribution, the
+    support the trainer rebuilds from its own logits (:func:`gspo.model.lm_head.truncation_mask`).
     """
+
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
 
     def __init__(
         self,
@@ -280,6 +297,7 @@ class VLLMRolloutEngine:
             cpu_fixes=cpu_fixes,
         )
         engine.shares_world, engine.gather = shares_world, gather or contextlib.nullcontext
+        engine.top_k, engine.top_p = int(getattr(cfg, "top_k", 0)), float(getattr(cfg, "top_p", 1.0))
         engine.sync_weights()
         if check_sync:
             engine.check_logprobs()
@@ -297,10 +315,13 @@ class VLLMRolloutEngine:
         if self._asleep:
             self.wake_up()
         self.calls += 1
+        greedy = greedy or temperature == 0
+        truncation = {} if greedy else truncation_params(self.top_k, self.top_p)
         params = [
             vllm.SamplingParams(
                 n=1,
-                temperature=0.0 if greedy or temperature == 0 else temperature,
+                temperature=0.0 if greedy else temperature,
+                **truncation,
                 max_tokens=max_new_tokens,
                 logprobs=0,
                 seed=self._seed(i),

@@ -32,11 +32,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gspo_token": {"algo": "gspo_token", "routing_replay": False},
     "grpo": {"algo": "grpo", "routing_replay": False},
     "grpo_replay": {"algo": "grpo", "routing_replay": True},
-    # the other losses (not in the default set; --variants sapo,cispo,gmpo)
+    # the other losses (not in the default set; --variants sapo,cispo,gmpo,luspo,vespo)
     "sapo": {"algo": "sapo", "routing_replay": False},
     "sapo_token": {"algo": "sapo_token", "routing_replay": False},
     "cispo": {"algo": "cispo", "routing_replay": False},
     "gmpo": {"algo": "gmpo", "routing_replay": False},
+    "luspo": {"algo": "luspo", "routing_replay": False},
+    "vespo": {"algo": "vespo", "routing_replay": False},
 }
 DEFAULT_VARIANTS = ["gspo", "gspo_token", "grpo", "grpo_replay"]
 DEFAULT_SEEDS = [0, 1, 2, 3, 4]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from gspo.config import Config
+from gspo.config.algorithm import loss_options
 from gspo.errors import GspoError
 from gspo.losses import LOSSES
 from gspo.model.logprobs import attn_implementation, lm_head_is_plain, shared_prefix_is_exact
@@ -35,6 +36,8 @@ class UpdatePlan:
     micro_batch_size: int  # rows per forward/backward (0: the whole minibatch)
     max_grad_norm: float  # inf: no clipping
     temperature: float
+    top_k: int  # the sampler's truncation, applied to the trainer's log-probs too (0 / 1.0: off)
+    top_p: float
     logp_chunk_size: int
     layout: str  # rows / packed / shared_prefix (gspo.model.logprobs)
     pi_old: str  # "rollout": the sampler's log-probs; "recompute": the trainer's
@@ -46,6 +49,8 @@ class UpdatePlan:
     mismatch_low: float
     mismatch_high: float
     mismatch_cap: float
+    opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
+    loss_options: tuple[tuple[str, float], ...] = ()  # the loss's own keywords (VESPO's kernel)
 
     @property
     def token_normalizer(self) -> bool:
@@ -80,6 +85,8 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
         micro_batch_size=cfg.micro_batch_size,
         max_grad_norm=cfg.max_grad_norm or float("inf"),
         temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
         logp_chunk_size=cfg.logp_chunk_size,
         layout=choose_layout(policy, cfg),
         pi_old=pi_old,
@@ -91,6 +98,8 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
         mismatch_low=cfg.mismatch_low,
         mismatch_high=cfg.mismatch_high_resolved(),
         mismatch_cap=cfg.mismatch_cap,
+        opsm_threshold=cfg.opsm_threshold,
+        loss_options=tuple(loss_options(cfg).items()),
     )
 
 

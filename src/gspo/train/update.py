@@ -74,6 +74,8 @@ _MISMATCH = {
     "seq_mask_frac_tok": TOKEN,
     "tok_mask_frac_tok": TOKEN,
     "tok_mask_frac_seq": SEQUENCE,
+    "opsm_frac_seq": SEQUENCE,  # off-policy sequence masking (--opsm-threshold)
+    "opsm_frac_tok": TOKEN,
 }
 METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
 # losses whose own ratio is per token: their ``ratio_mean`` is a token mean
@@ -104,8 +106,9 @@ def forward(
     forcing = R.replay_routing(hf, replay) if replay is not None else nullcontext()
     with forcing, R.capture_routing(hf) if capture else nullcontext() as rec:
         out = policy(
-            mb.layout, mb.data.response_ids_BT, mb.mask_BT, plan.temperature, plan.logp_chunk_size, entropy
-        )
+            mb.layout, mb.data.response_ids_BT, mb.mask_BT, plan.temperature, plan.logp_chunk_size, entropy,
+            top_k=plan.top_k, top_p=plan.top_p,
+        )  # fmt: skip
     logp, ent = out if entropy else (out, None)
     return Forward(logp, ent, R.routing_snapshot(rec) if capture else None)
 
@@ -203,7 +206,14 @@ def _train_micro_batch(
         sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
         old_logp = sampler_BT if plan.pi_old == "rollout" else trainer_old_BT
         weight, loss_mask_BT, corr_metrics = mismatch_correction(trainer_old_BT, sampler_BT, m_BT, plan)
-        kwargs = {} if plan.aggregation is None else {"aggregation": plan.aggregation}
+        if plan.opsm_threshold is not None:  # decided with this forward's pi_theta
+            weight, opsm = C.with_opsm(
+                weight, f.logp_BT, sampler_BT, mb.data.adv_B, m_BT, plan.opsm_threshold
+            )
+            corr_metrics |= {f"mismatch/{k}": v for k, v in opsm.items()}
+        kwargs = dict(plan.loss_options)
+        if plan.aggregation is not None:
+            kwargs["aggregation"] = plan.aggregation
         loss, loss_metrics = LOSSES[plan.algo][0](
             f.logp_BT, old_logp, mb.data.adv_B, loss_mask_BT, plan.eps_low, plan.eps_high, normalizer,
             **kwargs, weight=weight,

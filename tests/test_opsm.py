@@ -1,0 +1,119 @@
+"""Off-policy sequence masking (OPSM, DeepSeek-V3.2): the mask in closed form, through every loss, in
+the trainer's update, and its bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_losses import ATOL, F64, VARIANTS, _grad, _normalizer, _token_batch
+
+from gspo.config import Config
+from gspo.correction import off_policy_sequence_mask, with_opsm
+from gspo.errors import GspoError
+
+
+def _case():
+    """Rows: D = mean(sampler - logp) of 0.7, 0.7, 0.3, 0.7, (empty); A = -1, +1, -1, -0.2, -1."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=F64)
+    logp = torch.tensor(
+        [[-1.0, -2.0, 9.0], [-0.5, -0.4, -0.3], [-2.0, 9.0, 9.0], [-1.0] * 3, [-1.0] * 3], dtype=F64
+    )
+    d = torch.tensor(
+        [[0.5, 0.9, 0.0], [0.7, 0.7, 0.7], [0.3, 0.0, 0.0], [1.4, 0.7, 0.0], [5.0] * 3], dtype=F64
+    )
+    sampler = torch.where(mask.bool(), logp + d, torch.full_like(logp, float("nan")))  # NaN on padding
+    adv = torch.tensor([-1.0, 1.0, -1.0, -0.2, -1.0], dtype=F64)
+    return logp.requires_grad_(True), sampler, adv, mask
+
+
+def test_mask_hand_computed():
+    """Dropped: A < 0 and D > delta (rows 0 and 3 at delta 0.5); kept: A > 0 (row 1), D <= delta (row 2),
+    no tokens (row 4, D = 0); at delta 0.7 D = 0.7 is kept (strict >); NaN padding never leaks."""
+    logp, sampler, adv, mask = _case()
+    keep = off_policy_sequence_mask(logp, sampler, adv, mask, 0.5)
+    assert keep.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0] and not keep.requires_grad
+    assert off_policy_sequence_mask(logp, sampler, adv, mask, 0.7).tolist() == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert off_policy_sequence_mask(logp, sampler, adv, mask, 0.0).tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
+    _, metrics = with_opsm(None, logp, sampler, adv, mask, 0.5)
+    assert abs(metrics["opsm_frac_seq"].item() - 2 / 4) < ATOL
+    assert abs(metrics["opsm_frac_tok"].item() - (2 + 3) / 9) < ATOL
+
+
+def test_divergence_is_against_the_current_policy():
+    """D compares the sampler with pi_theta (logp), so a policy that moved away masks, one that did not,
+    does not: the same sampler log-probs, two policies."""
+    logp, sampler, adv, mask = _case()
+    assert off_policy_sequence_mask(logp, sampler, adv, mask, 0.5)[0] == 0
+    moved_back = torch.where(mask.bool(), sampler, logp.detach())  # pi_theta == pi_sampler: D = 0
+    assert off_policy_sequence_mask(moved_back, sampler, adv, mask, 0.5).tolist() == [1.0] * 5
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_masked_sequences_get_no_gradient_in_every_loss(name):
+    """Every loss with OPSM's weight: masked rows get exactly zero gradient, the others exactly the
+    unmasked loss's, the normalizer unchanged (a masked row still counts, as in TRL and DeepSeek's
+    1/G); combined with an existing [B] or [B, T] weight it multiplies it."""
+    fn = VARIANTS[name]
+    logp, old, adv, mask = _token_batch(seed=30, scale=0.4)
+    sampler = old + torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0], dtype=F64)[:, None]  # D ~ 1 on rows 0-2, 4
+    n = _normalizer(name, mask)
+    weight, _ = with_opsm(None, logp, sampler, adv, mask, 0.5)
+    dropped = (adv < 0) & (torch.tensor([1, 1, 1, 0, 1]) == 1)
+    assert dropped.any() and torch.equal(weight == 0, dropped)
+    g = _grad(fn(logp, old, adv, mask, normalizer=n, weight=weight)[0], logp)
+    g0 = _grad(fn(logp, old, adv, mask, normalizer=n)[0], logp)
+    assert torch.all(g[dropped] == 0)
+    assert torch.allclose(g[~dropped], g0[~dropped], atol=ATOL, rtol=0)
+    tis = torch.linspace(0.5, 1.5, 5, dtype=F64)
+    for w in (tis, tis[:, None].expand(5, 5).clone()):
+        combined, _ = with_opsm(w, logp, sampler, adv, mask, 0.5)
+        want = w * (weight if w.dim() == 1 else weight[:, None])
+        assert torch.equal(combined, want)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_threshold_out_of_range(bad):
+    logp, sampler, adv, mask = _case()
+    with pytest.raises(ValueError, match="OPSM threshold"):
+        off_policy_sequence_mask(logp, sampler, adv, mask, bad)
+    with pytest.raises(GspoError, match="opsm_threshold"):
+        Config(opsm_threshold=bad).validate()
+
+
+def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
+    """policy_update with --opsm-threshold 0.5 on a batch whose sampler log-probs sit 1 nat/token above
+    the policy on half the rows: it logs the masked share and makes exactly the update of the same
+    batch with those rows' advantages set to 0 (their sequences still counted in the normalizer)."""
+    from gspo.rollout.hf import HFRolloutEngine, left_pad
+    from gspo.train.batch import RolloutData
+    from gspo.train.plan import plan_update
+    from gspo.train.update import policy_update
+
+    model, tok = tiny_moe
+    prompts = [tok(f"rev:{n}=").input_ids for n in [1, 12, 123, 1234, 9, 98, 987, 9876]]
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    rb = eng.generate(prompts, 6, temperature=1.0)
+    ids, pmask = left_pad(prompts, tok.pad_token_id)
+    shifted = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.bool)
+    sampler = rb.sampler_logp_BT + shifted[:, None] * rb.response_mask_BT  # D = 1 on the shifted rows
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, -0.5, 0.5, -2.0, 2.0])
+    dropped = shifted & (adv < 0)
+
+    def run(adv_B, **kw):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        cfg = Config(prompts_per_step=1, group_size=8, num_minibatches=1, log_volatility=False, **kw)
+        data = RolloutData(ids, pmask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv_B)
+        metrics = policy_update(m, opt, sched, data, plan_update(cfg.validate(), m, True), 1)
+        return m, metrics
+
+    m1, met = run(adv, opsm_threshold=0.5, old_logp="recompute")
+    m2, _ = run(torch.where(dropped, 0.0, adv), old_logp="recompute")
+    assert abs(met["mismatch/opsm_frac_seq"] - dropped.sum().item() / 8) < 1e-9
+    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, atol=1e-7, rtol=0)
+    m3, _ = run(adv, old_logp="recompute")  # without OPSM the masked rows do move the policy
+    assert any(not torch.allclose(a, b) for a, b in zip(m1.parameters(), m3.parameters(), strict=True))
