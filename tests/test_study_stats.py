@@ -197,5 +197,23 @@ def test_size_from_pilot():
     assert s["seeds"] == 16  # never under the floor of 16 seeds per arm
     assert s["power"] > 0.8
     assert size_from_pilot(diffs, delta=0.02, family_size=4)["seeds"] == seeds_for_power(
-        0.02, s["planning_sd"], family_size=4
+        0.02, s["planning_sd"], family_size=4, test="permutation"
     )
+
+
+def test_power_is_computed_for_the_declared_sign_flip_test():
+    """The presets declare the sign-flip test, so their power is the sign-flip test's (the t test's
+    was quoted). Its smallest p is 2 / 2^n: at Holm's 0.05 / 4 five seeds can never reject, whatever
+    the effect, while the t test claims 60% power there."""
+    from gspo.study.statistics import power_of, sign_flip_power
+
+    assert sign_flip_power(5, 2.0, 1.0, 0.0125) == 0.0
+    assert paired_power(5, 2.0, 1.0, 0.0125) > 0.5
+    # where its floor is far away it tracks the t test (normal data), within simulation error
+    assert sign_flip_power(20, 0.5, 1.0, 0.05) == pytest.approx(paired_power(20, 0.5, 1.0, 0.05), abs=0.05)
+    n = seeds_for_power(0.8, 1.0, family_size=4, test="permutation")
+    assert sign_flip_power(n, 0.8, 1.0, 0.0125) >= 0.8 > sign_flip_power(n - 1, 0.8, 1.0, 0.0125)
+    assert n >= seeds_for_power(0.8, 1.0, family_size=4)  # never fewer than the t test needs
+    s = size_from_pilot([0.1, 0.05, 0.08, 0.12, 0.07], delta=0.05, family_size=4, min_seeds=2)
+    assert s["test"] == "permutation"
+    assert s["power"] == power_of("permutation", s["seeds"], 0.05, s["planning_sd"], 0.0125) >= 0.8

@@ -303,6 +303,32 @@ def paired_power(n: int, delta: float, sd: float, alpha: float) -> float:
     return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
 
 
+def sign_flip_power(n: int, delta: float, sd: float, alpha: float, n_sim: int = 4000, seed: int = 0) -> float:
+    """Power of the two-sided sign-flip test at level ``alpha`` with ``n`` seeds when the per-seed
+    differences are normal with mean ``delta`` and sd ``sd``: the share of ``n_sim`` simulated studies
+    (fixed ``seed``) whose :func:`sign_flip_p` is below ``alpha``. Unlike the t test it has a floor:
+    its smallest p is ``2 / 2^n``, so below ``log2(2 / alpha)`` seeds it can never reject. Above
+    ``EXACT_MAX_N`` seeds each p is the permutation distribution's normal limit (a Monte Carlo p per
+    simulated study would cost 200k draws each)."""
+    if 2.0 / 2.0**n >= alpha:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    draws = rng.normal(delta, sd, size=(n_sim, n))
+    if not sign_flip_is_exact(n):
+        # beyond exact enumeration, the permutation distribution's normal limit given |d|: the
+        # sum of random signs times |d_s| has mean 0 and variance sum(d_s^2)
+        z = np.abs(draws.sum(1)) / np.sqrt((draws**2).sum(1))
+        return float((2 * stats.norm.sf(z) < alpha).mean())
+    return sum(sign_flip_p(d) < alpha for d in draws) / n_sim  # type: ignore[operator]
+
+
+def power_of(test: str, n: int, delta: float, sd: float, alpha: float) -> float:
+    """Power of the declared ``test`` ("permutation": sign-flip, "t": paired t)."""
+    return (
+        sign_flip_power(n, delta, sd, alpha) if test == "permutation" else paired_power(n, delta, sd, alpha)
+    )
+
+
 def seeds_for_power(
     delta: float,
     sd: float,
@@ -310,13 +336,25 @@ def seeds_for_power(
     power: float = 0.8,
     family_size: int = 1,
     n_max: int = 10_000,
+    test: str = "t",
 ) -> int:
     """Seeds per arm for a paired two-sided test of one endpoint to reach ``power`` at ``delta``,
     at Holm's first (strictest) threshold ``alpha / family_size``: every endpoint of the family is then
-    powered as if it were the one tested first."""
+    powered as if it were the one tested first. ``test`` is the declared test: the sign-flip search
+    starts at the t test's answer (the permutation test is not more powerful on normal data) and
+    steps up by simulation."""
     level = alpha / family_size
+    start = 2
     for n in range(2, n_max + 1):
         if paired_power(n, delta, sd, level) >= power:
+            start = n
+            break
+    else:
+        raise ValueError(f"more than {n_max} seeds needed (delta {delta}, sd {sd})")
+    if test != "permutation":
+        return start
+    for n in range(start, n_max + 1):
+        if sign_flip_power(n, delta, sd, level) >= power:
             return n
     raise ValueError(f"more than {n_max} seeds needed (delta {delta}, sd {sd})")
 
@@ -329,17 +367,19 @@ def size_from_pilot(
     family_size: int = 1,
     confidence: float = 0.8,
     min_seeds: int = 16,
+    test: str = "permutation",
 ) -> dict[str, Any]:
     """Seeds per arm for a confirmatory run from a pilot's per-seed differences: the pilot's sd, its
     upper ``confidence`` bound (:func:`planning_sd`), the seeds :func:`seeds_for_power` needs to detect
-    ``delta`` (the smallest difference worth finding, not the pilot's estimate, which a selected pilot
-    overstates), at least ``min_seeds``, and the power that number of seeds has."""
+    ``delta`` with the declared ``test`` (the smallest difference worth finding, not the pilot's
+    estimate, which a selected pilot overstates), at least ``min_seeds``, and the power that number of
+    seeds has under that test."""
     d = clean(diffs)
     sd = statistics.stdev(d)
     plan = planning_sd(sd, len(d), confidence)
-    n = max(min_seeds, seeds_for_power(delta, plan, alpha, power, family_size))
+    n = max(min_seeds, seeds_for_power(delta, plan, alpha, power, family_size, test=test))
     return {
         "pilot_n": len(d), "pilot_mean": statistics.fmean(d), "pilot_sd": sd, "planning_sd": plan,
         "delta": delta, "alpha": alpha, "family_size": family_size, "power_target": power, "seeds": n,
-        "power": paired_power(n, delta, plan, alpha / family_size),
+        "test": test, "power": power_of(test, n, delta, plan, alpha / family_size),
     }  # fmt: skip
