@@ -99,6 +99,7 @@ def test_relative_dataset_path_of_a_run_is_found_by_eval_from_another_folder(tmp
     out = evaluate_checkpoint(str(run / "final"))
     assert out["task"] == str(work / "data.jsonl") and out["n"] == 2
     (work / "data.jsonl").rename(tmp_path / "moved.jsonl")
+    capsys.readouterr()  # the progress bars of the save and load above, when this test runs alone
     _one_line(
         capsys, ["eval", str(run / "final")], "config.yaml: task 'data.jsonl' is relative to the folder"
     )

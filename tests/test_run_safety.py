@@ -178,7 +178,7 @@ def test_a_run_folder_with_any_trace_is_refused_without_resume_or_overwrite(base
     only_log = tmp_path / "log-only"
     only_log.mkdir()
     (only_log / "metrics.jsonl").write_text('{"step": 0}\n')
-    with pytest.raises(GspoError, match=r"already holds a run \(metrics.jsonl\); pass --resume"):
+    with pytest.raises(GspoError, match=r"already holds a run \(metrics.jsonl\) that saved no checkpoint"):
         _claim(only_log)
     with pytest.raises(GspoError, match="exclude each other"):
         _claim(run, resume=True, overwrite=True)
@@ -274,7 +274,7 @@ def test_one_sigterm_ends_an_endless_dynamic_sampling_step(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert time.time() - t1 < 8, "the stop took too long"
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
-    assert "gspo: SIGTERM: stopping" in out
+    assert "gspo: SIGTERM: stopping" in err and "stopping" not in out  # a notice: stderr
     assert "progress is saved at step 0; continue with --resume" in err
 
 
@@ -307,7 +307,7 @@ def test_one_sigterm_abandons_a_stuck_step_after_the_grace_period(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert time.time() - t1 < GRACE_S + 8, "the stop took too long"
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
-    assert "gspo: SIGTERM: stopping" in out and "abandoning it" in out
+    assert "gspo: SIGTERM: stopping" in err and "abandoning it" in err and "gspo:" not in out
     assert "progress is saved at step 0; continue with --resume" in err
     assert latest.read_text().strip() == "step-000000"
 

@@ -34,13 +34,35 @@ def run_config_of(path: Path) -> Path | None:
     return None
 
 
+def _saved_file(key: str, v: Any) -> tuple[str, str] | None:
+    """``(path, suffix)`` of a config value naming a file by a relative path (``suffix``: ``:attr`` of a
+    reward / environment spec, the rest of the value); None for other values."""
+    if not isinstance(v, str) or v.startswith(("rg:", "format:")):
+        return None
+    path, suffix = v, ""
+    if key in ("reward", "env"):
+        target, sep, attr = v.rpartition(":")
+        if not sep or not target or target == "tools":
+            return None
+        path, suffix = target, f":{attr}"
+        if not path.endswith(".py"):  # pkg.mod:attr: the file ./pkg/mod.py when the run had one
+            path = path.replace(".", os.sep) + ".py"
+    elif "/" not in path and "." not in path:  # an embedded task
+        return None
+    if os.path.isabs(os.path.expanduser(path)):
+        return None
+    return path, suffix
+
+
 def _resolve_saved_paths(
     values: dict[str, Any], run_yaml: Path | None, output_dir: Any, given: dict[str, Any]
 ) -> None:
-    """Relative dataset / reward-file paths of a run's config.yaml are relative to the folder the run
-    was started from: that folder is ``run_yaml``'s run folder less its ``<output_dir>/<name>`` when
-    ``output_dir`` was relative. Made absolute in ``values`` (unless given as flags); not found, they
-    are refused in one line naming the file and the fix."""
+    """Relative dataset / reward / environment file paths of a run's config.yaml are relative to the
+    folder the run was started from: that folder is ``run_yaml``'s run folder less its
+    ``<output_dir>/<name>`` when ``output_dir`` was relative. Made absolute in ``values`` (unless given
+    as flags); not there, they are refused in one line naming the setting and the fix, never looked up
+    in the current folder instead (another ``env.py`` there would be evaluated silently). A file newer
+    than the run's config.yaml is a warning: it may have changed since the run."""
     if run_yaml is None:
         return
     out = Path(str(output_dir or "runs"))
@@ -50,22 +72,40 @@ def _resolve_saved_paths(
         if not out.is_absolute() and len(run_dir.parents) > len(out.parts)
         else None
     )
-    for key in ("task", "eval_task", "reward"):
+    for key in ("task", "eval_task", "reward", "env"):
         v = values.get(key)
-        if key in given or not isinstance(v, str) or v.startswith(("rg:", "format:")):
+        found = _saved_file(key, v) if key not in given else None
+        if found is None:
             continue
-        path, sep, fn = v.rpartition(":") if key == "reward" else (v, "", "")
-        if key == "reward" and not path.endswith(".py"):
-            continue
-        if ("/" not in path and "." not in path) or os.path.isabs(os.path.expanduser(path)):
-            continue
+        path, suffix = found
+        module = key in ("reward", "env") and not v.rpartition(":")[0].endswith(".py")
         if base is not None and (base / path).exists():
-            values[key] = f"{base / path}{sep}{fn}"
-        elif not os.path.exists(path):
+            values[key] = f"{base / path}{suffix}"
+            _warn_if_newer(base / path, run_yaml, key)
+        elif module:  # an importable module, not a file of the run's folder: imported as the run did
+            continue
+        elif base is None and os.path.exists(path):  # output_dir was absolute: the start folder is unknown
+            values[key] = f"{os.path.abspath(path)}{suffix}"
+            _warn_if_newer(Path(path), run_yaml, key)
+        else:
+            where = f" ({base})" if base is not None else ""
             raise GspoError(
-                f"{run_yaml}: {key} {v!r} is relative to the folder the run was started from and is not found "
-                f"from here: run gspo eval from there, or pass --{key.replace('_', '-')}"
+                f"{run_yaml}: {key} {v!r} is relative to the folder the run was started from{where} and is "
+                f"not found there: run gspo eval from there, or pass --{key.replace('_', '-')}"
             )
+
+
+def _warn_if_newer(file: Path, run_yaml: Path, key: str) -> None:
+    from gspo.errors import warn
+
+    try:
+        newer = file.stat().st_mtime > run_yaml.stat().st_mtime
+    except OSError:
+        return
+    if newer:
+        warn(
+            f"{key} file {file} was modified after the run's {run_yaml.name}: the score may not be the run's"
+        )
 
 
 def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -61,8 +61,8 @@ class TaskEnv:
     """A single-turn task as an environment: the one model turn is scored by ``reward`` (a
     :data:`gspo.tasks.rewards.RewardFn`) and the trajectory is done."""
 
-    def __init__(self, reward: Callable[..., list[float]]) -> None:
-        self.reward = reward
+    def __init__(self, reward: Callable[..., list[float]], reward_name: str | None = None) -> None:
+        self.reward, self.reward_name = reward, reward_name
         self.example: Example | None = None
 
     def reset(self, example: Example) -> Prompt:
@@ -70,11 +70,18 @@ class TaskEnv:
         return example.prompt
 
     def step(self, model_turn: str) -> Step:
-        from gspo.tasks.datasets import prompt_text
-
         ex = self.example
         assert ex is not None, "step before reset"
-        return Step(None, float(self.reward([prompt_text(ex.prompt)], [model_turn], [ex.answer])[0]))
+        return Step(None, score_turn(self.reward, self.reward_name, ex, model_turn))
+
+
+def score_turn(reward: Callable[..., list[float]], name: str | None, ex: Example, model_turn: str) -> float:
+    """The task's reward of one final model turn, checked as in single-turn rollouts (one finite number;
+    anything else is a :class:`~gspo.tasks.rewards.RewardFailure` naming the reward)."""
+    from gspo.tasks.rewards import safe_rewards
+
+    label = name or getattr(reward, "__name__", None) or type(reward).__name__
+    return safe_rewards(reward, [ex.prompt], [model_turn], [ex.answer], "error", label)[0][0]
 
 
 def check_step(out: Any, name: str) -> Step:

@@ -4,9 +4,11 @@
 single-turn task as a one-step environment), or a user factory ``pkg.mod:Name`` /
 ``path/file.py:Name``: a class or function called with no arguments that returns a fresh
 environment (``reset(example)``, ``step(model_turn)``, :mod:`gspo.envs.base`). User environments get
-``reward_timeout_s`` per call; past it, or when they raise or return a wrong type, the run stops with
-one line naming the environment (``reward_on_error zero``: the trajectory ends with reward 0 and is
-counted, except for time-outs, which always stop).
+``reward_timeout_s`` per call (the constructor, ``reset`` and ``step``); past it, or when they raise
+or return a wrong type, the run stops with one line naming the environment (``reward_on_error zero``:
+the trajectory ends with reward 0 and is counted, except for time-outs, which always stop, and a bad
+prompt from ``reset``, which leaves nothing to roll out). The task's reward inside ``task`` and
+``tools`` is checked as in single-turn rollouts (one finite number per sample).
 """
 
 from __future__ import annotations
@@ -32,16 +34,22 @@ class EnvSpec:
     name: str
     timeout_s: float | None  # per reset/step call (user environments only)
     on_error: str = "error"  # "error" or "zero" (the config's reward_on_error)
+    builtin: bool = False  # task / tools: a GspoError inside is gspo's own (a reward's setup error)
 
 
 def env_spec(
-    spec: str, reward: Callable[..., list[float]], timeout_s: float | None, on_error: str
+    spec: str,
+    reward: Callable[..., list[float]],
+    timeout_s: float | None,
+    on_error: str,
+    reward_name: str | None = None,
 ) -> EnvSpec:
-    """The :class:`EnvSpec` of a config's ``env`` value; ``reward`` is the task's reward."""
+    """The :class:`EnvSpec` of a config's ``env`` value; ``reward`` is the task's reward (named
+    ``reward_name`` in errors)."""
     from gspo.envs.tools import ToolEnv
 
     if spec == "task":
-        return EnvSpec(lambda: TaskEnv(reward), spec, None, on_error)
+        return EnvSpec(lambda: TaskEnv(reward, reward_name), spec, None, on_error, builtin=True)
     if spec == "tools" or spec.startswith("tools:"):
         names = tuple(spec.partition(":")[2].split(",")) if ":" in spec else TOOLS
         bad = [n for n in names if n not in TOOLS]
@@ -51,7 +59,7 @@ def env_spec(
             )
         if "python" in names:
             _check_sandbox()
-        return EnvSpec(lambda: ToolEnv(reward, names), spec, None, on_error)
+        return EnvSpec(lambda: ToolEnv(reward, names, reward_name), spec, None, on_error, builtin=True)
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise GspoError(
@@ -66,19 +74,21 @@ def env_spec(
 
 
 def _import(spec: str, target: str) -> Any:
-    from gspo.tasks.rewards import import_file
+    from gspo.tasks.rewards import import_file, is_interrupt
 
     if target.endswith(".py"):
-        return import_file(spec, target)
+        return import_file(spec, target, "environment")
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError:
         file = target.replace(".", os.sep) + ".py"
         if os.path.isfile(file):
-            return import_file(spec, file)
+            return import_file(spec, file, "environment")
         raise GspoError(f"config field 'env': cannot import module {target!r} for {spec!r}") from None
-    except Exception as e:  # noqa: BLE001 (one line)
-        raise GspoError(f"config field 'env': importing {target!r} failed: {type(e).__name__}: {e}") from None
+    except BaseException as e:  # noqa: BLE001 (one line; a SystemExit at import too)
+        if is_interrupt(e):
+            raise
+        raise GspoError(f"config field 'env': importing {target!r} failed: {_one_line(e)}") from None
 
 
 def _check_sandbox() -> None:
@@ -94,40 +104,44 @@ class EnvFailure(Exception):
     """An environment call failed and ``on_error`` is ``zero``: the trajectory ends with reward 0."""
 
 
-def _call(spec: EnvSpec, fn: Callable[..., Any], arg: Any, what: str) -> Any:
-    from gspo.tasks.rewards import is_interrupt
-    from gspo.tasks.timelimit import call_with_timeout
+def _call(spec: EnvSpec, fn: Callable[..., Any], args: tuple, what: str) -> Any:
+    """``fn(*args)`` of a user environment: its time limit, and its failures as one line naming it
+    (:class:`EnvFailure` under ``on_error = zero``)."""
+    from gspo.tasks.rewards import RewardFailure, is_interrupt
+    from gspo.tasks.timelimit import CallTimeout, call_with_timeout
 
+    label = f"env {spec.name}"
     try:
         if spec.timeout_s:
-            return call_with_timeout(fn, (arg,), spec.timeout_s, f"env {spec.name}")
-        return fn(arg)
-    except GspoError as e:
-        if "timed out" in str(e):
-            raise GspoError(
-                f"environment {spec.name}: {what}() did not return within {spec.timeout_s:g} s "
-                "(reward_timeout_s)"
-            ) from None
-        raise
-    except BaseException as e:  # noqa: BLE001 (a user environment may raise anything, SystemExit too)
-        if is_interrupt(e):  # its time limit, or a real Ctrl-C / SIGTERM of the trainer
+            return call_with_timeout(fn, args, spec.timeout_s, label)
+        return fn(*args)
+    except CallTimeout as e:  # by type: an environment's own message may say "timed out"
+        if e.name != label:  # a reward's limit inside the environment: its own message
             raise
-        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        err = GspoError(f"environment {spec.name}: {what}() raised {type(e).__name__}: {msg}".rstrip(": "))
+        raise GspoError(
+            f"environment {spec.name}: {what} did not return within {spec.timeout_s:g} s (reward_timeout_s)"
+        ) from None
+    except RewardFailure as e:  # the task's reward inside task/tools: scored as in single-turn rollouts
+        if spec.on_error == "zero":
+            raise EnvFailure(str(e)) from None
+        raise GspoError(f"environment {spec.name}: {what}: {e}") from None
+    except BaseException as e:  # noqa: BLE001 (a user environment may raise anything, SystemExit too)
+        if is_interrupt(e) or (spec.builtin and isinstance(e, GspoError)):  # a real Ctrl-C; gspo's own
+            raise
+        err = GspoError(f"environment {spec.name}: {what} raised {_one_line(e)}")
         if spec.on_error == "zero":
             raise EnvFailure(str(err)) from None
         raise err from None
 
 
-def make_env(spec: EnvSpec) -> Env:
-    from gspo.tasks.rewards import is_interrupt
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
-    try:
-        env = spec.factory()
-    except BaseException as e:  # noqa: BLE001 (SystemExit from a constructor included)
-        if is_interrupt(e):
-            raise
-        raise GspoError(f"environment {spec.name}: making it raised {type(e).__name__}: {e}") from None
+
+def make_env(spec: EnvSpec) -> Env:
+    """A fresh environment from the factory (under the same time limit as its calls)."""
+    env = _call(spec, spec.factory, (), "its constructor")
     if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
         raise GspoError(f"environment {spec.name}: {type(env).__name__} has no reset()/step() methods")
     return env
@@ -135,12 +149,12 @@ def make_env(spec: EnvSpec) -> Env:
 
 def reset(spec: EnvSpec, env: Env, example: Any) -> Prompt:
     """``env.reset(example)``, checked (a bad prompt is always an error: nothing to roll out)."""
-    return check_prompt(_call(spec, env.reset, example, "reset"), spec.name)
+    return check_prompt(_call(spec, env.reset, (example,), "reset()"), spec.name)
 
 
 def step(spec: EnvSpec, env: Env, model_turn: str) -> Step:
     """``env.step(model_turn)``, checked; :class:`EnvFailure` under ``on_error = zero``."""
-    out = _call(spec, env.step, model_turn, "step")
+    out = _call(spec, env.step, (model_turn,), "step()")
     try:
         return check_step(out, spec.name)
     except GspoError as e:

@@ -40,19 +40,51 @@ def limits_of(cfg: Any) -> Limits:
 
 
 def encoder(tokenizer: Any, cfg: Any) -> Callable[[Prompt], list[int]]:
-    """A prompt from ``env.reset`` -> token ids, as the trainer encodes prompts (template, limits)."""
+    """A prompt from ``env.reset`` -> token ids, as the trainer encodes prompts (template, limits).
+    A prompt with more characters than ``max_prompt_tokens`` of the tokenizer's longest tokens could
+    hold is refused before it is tokenized (a 10 MB prompt would take seconds to tokenize)."""
     from gspo.tasks.prompts import encode_prompts
 
-    return lambda prompt: encode_prompts(tokenizer, [Example(prompt, "")], cfg)[0]
+    longest: list[int] = []  # the longest token's characters, found once, when first needed
+
+    def encode(prompt: Prompt) -> list[int]:
+        n = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        if n > cfg.max_prompt_tokens:  # else it may fit whatever the tokenizer
+            if not longest:
+                longest.append(_longest_token_chars(tokenizer))
+            if n > cfg.max_prompt_tokens * longest[0]:
+                raise GspoError(
+                    f"returned a prompt of {n:,} characters, more than max_prompt_tokens="
+                    f"{cfg.max_prompt_tokens} tokens of at most {longest[0]} characters can hold"
+                )
+        return encode_prompts(tokenizer, [Example(prompt, "")], cfg)[0]
+
+    return encode
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token covers (byte-level vocabularies: bytes, more than
+    characters); doubled for normalizers that merge characters."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 (a tokenizer without a vocabulary to list: a generous bound)
+        return 1024
+    return 2 * max((len(t) for t in vocab), default=512)
 
 
 def spec_of(cfg: Any, task: Any) -> EnvSpec:
-    return env_spec(cfg.env, task.reward, cfg.reward_timeout_s or None, cfg.reward_on_error)
+    return env_spec(
+        cfg.env,
+        task.reward,
+        cfg.reward_timeout_s or None,
+        cfg.reward_on_error,
+        getattr(task, "reward_name", None),
+    )
 
 
 @dataclass
 class _Traj:
-    env: Env
+    env: Env | None  # None: it failed before its first turn (reward_on_error zero)
     context: list[int]  # prompt + everything after it so far
     ids: list[int]
     model: list[int]  # 1 on model tokens
@@ -79,16 +111,23 @@ def run_episodes(
     encoded with ``encode`` (the trainer's :func:`~gspo.tasks.prompts.encode_prompts`)."""
     trajs, prompt_ids = [], [list(p) for p in prompt_ids]
     for b, ex in enumerate(examples):
-        env = make_env(spec)
-        prompt = reset(spec, env, ex)
+        try:
+            env = make_env(spec)
+            prompt = reset(spec, env, ex)
+        except EnvFailure:  # reward_on_error zero: no model turn, reward 0, counted
+            trajs.append(_Traj(None, list(prompt_ids[b]), [], [], [], failed=True))
+            continue
         if prompt != ex.prompt:
             if encode is None:
                 raise GspoError(
                     f"environment {spec.name}: reset() changed the prompt, which this caller cannot encode"
                 )
-            prompt_ids[b] = encode(prompt)
+            try:
+                prompt_ids[b] = encode(prompt)
+            except GspoError as e:
+                raise GspoError(f"environment {spec.name}: reset() {e}") from None
         trajs.append(_Traj(env, list(prompt_ids[b]), [], [], []))
-    live = list(range(len(trajs)))
+    live = [i for i, t in enumerate(trajs) if not t.failed]
     while live:
         budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
         rb = engine.generate([trajs[i].context for i in live], max(budget), temperature, greedy)
@@ -117,6 +156,7 @@ def _turn(
     t.turns += 1
     ended = n > 0 and ids[-1] == eos
     text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
+    assert t.env is not None  # live trajectories have one
     try:
         s = step(spec, t.env, text)
     except EnvFailure:

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gspo.envs.base import Step
-from gspo.tasks.datasets import Example, Prompt, prompt_text
+from gspo.envs.base import Step, score_turn
+from gspo.tasks.datasets import Example, Prompt
 
 MAX_EXPR_CHARS = 256
 MAX_DIGITS = 100  # calculator integers (operands and results) up to 10^100
@@ -50,13 +51,48 @@ class ToolError(ValueError):
 
 
 def _bounded(x: Any) -> Any:
+    if isinstance(x, complex):  # e.g. (-1) ** 0.5
+        raise ToolError("complex result (a negative number to a fractional power?)")
     if isinstance(x, int) and abs(x) >= 10**MAX_DIGITS:
         raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
-    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
-        raise ToolError("result is not a finite number")
-    if not isinstance(x, int | float):  # e.g. (-1) ** 0.5 is complex in Python
+    if isinstance(x, float) and x != x:
+        raise ToolError("result is not a number")
+    if isinstance(x, float) and x in (float("inf"), float("-inf")):
+        raise ToolError("number too large for a float (limit about 1.8e308)")
+    if not isinstance(x, int | float):
         raise ToolError("result is not a real number")
     return x
+
+
+def _check_pow(a: int | float, b: int | float) -> None:
+    """Refuse ``a ** b`` before computing it when its size is out of bounds (10 ** 10 ** 9 would
+    take minutes); 0 and +-1 to any power are small."""
+    if a == 0 or abs(a) == 1:
+        return
+    log10 = b * math.log10(abs(a))
+    if log10 > 4 * MAX_DIGITS:
+        raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
+    if log10 < -4 * MAX_DIGITS:
+        raise ToolError("underflow: result too small for a float (below about 1e-308)")
+
+
+def _binop(op: ast.operator, a: int | float, b: int | float) -> int | float:
+    try:
+        if isinstance(op, ast.Pow):
+            _check_pow(a, b)
+        out = _BINOPS[type(op)](a, b)
+    except ZeroDivisionError:
+        raise ToolError("division by zero") from None
+    except OverflowError:  # float overflow, or an int too large to convert to a float
+        raise ToolError("number too large for a float (limit about 1.8e308)") from None
+    if (
+        out == 0
+        and isinstance(op, ast.Mult | ast.Div | ast.Pow)
+        and a != 0
+        and (b != 0 or isinstance(op, ast.Pow))
+    ):
+        raise ToolError("underflow: result too small for a float (below about 1e-308)")
+    return _bounded(out)
 
 
 def _eval(node: ast.AST) -> int | float:
@@ -65,17 +101,7 @@ def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _bounded(_UNARY[type(node.op)](_eval(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        a, b = _eval(node.left), _eval(node.right)
-        try:
-            if isinstance(node.op, ast.Pow) and (
-                abs(b) > 4 * MAX_DIGITS or (abs(a) > 1 and abs(b) * len(str(int(abs(a)))) > 4 * MAX_DIGITS)
-            ):
-                raise ToolError(f"number too large (limit 10^{MAX_DIGITS})")
-            return _bounded(_BINOPS[type(node.op)](a, b))
-        except ZeroDivisionError:
-            raise ToolError("division by zero") from None
-        except (OverflowError, ValueError):
-            raise ToolError("number too large") from None
+        return _binop(node.op, _eval(node.left), _eval(node.right))
     raise ToolError(f"unsupported expression element {type(node).__name__}")
 
 
@@ -186,9 +212,12 @@ class ToolEnv:
     answer, scored by ``reward(prompts, completions, answers)``, and ends the trajectory."""
 
     def __init__(
-        self, reward: Callable[..., list[float]], tools: tuple[str, ...] = ("calc", "python")
+        self,
+        reward: Callable[..., list[float]],
+        tools: tuple[str, ...] = ("calc", "python"),
+        reward_name: str | None = None,
     ) -> None:
-        self.reward, self.tools = reward, tools
+        self.reward, self.tools, self.reward_name = reward, tools, reward_name
         self.example: Example | None = None
 
     def reset(self, example: Example) -> Prompt:
@@ -204,4 +233,4 @@ class ToolEnv:
             return Step(run_tool_call(call, self.tools), 0.0)
         ex = self.example
         assert ex is not None, "step before reset"
-        return Step(None, float(self.reward([prompt_text(ex.prompt)], [model_turn], [ex.answer])[0]))
+        return Step(None, score_turn(self.reward, self.reward_name, ex, model_turn))

@@ -305,10 +305,12 @@ def _load_builtin(name: str, timeout_s: float | None = None) -> RewardFn | None:
     return None
 
 
-def import_file(spec: str, file: str) -> Any:
+def import_file(spec: str, file: str, kind: str = "reward") -> Any:
+    """The module of a user's ``file`` (``kind``: what the file holds, "reward" or "environment", for
+    the one-line errors: not found, or its import raised anything, ``SystemExit`` included)."""
     path = os.path.abspath(os.path.expanduser(file))
     if not os.path.isfile(path):
-        raise GspoError(f"reward {spec!r}: file not found: {file}")
+        raise GspoError(f"{kind} {spec!r}: file not found: {file}")
     stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
     mod_name = f"gspo_user_reward_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
     if mod_name in sys.modules:
@@ -320,9 +322,11 @@ def import_file(spec: str, file: str) -> Any:
     sys.path.insert(0, os.path.dirname(path))  # so the file can import its sibling helpers
     try:
         mspec.loader.exec_module(module)
-    except Exception as e:
+    except BaseException as e:  # noqa: BLE001 (a SystemExit at import is the file's error, not ours)
         del sys.modules[mod_name]
-        raise GspoError(f"reward {spec!r}: importing {file} failed: {_one_line(e)}") from None
+        if is_interrupt(e):
+            raise
+        raise GspoError(f"{kind} {spec!r}: importing {file} failed: {_one_line(e)}") from None
     finally:
         if os.path.dirname(path) in sys.path:
             sys.path.remove(os.path.dirname(path))
@@ -345,7 +349,9 @@ def _load_user(spec: str) -> RewardFn:
             if e.name != target.split(".")[0] or not os.path.isfile(file):
                 raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
             module = import_file(spec, file)
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001 (SystemExit at import included)
+            if is_interrupt(e):
+                raise
             raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
     fn = getattr(module, attr, None)
     if fn is None:
@@ -411,6 +417,12 @@ def combine(rewards: list[tuple[RewardFn, float]]) -> RewardFn:
 
 class _BadBatch(Exception):
     """The whole return value is unusable (not a list, wrong length)."""
+
+
+class RewardFailure(GspoError):
+    """What :func:`safe_rewards` raises when the reward itself failed (raised, or returned something
+    that is not one finite number per sample), as opposed to a setup error or a time limit: a caller
+    under ``reward_on_error zero`` (an environment's step) may score the sample 0 instead."""
 
 
 def _score(v: Any) -> float | str:
@@ -493,7 +505,7 @@ def safe_rewards(
 
     def fail(what: str, i: int | None = None) -> GspoError:
         where = f" for sample {i} (completion {completions[i][:60]!r})" if i is not None else ""
-        return GspoError(f"reward function {label} {what}{where}")
+        return RewardFailure(f"reward function {label} {what}{where}")
 
     def checked(out: list[float], bad: int, first: str) -> tuple[list[float], int]:
         if bad == n:

@@ -76,12 +76,24 @@ def _can_interrupt() -> bool:
     return True
 
 
-def timeout_error(name: str, timeout_s: float, abandoned: bool) -> GspoError:
+class CallTimeout(GspoError):
+    """A call ran past its time limit (:func:`call_with_timeout`). Callers tell it from other errors by
+    type, never by its text: a user function's own message may well say "timed out". ``name`` is the
+    name the call was made under, ``timeout_s`` its limit."""
+
+    def __init__(self, message: str, name: str = "", timeout_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.name, self.timeout_s = name, timeout_s
+
+
+def timeout_error(name: str, timeout_s: float, abandoned: bool) -> CallTimeout:
     """The error for reward function ``name`` out of time (``abandoned``: left running in a thread)."""
     tail = "; it is still running in a background thread" if abandoned else ""
-    return GspoError(
+    return CallTimeout(
         f"reward function {name} timed out after {timeout_s:g} s (reward timeout_s={timeout_s:g}; raise "
-        f"it if the function is legitimately slow){tail}"
+        f"it if the function is legitimately slow){tail}",
+        name,
+        timeout_s,
     )
 
 

@@ -11,6 +11,7 @@ one stops at once, keeping the last checkpoint.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -269,6 +270,7 @@ def _deferred_signals():  # noqa: ANN202
         print(
             f"\ngspo: {name}: stopping: the step in progress is finished and saved, or abandoned after "
             f"{GRACE_S:g} s keeping the last finished step (again to stop now)",
+            file=sys.stderr,  # a notice, not output: stdout may be a pipe the user parses
             flush=True,
         )
         threading.Thread(target=_grace, args=(flag, main), name="gspo-stop-grace", daemon=True).start()
@@ -294,6 +296,8 @@ def _grace(flag: _StopFlag, main: int) -> None:
     with flag.lock:
         if not flag.done:
             print(
-                f"gspo: the step in progress did not finish within {GRACE_S:g} s: abandoning it", flush=True
+                f"gspo: the step in progress did not finish within {GRACE_S:g} s: abandoning it",
+                file=sys.stderr,
+                flush=True,
             )
             signal.pthread_kill(main, signal.SIGINT)
