@@ -307,6 +307,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from gspo.train.checkpoint import check_manifest
     from gspo.train.sharded import is_sharded
 
+    _quiet_upstream()
     src, out = Path(ns.checkpoint), Path(ns.out)
     if not src.is_dir():
         raise GspoError(f"checkpoint folder not found: {src}")
@@ -322,9 +323,23 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_upstream() -> None:
+    """Silence what transformers and torch print on their own in gspo's one-process commands: the
+    weight-loading progress bar, and DCP's note that it reads a sharded checkpoint in one process
+    (which is what gspo asked for)."""
+    import warnings
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from gspo.evaluate import EVAL_FIELDS, evaluate_checkpoint
 
+    _quiet_upstream()
     skip = tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS)
     out = evaluate_checkpoint(ns.checkpoint, _overrides(ns, skip))
     print(json.dumps(out))
