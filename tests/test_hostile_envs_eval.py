@@ -115,6 +115,10 @@ def test_eval_imports_the_runs_relative_env_file_not_the_current_folders(
     out = evaluate_checkpoint(str(run / "final"))
     assert out["eval/reward_mean"] == 1.0
     capsys.readouterr()
+    later = (run / "config.yaml").stat().st_mtime + 60  # edited after the run: said, still evaluated
+    os.utime(work / "env.py", (later, later))
+    assert evaluate_checkpoint(str(run / "final"))["eval/reward_mean"] == 1.0
+    assert f"env file {work / 'env.py'} was modified after the run's config.yaml" in capsys.readouterr().err
     (work / "env.py").unlink()  # the run's file is gone: refused, the decoy is not used instead
     line = _one_line(capsys, ["eval", str(run / "final")], "config.yaml: env 'env.py:Env' is relative to")
     assert f"({work})" in line and "--env" in line and "reward" not in line
