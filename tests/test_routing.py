@@ -573,6 +573,23 @@ def test_expert_volatility_properties():
         R.expert_volatility(old, old, torch.ones(3, 5))
 
 
+def test_share_of_activated_experts_changed_is_the_papers_unit():
+    """|new \\ old| / k per position: top-2 sets {0,1} -> {0,2} change one of two experts (0.5, where
+    the set-change volatility counts 1); identical or reordered sets 0; disjoint 1; masked positions out."""
+    old = torch.tensor([[[0, 1], [3, 4], [5, 6]]])  # B=1, T=3, k=2
+    new = torch.tensor([[[2, 0], [4, 3], [1, 2]]])
+    mask = torch.ones(1, 3)
+    assert torch.isclose(R.expert_share_changed(old, new, mask), torch.tensor((0.5 + 0.0 + 1.0) / 3))
+    assert torch.isclose(R.expert_volatility(old, new, mask), torch.tensor(2 / 3))
+    assert torch.isclose(
+        R.expert_share_changed(old, new, torch.tensor([[1.0, 1.0, 0.0]])), torch.tensor(0.25)
+    )
+    assert R.expert_share_changed(old, old.flip(-1), mask) == 0
+    assert R.expert_share_changed(old, new, torch.zeros(1, 3)) == 0
+    two_layers = R.routing_share_changed({"a": old, "b": old}, {"a": new, "b": old}, mask)
+    assert torch.isclose(two_layers, torch.tensor(0.25))
+
+
 def test_volatility_closed_form_example():
     """Hand-computed: 1 of 3 masked positions changes in layer0 (a swap is no change, one replaced
     expert is), none in layer1 -> 1/3, 0, mean 1/6."""

@@ -127,3 +127,8 @@ def test_report_volatility_interval_clusters_the_variants_of_a_seed():
            "grpo": {0: {"volatility": 0.3}, 2: {"volatility": 0.5}}}  # fmt: skip
     row = next(r for r in claims(per, "t", []) if r[0].startswith("About 10%"))
     assert interval([0.2, 0.2, 0.4]).fmt(pct=True) in row[1] and "3 per-seed means" in row[1]
+    assert "was not logged" in row[1]
+    per["gspo"][0]["volatility_experts"] = 0.05
+    per["grpo"][0]["volatility_experts"] = 0.15
+    row = next(r for r in claims(per, "t", []) if r[0].startswith("About 10%"))
+    assert f"{interval([0.1]).fmt(pct=True)} of the activated experts change" in row[1]

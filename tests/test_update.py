@@ -210,6 +210,8 @@ def test_volatility_from_the_training_forward_equals_a_separate_look(tiny_moe, b
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     got = policy_update(m, opt, sched, batch, plan, 1)
     assert 0.0 < got["moe/volatility"] <= 1.0
+    # a changed position counts 1 in the set-change unit, |new - old| / k <= 1 in the paper's unit
+    assert 0.0 < got["moe/volatility_experts"] <= got["moe/volatility"]
     vols = sorted(looked[0])
     assert len(vols) >= 3 and [got[k] for k in vols] == pytest.approx([looked[0][k] for k in vols], abs=1e-6)
 

@@ -327,6 +327,25 @@ def expert_volatility(
     return (changed_BT & m_BT).sum().float() / m_BT.sum().clamp(min=1).float()
 
 
+def expert_share_changed(
+    old_idx_BTk: torch.Tensor, new_idx_BTk: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """0-dim float32: the paper's unit (GSPO, sec. 4.3: ~10% of the activated experts change): over
+    masked positions, the mean share of the ``k`` experts activated under ``new`` that were not
+    activated under ``old``, ``|new \\ old| / k``. A position whose set changed by one of its k
+    experts counts 1/k here and 1 in :func:`expert_volatility`. 0 if the mask is empty."""
+    if old_idx_BTk.shape != new_idx_BTk.shape or old_idx_BTk.shape[:2] != mask_BT.shape:
+        raise GspoError(
+            f"expert_share_changed: shapes {list(old_idx_BTk.shape)}, {list(new_idx_BTk.shape)}, mask "
+            f"{list(mask_BT.shape)} do not match"
+        )
+    new = new_idx_BTk.to(old_idx_BTk.device)
+    kept_BTk = (new.unsqueeze(-1) == old_idx_BTk.unsqueeze(-2)).any(-1)  # new expert also in old's set
+    share_BT = (~kept_BTk).float().mean(-1)
+    m_BT = mask_BT.to(old_idx_BTk.device).float()
+    return (share_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
+
+
 def routing_volatility(
     old: Routing, new: Routing, mask_BT: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -337,3 +356,9 @@ def routing_volatility(
     if not per_layer:
         return torch.zeros((), device=mask_BT.device), per_layer
     return torch.stack([v.to(mask_BT.device) for v in per_layer.values()]).mean(), per_layer
+
+
+def routing_share_changed(old: Routing, new: Routing, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Mean over layers of :func:`expert_share_changed` (the paper's volatility unit)."""
+    shares = [expert_share_changed(old[name], new[name], mask_BT).to(mask_BT.device) for name in old]
+    return torch.stack(shares).mean() if shares else torch.zeros((), device=mask_BT.device)

@@ -147,6 +147,7 @@ MEANS = {
     "clip_tok": "loss/clip_frac_tok",
     "clip_seq": "loss/clip_frac_seq",
     "volatility": "moe/volatility",
+    "volatility_experts": "moe/volatility_experts",  # the paper's unit (absent in runs before 2026-12-04)
     "approx_kl": "loss/approx_kl",
     "step_s": "time/step_s",
     "mismatch_tok": "mismatch/token_abs_logp_diff",
@@ -200,6 +201,7 @@ RATIO_KEYS = [
     ("clip_seq", "clipped sequences", True),
     ("approx_kl", "approx KL", "sci"),
     ("volatility", "expert volatility", True),
+    ("volatility_experts", "activated experts changed", True),
     ("response_len", "response tokens", False),
 ]
 

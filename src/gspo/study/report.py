@@ -151,12 +151,18 @@ def claims(per: PerSeed, ci: str, confirm: list[Comparison]) -> list[tuple[str, 
             )
         )
     vols = seed_means(per, "volatility")  # one value per seed: its variants are one cluster
+    shares = seed_means(per, "volatility_experts")
     if vols:
+        share = (
+            f"; in the paper's unit, {interval(shares, ci).fmt(pct=True)} of the activated experts change"
+            if shares
+            else "; the paper's unit (share of activated experts) was not logged by these runs"
+        )
         rows.append(
             (
                 "About 10% of activated experts change per update (48-layer Qwen3-30B-A3B)",
                 f"{interval(vols, ci).fmt(pct=True)} of response tokens change their top-k expert set after "
-                f"one optimizer step (interval over {len(vols)} per-seed means of all variants)",
+                f"one optimizer step{share} (intervals over {len(vols)} per-seed means of all variants)",
                 "measured (different scale)",
                 "measured",
             )

@@ -160,15 +160,18 @@ def measure_volatility(
 
 def volatility(mbs: list[MicroBatch], old: list[R.Routing], new: list[R.Routing]) -> dict[str, float]:
     """Expert-activation volatility: the fraction of response tokens whose top-k expert set in
-    ``new`` differs from pi_old's ``old`` (per micro-batch; per layer, and over all layers),
+    ``new`` differs from pi_old's ``old`` (per micro-batch; per layer, and over all layers), and in
+    the paper's unit the share of activated experts that changed (``moe/volatility_experts``),
     token-weighted over ``mbs``. Measured once per update, after the first optimizer step."""
     totals: dict[str, torch.Tensor] = {}
     n_tok = 0
     for mb, old_routing, new_routing in zip(mbs, old, new, strict=True):
         overall, layers = R.routing_volatility(old_routing, new_routing, mb.layout.response_pos_RL)
+        share = R.routing_share_changed(old_routing, new_routing, mb.layout.response_pos_RL)
         w = int(mb.n_tokens)
         n_tok += w
-        for k, v in {"": overall, **{f"/{name}": v for name, v in layers.items()}}.items():
+        per_key = {"": overall, "_experts": share, **{f"/{name}": v for name, v in layers.items()}}
+        for k, v in per_key.items():
             totals[k] = totals.get(k, torch.zeros(())) + v.float().cpu() * w
     return {f"moe/volatility{k}": float(v) / max(n_tok, 1) for k, v in totals.items()}
 
