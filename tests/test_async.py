@@ -23,13 +23,63 @@ def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
 
 
-def test_async_run_is_stale_as_configured_and_timing_free(tmp_path):
-    """Step t learns from version t-1-K (staleness min(t-1, K)), and two uninterrupted runs agree
-    exactly whatever the timing of the two processes. (Exact resume with batches in flight, and that
-    its check fails without them: tests/test_resume_state.py.)"""
-    full = train(Config(name="full", output_dir=str(tmp_path), **TINY))
+def _record_versions_and_batches(monkeypatch) -> tuple[dict[int, dict], dict[int, object]]:
+    """The weights the trainer hands the sampler process as each version, and the batch it gets back
+    for each step (the sampler's own log-probs included)."""
+    from gspo.rollout.async_sampler import AsyncSampler
+
+    weights, batches = {}, {}
+    publish, sample = AsyncSampler._publish, AsyncSampler.sample
+
+    def recording_publish(self, version):
+        weights[version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return publish(self, version)
+
+    def recording_sample(self, step, *a, **k):
+        s = sample(self, step, *a, **k)
+        batches[step] = s.batch
+        return s
+
+    monkeypatch.setattr(AsyncSampler, "_publish", recording_publish)
+    monkeypatch.setattr(AsyncSampler, "sample", recording_sample)
+    return weights, batches
+
+
+def _sampled_by(model, weights: dict[int, dict], batch) -> list[int]:
+    """The versions whose weights give ``batch``'s responses the sampler's log-probs (to 1e-5)."""
+    from gspo.model.logprobs import response_logprobs
+    from gspo.rollout.hf import left_pad
+
+    p_ids, p_mask = left_pad(batch.prompt_ids, 0)
+    m = batch.response_mask_BT.bool()
+    found = []
+    for v, sd in sorted(weights.items()):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(sd[n])
+            lp = response_logprobs(model, p_ids, p_mask, batch.response_ids_BT, batch.response_mask_BT)
+        if float((lp - batch.sampler_logp_BT)[m].abs().max()) < 1e-5:
+            found.append(v)
+    return found
+
+
+def test_async_run_is_stale_as_configured_and_timing_free(tmp_path, monkeypatch):
+    """Step t learns from a batch that version max(t-1-K, 0) sampled (staleness min(t-1, K)): its
+    sampler log-probs are that version's and no other's, and two uninterrupted runs agree exactly
+    whatever the timing of the two processes. (Exact resume with batches in flight, and that its
+    check fails without them: tests/test_resume_state.py.)"""
+    import copy
+
+    with monkeypatch.context() as mp:
+        weights, batches = _record_versions_and_batches(mp)
+        full = train(Config(name="full", output_dir=str(tmp_path), **TINY))
     rows = _rows(full.run_dir)
     assert [r["async/staleness"] for r in rows] == [0, 1, 2, 2, 2, 2]
+    K, model = TINY["async_staleness"], copy.deepcopy(full.model)
+    assert sorted(batches) == list(range(1, 7)) and set(range(6)) <= set(weights)
+    for t, batch in batches.items():  # which weights really sampled each batch
+        found, want = _sampled_by(model, weights, batch), max(t - 1 - K, 0)
+        assert found == [want], f"step {t}: its batch was sampled by version(s) {found}, not {want}"
     assert all(0 <= r["async/trainer_idle_frac"] <= 1 for r in rows)
     assert max(r["loss/grad_norm"] for r in rows) > 0 and max(r["loss/ratio_max"] for r in rows) > 1
     again = train(Config(name="again", output_dir=str(tmp_path), **TINY))

@@ -190,3 +190,57 @@ def test_fsdp2_bf16_computes_in_bf16_and_reduces_gradients_in_float32(tmp_path):
             assert pol == (torch.bfloat16, torch.float32), f"fully_shard got (param, reduce) dtypes {pol}"
         assert got["param_dtypes"] == got["grad_dtypes"] == ["torch.float32"]  # float32 master weights
         assert got["n"] > 1000 and got["not_bf16"] > 0.2 * got["n"], (got["not_bf16"], got["n"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the weight sync's memory in gspo plan: twice the largest piece streamed, covering the measured peaks
+
+
+def _sync_bench():
+    """benchmarks/bench_vllm_sync.py's models (imported without the vLLM settings it puts in the
+    environment on import)."""
+    import os
+    import sys
+
+    before = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_vllm_sync
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        for k in set(os.environ) - set(before):
+            del os.environ[k]
+    return bench_vllm_sync
+
+
+def _measured_sync_peaks_mib() -> dict[str, float]:
+    """``sync peak MB`` (MiB) per model of benchmarks/RESULTS_scale.md section 4's table."""
+    text = (ROOT / "benchmarks" / "RESULTS_scale.md").read_text()
+    section = text.split("## 4.")[1].split("\n## ")[0]
+    header = next(ln for ln in section.splitlines() if ln.startswith("| model |"))
+    col = [c.strip() for c in header.split("|")].index("sync peak MB")
+    rows = [ln.split("|") for ln in section.splitlines() if ln.startswith("| ") and ln != header]
+    return {r[1].split()[0]: float(r[col]) for r in rows if not r[1].strip().startswith("-")}
+
+
+def test_weight_sync_estimate_is_twice_the_largest_piece_and_covers_the_measured_peaks():
+    """gspo plan's weight-sync term for each model benchmarks/bench_vllm_sync.py measured on real vLLM
+    is 2x the larger of the model's largest decoder layer and its embedding (counted on the model
+    itself, float32), and it is at least the measured peak (0.94-2.0x that piece) and not far above it."""
+    from gspo.capacity import Shape, estimate
+
+    bench = _sync_bench()
+    measured = _measured_sync_peaks_mib()
+    assert set(measured) == set(bench.SIZES), measured
+    cfg = Config(rollout_engine="vllm").validate()
+    for name, size in bench.SIZES.items():
+        with torch.device("meta"):
+            model = bench.build(*size)
+        layer = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers) * 4
+        embed = model.get_input_embeddings().weight.numel() * 4
+        sync = estimate(cfg, Shape.from_config(model.config.to_dict()), 1).sync
+        assert sync == 2 * max(layer, embed), (
+            f"{name}: sync {sync} B, not 2 x max(layer {layer}, embedding {embed})"
+        )
+        ratio = sync / 2**20 / measured[name]
+        assert 0.99 <= ratio <= 2.5, f"{name}: the estimate is {ratio:.2f}x the measured sync peak"
