@@ -70,6 +70,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from gspo.memory import proc_status_mib, reset_peak_rss
+
 HERE = Path(__file__).resolve().parent
 QWEN3_VOCAB = 151_936
 PAD_ID, EOS_ID = 151_643, 151_645  # Qwen3's <|endoftext|> and <|im_end|>
@@ -112,21 +114,6 @@ def _now() -> tuple[float, float]:
 def _since(t0: tuple[float, float]) -> tuple[float, float]:
     t1 = _now()
     return t1[0] - t0[0], t1[1] - t0[1]
-
-
-def _proc_status() -> dict[str, float]:
-    """VmRSS and VmHWM of this process in MiB."""
-    s = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+)", s).group(1)) / 1024 for k in ("VmRSS", "VmHWM")}
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def make_tokenizer(vocab: int) -> Any:
@@ -473,7 +460,7 @@ def _overrides(name: str) -> dict[str, Any]:
 
 
 def _final_mem() -> dict[str, float]:
-    st = _proc_status()
+    st = proc_status_mib()
     life = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"peak": st["VmHWM"], "rss_end": st["VmRSS"], "maxrss_lifetime": life}
 
@@ -505,8 +492,8 @@ def _worker(conn: Any, name: str, sh_dict: dict[str, Any], profile: bool) -> Non
             raise ValueError(name)
         model = c.trainer.model if name == "trl" else (c.g if name == "floor" else c).model
         n_params = sum(p.numel() for p in model.parameters())
-        st = _proc_status()
-        reset = _reset_peak()
+        st = proc_status_mib()
+        reset = reset_peak_rss()
         conn.send(
             {
                 "ready": True,

@@ -39,7 +39,7 @@ from gspo.model.load import build_char_tokenizer  # noqa: E402
 from gspo.rollout.vllm import VLLMRolloutEngine, hf_checkpoint_weights  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_realistic import _proc_status, _reset_peak  # noqa: E402  (VmRSS/VmHWM in MiB, VmHWM reset)
+from gspo.memory import proc_status_mib, reset_peak_rss  # noqa: E402  (VmRSS/VmHWM in MiB, VmHWM reset)
 
 SIZES = {
     # name: (kind, hidden, layers, intermediate, heads, kv heads, vocab, experts)
@@ -87,11 +87,11 @@ def sync_peak_mb(engine) -> float:
     import gc
 
     gc.collect()
-    if not _reset_peak():  # the high-water mark starts again from now
+    if not reset_peak_rss():  # the high-water mark starts again from now
         raise SystemExit("peak memory: /proc/self/clear_refs is not writable here (Linux >= 4.0 needed)")
-    rest = _proc_status()["VmRSS"]
+    rest = proc_status_mib()["VmRSS"]
     engine.sync_weights()
-    return _proc_status()["VmHWM"] - rest
+    return proc_status_mib()["VmHWM"] - rest
 
 
 def largest_layer_mb(model) -> float:

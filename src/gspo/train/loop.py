@@ -22,6 +22,7 @@ from typing import Any
 
 from gspo.config import Config
 from gspo.errors import GspoError
+from gspo.memory import phase_peak
 from gspo.model.export import save_streamed
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
@@ -93,16 +94,19 @@ def train(cfg: Config) -> TrainResult:
 
 def rl_step(run: Run) -> dict[str, float]:
     """One RL step on this rank: sample, score, update, sync the sampler. Returns its metrics."""
-    t0 = time.time()
-    with run.sampling():
+    t0, peaks, device = time.time(), {}, run.dctx.device
+    with run.sampling(), phase_peak("rollout", peaks, device):
         data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
     run.engine.sleep()  # vLLM on a GPU gives its memory to the update
-    metrics |= policy_update(
-        run.policy, run.optimizer, run.scheduler, data.to(run.dctx.device), run.plan, run.world
-    )
-    run.sync_sampler(version=run.step + 1)
+    with phase_peak("update", peaks, device):
+        metrics |= policy_update(
+            run.policy, run.optimizer, run.scheduler, data.to(device), run.plan, run.world
+        )
+    with phase_peak("sync", peaks, device):
+        run.sync_sampler(version=run.step + 1)
+    metrics |= peaks
     if "async/queue_wait_s" in metrics:  # a sampler running ahead: how long the trainer waited for it
         metrics["async/trainer_idle_frac"] = metrics["async/queue_wait_s"] / max(time.time() - t0, 1e-9)
     run.updating = False
