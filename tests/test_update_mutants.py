@@ -196,21 +196,19 @@ def test_fsdp2_bf16_computes_in_bf16_and_reduces_gradients_in_float32(tmp_path):
 # the weight sync's memory in gspo plan: twice the largest piece streamed, covering the measured peaks
 
 
-def _sync_bench():
-    """benchmarks/bench_vllm_sync.py's models (imported without the vLLM settings it puts in the
-    environment on import)."""
-    import os
-    import sys
+def _sync_bench() -> dict:
+    """``SIZES`` and ``build`` of benchmarks/bench_vllm_sync.py, the models it measured (read from the
+    file: importing it would set its vLLM environment and need its helpers)."""
+    import ast
 
-    before = dict(os.environ)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_vllm_sync
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-        for k in set(os.environ) - set(before):
-            del os.environ[k]
-    return bench_vllm_sync
+    path = ROOT / "benchmarks" / "bench_vllm_sync.py"
+    tree = ast.parse(path.read_text())
+    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build"]
+    keep += [n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "SIZES"]
+    assert len(keep) == 2, "bench_vllm_sync.py: SIZES or build() not found"
+    ns: dict = {"torch": torch}
+    exec(compile(ast.Module(keep, type_ignores=[]), str(path), "exec"), ns)
+    return ns
 
 
 def _measured_sync_peaks_mib() -> dict[str, float]:
@@ -230,12 +228,13 @@ def test_weight_sync_estimate_is_twice_the_largest_piece_and_covers_the_measured
     from gspo.capacity import Shape, estimate
 
     bench = _sync_bench()
+    sizes, build = bench["SIZES"], bench["build"]
     measured = _measured_sync_peaks_mib()
-    assert set(measured) == set(bench.SIZES), measured
+    assert set(measured) == set(sizes), measured
     cfg = Config(rollout_engine="vllm").validate()
-    for name, size in bench.SIZES.items():
+    for name, size in sizes.items():
         with torch.device("meta"):
-            model = bench.build(*size)
+            model = build(*size)
         layer = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers) * 4
         embed = model.get_input_embeddings().weight.numel() * 4
         sync = estimate(cfg, Shape.from_config(model.config.to_dict()), 1).sync
