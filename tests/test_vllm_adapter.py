@@ -163,8 +163,8 @@ def test_vllm_memory_share_and_tensor_parallel_size_come_from_the_config():
     from gspo.rollout.vllm import _llm_kwargs
 
     model = build_tiny_moe_h32(len(build_char_tokenizer()))
-    cfg = Config(
-        rollout_engine="vllm", vllm_gpu_memory_utilization=0.55, vllm_tensor_parallel_size=2
+    cfg = Config(  # tp 2 spans 2 ranks (tests/test_vllm_colocate.py)
+        rollout_engine="vllm", vllm_gpu_memory_utilization=0.55, vllm_tensor_parallel_size=2, nproc=2
     ).validate()
     gpu = _llm_kwargs(
         cfg, model, on_cpu=False, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=True

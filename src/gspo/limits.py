@@ -162,19 +162,25 @@ def check_local_ranks(nproc: int) -> None:
             )
 
 
-def _check_vllm_share(cfg: Any) -> None:
-    """vLLM on a GPU takes ``vllm_gpu_memory_utilization`` of the GPU's total memory at start: more than
-    is free now is refused here, before the engine loads anything (written for a GPU, untested)."""
+def _check_vllm_share(cfg: Any, device: Any = None, share: float | None = None) -> None:
+    """vLLM on a GPU takes ``share`` (default ``vllm_gpu_memory_utilization``) of the GPU's total memory
+    at start and refuses to start when that is more than is free: refused here first, in one line
+    naming the field. The vLLM engine calls it on ``device`` after the trainer is sharded and
+    PyTorch's cache emptied, just before vLLM starts, where "free" is true; :func:`check_resources`
+    calls it earlier (on the sharded path nothing is allocated yet then, so it only catches a share
+    larger than the whole free GPU)."""
     import torch
 
     if getattr(cfg, "rollout_engine", "hf") != "vllm" or not torch.cuda.is_available():
         return
-    free, total = torch.cuda.mem_get_info()
-    want = cfg.vllm_gpu_memory_utilization * total
+    share = cfg.vllm_gpu_memory_utilization if share is None else share
+    free, total = torch.cuda.mem_get_info(device)
+    want = share * total
     if want > free:
         raise _bad(
             cfg, "vllm_gpu_memory_utilization",
-            f"{cfg.vllm_gpu_memory_utilization:g} of this GPU is {_gib(want)}, only {_gib(free)} is free",
+            f"{share:g} of this GPU is {_gib(want)}, only {_gib(free)} is free after the trainer took its "
+            "share (lower it, or shard the trainer over more GPUs)",
         )  # fmt: skip
 
 

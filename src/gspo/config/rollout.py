@@ -42,8 +42,10 @@ class Rollout(Group):
     """vLLM (GPU): the share of each GPU's memory vLLM may take for its weights and KV cache (its
     ``gpu_memory_utilization``); the trainer keeps the rest. More than is free at start is refused."""
     vllm_tensor_parallel_size: Annotated[int, AtLeast(1)] = 1
-    """vLLM (GPU): GPUs one vLLM instance spans (its ``tensor_parallel_size``). Untested: gspo runs one
-    colocated vLLM per training rank, so only 1 is exercised here."""
+    """vLLM: training ranks one vLLM instance spans (its ``tensor_parallel_size``). Under torchrun every
+    rank runs vLLM in its own process (vLLM's ``external_launcher``); groups of this many consecutive
+    ranks form one instance and sample their prompts together, so it must divide ``nproc`` and the
+    model's attention heads (KV heads: one of the two divides the other). Tested on CPU with 1 and 2."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
@@ -56,10 +58,42 @@ class Rollout(Group):
             raise bad(cfg, "top_k", "must be < 2**31 (0: off)")
         if cfg.vllm_gpu_memory_utilization > 1:
             raise bad(cfg, "vllm_gpu_memory_utilization", "must be <= 1 (a share of the GPU's memory)")
+        if cfg.rollout_engine == "vllm":
+            _check_tensor_parallel(cfg)
         if cfg.prompts_per_step % cfg.nproc:
             raise bad(
                 cfg, "prompts_per_step", f"must divide by nproc={cfg.nproc} (each rank samples its share)"
             )
+
+
+def _check_tensor_parallel(cfg: Any) -> None:
+    """``vllm_tensor_parallel_size`` against ``nproc`` and, where gspo can read the model's shape
+    without its weights (embedded, a local folder, a model whose numbers it ships), its heads."""
+    tp = cfg.vllm_tensor_parallel_size
+    if cfg.nproc % tp:
+        raise bad(
+            cfg, "vllm_tensor_parallel_size", f"must divide nproc={cfg.nproc} (ranks per vLLM instance)"
+        )
+    if tp == 1:
+        return
+    if getattr(cfg, "env", None):  # a rank's trajectories end after their own number of turns
+        msg = (
+            "must be 1 with env (multi-turn): the ranks of one vLLM instance would sample turn by turn apart"
+        )
+        raise bad(cfg, "vllm_tensor_parallel_size", msg)
+    from gspo.capacity import shape_of
+    from gspo.errors import GspoError
+
+    try:
+        shape = shape_of(cfg.model)
+    except GspoError:  # a hub id gspo has no numbers for: checked once the model is loaded
+        return
+    heads, kv = shape.heads, shape.kv_heads
+    if heads % tp:
+        raise bad(cfg, "vllm_tensor_parallel_size", f"must divide the model's {heads} attention heads")
+    if kv % tp if kv >= tp else tp % kv:
+        msg = f"and the model's {kv} KV heads must divide one another (vLLM slices or copies them)"
+        raise bad(cfg, "vllm_tensor_parallel_size", msg)
 
 
 @with_config(DOCUMENTED)

@@ -61,6 +61,7 @@ from gspo.compat import vllm_cpu_reload, vllm_runner, vllm_version
 from gspo.errors import GspoError
 from gspo.model.export import hf_checkpoint_weights
 from gspo.model.unwrap import is_peft, unwrap
+from gspo.rollout import vllm_colocate
 from gspo.rollout.vllm_batch import VLLMRolloutBatch, outputs_to_batch, routing_rows_layout  # noqa: F401 (re-exported)
 
 INSTALL_HINT = (
@@ -215,6 +216,10 @@ class VLLMRolloutEngine:
         self._cpu_fixes = cpu_fixes
         self.last_sync_s = 0.0
         self.last_sync_parts: dict[str, float] = {}
+        self.policy: Any = None  # the trainer's forward (FSDP2 root), for the start check
+        self.compute_dtype = torch.float32  # what the start check compares in (compute_dtype)
+        self.tp_group: Any = None  # this rank's vLLM tensor-parallel group (tp > 1)
+        self.dp_rank = 0  # which vLLM instance this rank belongs to (rank // tp): per-instance seeds
 
     @property
     def return_routing(self) -> bool:
@@ -232,6 +237,7 @@ class VLLMRolloutEngine:
         sleep_mode: bool | None = None,
         check_sync: bool = True,
         gather: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        trainer: Any = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
         """An engine holding ``model``'s current weights.
@@ -239,10 +245,17 @@ class VLLMRolloutEngine:
         ``return_routing``: return R3 data (default: ``cfg.routing_replay_source == "rollout"`` where
         the config has that field). ``sleep_mode``: vLLM sleep mode (default: on GPU). ``check_sync``:
         after the first weight push, compare vLLM's log-probs of a short probe sequence with the
-        trainer's and raise if they disagree (catches a weight sync that silently fails). ``gather``:
-        a context in which the trainer's module is whole, for that check (FSDP2 on several ranks).
-        ``llm_kwargs`` go to ``vllm.LLM`` (e.g. ``max_model_len``, default ``cfg.max_prompt_tokens +
-        cfg.max_new_tokens`` capped by the model's context; ``enforce_eager``, default True on CPU).
+        trainer's and raise if they disagree (catches a weight sync that silently fails). ``trainer``:
+        the trainer's forward module (:class:`~gspo.model.logprobs.PolicyLogprobs`, an FSDP2 root on
+        several ranks), which that check runs the probe through, one decoder layer gathered at a time
+        (default: ``model`` itself). ``gather``: no longer used for the check (it gathered the whole
+        model on every rank); kept for callers. ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
+        ``max_model_len``, default ``cfg.max_prompt_tokens + cfg.max_new_tokens`` capped by the
+        model's context; ``enforce_eager``, default True on CPU).
+
+        Under torchrun each rank gets its own vLLM (:func:`.vllm_colocate.colocation`); on a GPU its
+        memory share is checked against what is free now, after the trainer is sharded
+        (:func:`.vllm_colocate.check_share`).
         """
         vllm = _import_vllm()
         on_cpu = _is_cpu_platform()
@@ -270,6 +283,7 @@ class VLLMRolloutEngine:
         kwargs = _llm_kwargs(cfg, model, on_cpu, cpu_capture, gpu_memory_utilization, bool(sleep_mode))
         if return_routing and not on_cpu:
             kwargs["enable_return_routed_experts"] = True
+        kwargs.update(vllm_colocate.colocation(cfg, model.config, name))
         kwargs.update(llm_kwargs)
         if cpu_capture and not kwargs["enforce_eager"]:
             raise GspoError(
@@ -277,6 +291,10 @@ class VLLMRolloutEngine:
             )
         # under torchrun vLLM builds its groups on the trainer's process group, which must outlive it
         shares_world = torch.distributed.is_initialized()
+        tp = int(kwargs.get("tensor_parallel_size", 1)) if shares_world else 1
+        tp_group = vllm_colocate.tp_subgroup(tp)  # collective: before anything a rank may fail on alone
+        if not on_cpu:
+            vllm_colocate.check_share(cfg, kwargs["gpu_memory_utilization"])
         llm = _make_llm(vllm, model, tokenizer, kwargs, name)
         if not all(llm.collective_rpc(_has_reload_weights)):
             raise GspoError(
@@ -297,6 +315,12 @@ class VLLMRolloutEngine:
             cpu_fixes=cpu_fixes,
         )
         engine.shares_world, engine.gather = shares_world, gather or contextlib.nullcontext
+        engine.policy = trainer
+        engine.compute_dtype = vllm_colocate.compute_dtype(
+            vllm_colocate.param_dtype(model), getattr(cfg, "mixed_precision", None), kwargs["dtype"]
+        )
+        engine.tp_group = tp_group
+        engine.dp_rank = torch.distributed.get_rank() // tp if shares_world else 0
         engine.top_k, engine.top_p = int(getattr(cfg, "top_k", 0)), float(getattr(cfg, "top_p", 1.0))
         engine.sync_weights()
         if check_sync:
@@ -306,7 +330,22 @@ class VLLMRolloutEngine:
     # -- sampling ------------------------------------------------------------------------------
 
     def _seed(self, row: int) -> int:
-        return (self.seed * 1_000_003 + self.calls * 65_537 + row) % (2**31 - 1)
+        # one stream per vLLM instance (the ranks of a tensor-parallel group must draw alike; the
+        # instances must not: same seeds on every rank correlated their samples)
+        return (self.seed * 1_000_003 + self.calls * 65_537 + row + self.dp_rank * 2_654_435_761) % (
+            2**31 - 1
+        )
+
+    def _group_prompts(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """Every prompt of this rank's tensor-parallel group, in rank order, and this rank's slice of
+        them: the ranks of one vLLM instance must run the same requests (collective in the group)."""
+        if self.tp_group is None:
+            return [list(p) for p in prompt_ids], slice(0, len(prompt_ids))
+        everyone: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)
+        torch.distributed.all_gather_object(everyone, [list(p) for p in prompt_ids], group=self.tp_group)
+        me = torch.distributed.get_rank(self.tp_group)
+        start = sum(len(e) for e in everyone[:me])
+        return [p for e in everyone for p in e], slice(start, start + len(prompt_ids))
 
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
@@ -317,6 +356,7 @@ class VLLMRolloutEngine:
         self.calls += 1
         greedy = greedy or temperature == 0
         truncation = {} if greedy else truncation_params(self.top_k, self.top_p)
+        group_prompts, mine = self._group_prompts(prompt_ids)
         params = [
             vllm.SamplingParams(
                 n=1,
@@ -328,12 +368,12 @@ class VLLMRolloutEngine:
                 stop_token_ids=[self.eos_token_id],
                 detokenize=False,
             )
-            for i in range(len(prompt_ids))
+            for i in range(len(group_prompts))
         ]
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        prompts = [{"prompt_token_ids": p} for p in group_prompts]
         ctx = self._routing.recording() if self._routing is not None else contextlib.nullcontext()
         with ctx:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)[mine]
             batch = outputs_to_batch(
                 prompt_ids, [o.outputs[0] for o in outs], self.eos_token_id, self.pad_token_id
             )
@@ -369,6 +409,7 @@ class VLLMRolloutEngine:
         cache. Wakes a sleeping engine first."""
         asleep = self._asleep
         if asleep:  # weights first: the KV cache is woken after the sync, so the two never peak together
+            vllm_colocate.empty_cache()  # PyTorch's freed but reserved memory is invisible to vLLM
             self.llm.wake_up(tags=["weights"])
         t0 = time.perf_counter()
         weights = hf_checkpoint_weights(self.trainer_model)
@@ -382,6 +423,7 @@ class VLLMRolloutEngine:
         t2 = time.perf_counter()
         self.llm.reset_prefix_cache()  # its KV blocks were computed with the old weights
         if asleep:
+            vllm_colocate.empty_cache()  # the gathered layers of the stream
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.last_sync_s = time.perf_counter() - t0
@@ -392,9 +434,14 @@ class VLLMRolloutEngine:
         }
 
     def check_logprobs(self, probe: Sequence[int] | None = None, atol: float | None = None) -> float:
-        """Max abs difference between vLLM's and the trainer's next-token log-probs along ``probe``
-        (default: 24 token ids spread over the vocabulary); raises :class:`GspoError` above ``atol``
-        (default 1e-3 in float32, 0.1 in 16-bit: a broken sync is off by ~1)."""
+        """Difference between vLLM's and the trainer's next-token log-probs along ``probe`` (default:
+        24 token ids spread over the vocabulary); raises :class:`GspoError` above the bound of
+        :func:`.vllm_colocate.sync_tolerance` for the compute dtype (``atol`` overrides the bound).
+        Returns the statistic compared (max in float32, mean in 16-bit).
+
+        The trainer's side runs the probe through its own forward module (``policy``): under FSDP2
+        each decoder layer is gathered for its forward and freed after it, so no rank ever holds the
+        whole model (collective: every rank checks the same probe)."""
         vllm = _import_vllm()
         model = unwrap(self.trainer_model, "hf")
         V = int(model.get_input_embeddings().weight.shape[0])
@@ -406,20 +453,16 @@ class VLLMRolloutEngine:
         got = torch.tensor(
             [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], probe[1:], strict=True)]
         )
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), self.gather():  # FSDP2: the trainer's module whole (collective)
-            device = next(model.parameters()).device
-            logits = model(input_ids=torch.tensor([probe], device=device)).logits[0, :-1].float()
-        model.train(was_training)
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe[1:], device=device)[:, None])[:, 0]
-        diff = float((ref.cpu() - got).abs().max())
-        if atol is None:
-            atol = 1e-3 if model.dtype == torch.float32 else 0.1
-        if not diff <= atol:
+        diff_T = (vllm_colocate.trainer_logprobs(self.policy, self.trainer_model, probe) - got).abs()
+        stat, bound = vllm_colocate.sync_tolerance(self.compute_dtype)
+        diff = float(diff_T.max() if stat == "max" else diff_T.mean())
+        bound = bound if atol is None else atol
+        if not diff <= bound:
+            dtype = str(self.compute_dtype).removeprefix("torch.")
             raise GspoError(
-                f"vLLM {_vllm_version()}: log-probs after the weight sync differ from the trainer's by {diff:.3g} "
-                f"(> {atol:g}); the in-memory weight sync does not work with this vLLM/model"
+                f"vLLM {_vllm_version()}: log-probs after the weight sync differ from the trainer's by "
+                f"{diff:.3g} ({stat} over the probe, > {bound:g} in {dtype}); the in-memory weight sync "
+                "does not work with this vLLM/model"
             )
         return diff
 

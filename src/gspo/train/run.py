@@ -210,9 +210,12 @@ class Run:
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy accuracy (rank 0; the other ranks return nothing; every rank calls it)."""
         with self.sampling():
-            if self.rank != 0:
+            # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
+            tp = self.cfg.vllm_tensor_parallel_size if getattr(self.engine, "tp_group", None) else 1
+            if self.rank >= tp:
                 return {}
-            return evaluate(self.engine, self.tokenizer, self.task, self.eval_ids, self.cfg)
+            acc = evaluate(self.engine, self.tokenizer, self.task, self.eval_ids, self.cfg)
+            return acc if self.rank == 0 else {}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
