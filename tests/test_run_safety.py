@@ -314,7 +314,8 @@ def test_one_sigterm_abandons_a_stuck_step_after_the_grace_period(tmp_path):
 
 def test_compare_run_again_reuses_finished_runs_and_continues_unfinished_ones(base_run, tmp_path):
     """What the compare's interrupt message promises: running the same command again reuses a finished
-    run, continues an unfinished one from its newest complete checkpoint, and redoes one without."""
+    run, continues an unfinished one from its newest complete checkpoint, and redoes one without
+    (gspo train's --overwrite removes what the run wrote; plan_run itself deletes nothing)."""
     import yaml
 
     from gspo.compare import plan_run
@@ -327,7 +328,8 @@ def test_compare_run_again_reuses_finished_runs_and_continues_unfinished_ones(ba
     assert plan_run(cfg).resume
     for step in ckpt.step_folders(run):
         (step / "model.safetensors").unlink()
-    assert plan_run(cfg) == cfg and not run.exists()
+    planned = plan_run(cfg)
+    assert planned.overwrite and not planned.resume and run.exists()
 
 
 def test_step_folders_are_ordered_by_step_number(tmp_path):

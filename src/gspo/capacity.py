@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ ATTN_TRANSIENT = 3
 LM_HEAD_BUFFERS = 2  # [chunk, V] float32 buffers of the chunked LM head
 HF_GENERATION_CHUNK = 256  # rows the HF engine samples at once (gspo.rollout.hf)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_MODEL_CONFIG_BYTES = 16 << 20  # an HF config.json is a few kB
+MAX_GPU_GB = 1e6  # --gpu-memory-gb: a petabyte per GPU is a typo
 
 # config numbers of models users ask for by hub id (this machine cannot download them)
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
@@ -55,6 +58,23 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                                num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False),
 }  # fmt: skip
+
+
+MAX_DIM = 2**31 - 1  # above any real model's width, layer, head or vocabulary count
+
+
+def _count(
+    c: dict[str, Any], key: str, where: str, low: int = 1, high: int = MAX_DIM, default: Any = None
+) -> int:
+    """``c[key]`` (``default`` where missing or null) as a whole number in ``[low, high]``."""
+    v = c.get(key)
+    v = default if v is None else v
+    if v is None:
+        raise GspoError(f"{where}: missing '{key}'")
+    whole = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v == int(v)
+    if not whole or not low <= v <= high:
+        raise GspoError(f"{where}: '{key}' must be a whole number in [{low}, {high}] (got {v!r:.40})")
+    return int(v)
 
 
 @dataclass(frozen=True)
@@ -74,16 +94,33 @@ class Shape:
     tied: bool = False
 
     @classmethod
-    def from_config(cls, c: dict[str, Any]) -> Shape:
-        heads = int(c["num_attention_heads"])
-        experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    def from_config(cls, c: Any, where: str = "model config") -> Shape:
+        """The numbers of an HF config dict; a one-line GspoError naming ``where`` and the key when one
+        is missing, not a whole positive number, or the shape is impossible (heads that do not
+        divide the hidden size without a ``head_dim``, key/value heads that do not divide the heads)."""
+        if not isinstance(c, dict):
+            raise GspoError(f"{where}: expected a JSON object of config numbers, got {type(c).__name__}")
+        heads, hidden = _count(c, "num_attention_heads", where), _count(c, "hidden_size", where)
+        kv_heads = _count(c, "num_key_value_heads", where, default=heads)
+        if c.get("head_dim") is None and hidden % heads:
+            raise GspoError(
+                f"{where}: 'num_attention_heads' {heads} does not divide 'hidden_size' {hidden} (no 'head_dim')"
+            )
+        if heads % kv_heads:
+            raise GspoError(
+                f"{where}: 'num_key_value_heads' {kv_heads} does not divide 'num_attention_heads' {heads}"
+            )
+        key = "num_experts" if c.get("num_experts") is not None else "num_local_experts"
+        experts = _count(c, key, where, low=0, default=0)
+        tied = c.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise GspoError(f"{where}: 'tie_word_embeddings' must be true or false (got {tied!r:.40})")
         return cls(
-            vocab=int(c["vocab_size"]), hidden=int(c["hidden_size"]), layers=int(c["num_hidden_layers"]),
-            heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-            intermediate=0 if experts else int(c["intermediate_size"]), experts=experts,
-            top_k=int(c.get("num_experts_per_tok") or 0), moe_intermediate=int(c.get("moe_intermediate_size") or 0),
-            tied=bool(c.get("tie_word_embeddings", False)),
+            vocab=_count(c, "vocab_size", where), hidden=hidden, layers=_count(c, "num_hidden_layers", where),
+            heads=heads, kv_heads=kv_heads, head_dim=_count(c, "head_dim", where, default=hidden // heads),
+            intermediate=0 if experts else _count(c, "intermediate_size", where), experts=experts,
+            top_k=_count(c, "num_experts_per_tok", where, high=experts) if experts else 0,
+            moe_intermediate=_count(c, "moe_intermediate_size", where) if experts else 0, tied=tied,
         )  # fmt: skip
 
     @property
@@ -126,21 +163,35 @@ class Shape:
 def shape_of(spec: str) -> Shape:
     """``embedded:<name>``, a local HF folder (its config.json) or a known hub id (KNOWN_MODELS)."""
     if spec in KNOWN_MODELS:
-        return Shape.from_config(KNOWN_MODELS[spec])
+        return Shape.from_config(KNOWN_MODELS[spec], f"model {spec}")
     if spec.startswith("embedded:"):
         from gspo.model.load import load_model_and_tokenizer
 
-        return Shape.from_config(load_model_and_tokenizer(spec, meta=True)[0].config.to_dict())
+        config = load_model_and_tokenizer(spec, meta=True)[0].config.to_dict()
+        return Shape.from_config(config, f"config field 'model': {spec}")
     path = Path(spec).expanduser() / "config.json"
     if path.is_file():
+        where = f"config field 'model': {path}"
         try:
-            return Shape.from_config(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise GspoError(f"config field 'model': {path}: cannot read the model's shape ({e})") from None
+            if path.stat().st_size > MAX_MODEL_CONFIG_BYTES:
+                raise GspoError(
+                    f"{where}: larger than {MAX_MODEL_CONFIG_BYTES >> 20} MiB, not a model config"
+                )
+            config = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as e:
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise GspoError(f"{where}: cannot read the model's shape ({msg:.200})") from None
+        return Shape.from_config(config, where)
     raise GspoError(
         f"config field 'model': {spec!r} is neither an embedded model, a local folder with config.json, "
         f"nor a model whose numbers gspo ships ({', '.join(KNOWN_MODELS)})"
     )
+
+
+def response_tokens(cfg: Any) -> int:
+    """Tokens after the prompt of one sampled sequence: ``max_new_tokens``, or in a multi-turn run
+    (``env``) the whole trajectory's ``max_trajectory_tokens`` (model turns and observations)."""
+    return cfg.max_trajectory_tokens if getattr(cfg, "env", None) else cfg.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -173,7 +224,7 @@ def _tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
     """Tokens of one training forward and the attention pairs it computes: responses of a group
     share their prompt's forward where prefix sharing applies (group_size > 1); packed rows form one
     sequence with a block mask (transformers' sdpa, the attention gspo loads, takes it dense)."""
-    P, T = cfg.max_prompt_tokens, cfg.max_new_tokens
+    P, T = cfg.max_prompt_tokens, response_tokens(cfg)
     if cfg.packing == "on":
         return rows * (P + T), (rows * (P + T)) ** 2
     if cfg.group_size > 1 and cfg.prefix_sharing != "off":
@@ -245,24 +296,37 @@ def _sampler(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None) -> tup
         share = cfg.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
         return share, sync
     rows = min(HF_GENERATION_CHUNK, max(1, cfg.prompts_per_step * cfg.group_size // world))
-    kv = rows * (cfg.max_prompt_tokens + cfg.max_new_tokens) * 2 * shape.layers * shape.kv_dim * rb
+    kv = rows * (cfg.max_prompt_tokens + response_tokens(cfg)) * 2 * shape.layers * shape.kv_dim * rb
     logits = rows * shape.vocab * 4 * 2
     copy = shape.params() * rb if cfg.rollout_dtype not in (None, cfg.dtype) else 0.0
     return kv + logits + copy, sync if copy else 0.0
 
 
 def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) -> int:
-    """The largest ``micro_batch_size`` (sequences per forward) whose peak fits, 0 when none does."""
+    """The largest ``micro_batch_size`` (sequences per forward) whose peak fits, 0 when none does.
+    Below a whole minibatch the peak grows with the micro-batch (bisection: ~20 estimates for a
+    million sequences); the whole minibatch in one forward holds no gradients across micro-batches,
+    so it may fit where smaller ones do not: tried first."""
+
+    def fits(m: int) -> bool:
+        return (
+            estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, world, gpu_bytes).peak <= gpu_bytes
+        )
+
     per_minibatch = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
-    best = 0
-    for m in range(1, per_minibatch + 1):
-        if estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, world, gpu_bytes).peak <= gpu_bytes:
-            best = m
-    return best
+    if fits(per_minibatch):
+        return per_minibatch
+    lo, hi = 0, per_minibatch - 1  # fits(lo) (0: none), the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def report(cfg: Any, spec: str, gpus: int, gpu_gb: float) -> tuple[str, bool]:
     """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs of ``gpu_gb`` GB, and whether it fits."""
+    if not (isinstance(gpu_gb, (int, float)) and math.isfinite(gpu_gb) and 0 < gpu_gb <= MAX_GPU_GB):
+        raise GspoError(f"--gpu-memory-gb must be a number in (0, {MAX_GPU_GB:g}] (got {gpu_gb!r})")
     shape = shape_of(spec)
     gpu = gpu_gb * 1e9
     e = estimate(cfg, shape, gpus, gpu)
@@ -271,7 +335,7 @@ def report(cfg: Any, spec: str, gpus: int, gpu_gb: float) -> tuple[str, bool]:
     shard = (
         f"FSDP2 over {gpus}" if cfg.parallel == "fsdp" and gpus > 1 else ("DDP" if gpus > 1 else "1 process")
     )
-    P, T = cfg.max_prompt_tokens, cfg.max_new_tokens
+    P, T = cfg.max_prompt_tokens, response_tokens(cfg)
     lines = [
         f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {gpus} GPU(s) x "
         f"{gpu_gb:g} GB; {shard}; trainer {cfg.dtype}"

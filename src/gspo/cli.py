@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of training: combine these comma-separated compare folders into one "
         "cross-regime report in --out",
     )
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over the runs in --out made with other settings (their checkpoints and metrics are "
+        "deleted); without it they are refused. A folder that is not a run of this comparison is never touched",
+    )
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
     _add_plan_parser(sub)
@@ -259,17 +265,25 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     import shlex
 
     from gspo.compare import run_compare, write_study
+    from gspo.study.runner import out_folder
 
-    if ns.study:
-        report = write_study([d for d in ns.study.split(",") if d.strip()], ns.out or "runs/study", ns.ci)
+    def names(flag: str, text: str | None) -> list[str] | None:  # given but naming nothing: refused
+        items = None if text is None else [x.strip() for x in text.split(",") if x.strip()]
+        if items == []:
+            raise GspoError(f"{flag}: expected comma-separated names, got {text!r}")
+        return items
+
+    if ns.study is not None:
+        dirs = names("--study", ns.study)
+        report = write_study(dirs, out_folder(ns.out or "runs/study"), ns.ci)
         print(f"report: {report}")
         return 0
     skip = ("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite")
     try:
-        seeds = [int(s) for s in ns.seeds.split(",") if s.strip()] if ns.seeds else None
+        seeds = [int(s) for s in names("--seeds", ns.seeds)] if ns.seeds is not None else None
     except ValueError:
         raise GspoError(f"--seeds: expected comma-separated integers, got {ns.seeds!r}") from None
-    variants = [v for v in ns.variants.split(",") if v.strip()] if ns.variants else None
+    variants = names("--variants", ns.variants)
     command = shlex.join(["gspo", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else None
     report = run_compare(
         ns.config,
@@ -283,6 +297,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         command=command,
         warm_target=ns.warm_target,
         warm_dir=ns.warm_dir,
+        overwrite=ns.overwrite,
     )
     print(f"report: {report}")
     return 0

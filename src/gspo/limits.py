@@ -14,6 +14,7 @@ import resource
 from typing import Any
 
 from gspo import memory
+from gspo.capacity import response_tokens
 from gspo.errors import GspoError
 from gspo.tasks.timelimit import MAX_TIMEOUT_S
 
@@ -70,7 +71,8 @@ def check_config(cfg: Any) -> None:
     free = memory.available_memory()
     if free is None:
         return
-    per_seq = BYTES_PER_SEQUENCE + cfg.max_new_tokens * BYTES_PER_RESPONSE_TOKEN
+    # a sampled sequence after its prompt: one response, or a multi-turn run's whole trajectory
+    per_seq = BYTES_PER_SEQUENCE + response_tokens(cfg) * BYTES_PER_RESPONSE_TOKEN
     for field, seqs in (
         ("prompts_per_step", cfg.prompts_per_step * cfg.group_size),
         ("eval_size", cfg.eval_size * _eval_draws(cfg.task)),
@@ -112,7 +114,7 @@ def check_resources(cfg: Any, model: Any) -> None:
     heads = get("num_attention_heads", "n_head")
     kv_heads, head_dim = get("num_key_value_heads", default=heads), get("head_dim", default=hidden // heads)
     vocab, elem = get("vocab_size"), params[0].element_size() if params else 4
-    T = cfg.max_prompt_tokens + cfg.max_new_tokens
+    T = cfg.max_prompt_tokens + response_tokens(cfg)  # a multi-turn run: its whole trajectory
     per_token_kv = layers * 2 * kv_heads * head_dim * elem
     per_token_act = layers * hidden * elem * 4  # a lower bound of what backward keeps per token
     chunk = min(256, max(cfg.eval_size, cfg.prompts_per_step * cfg.group_size // cfg.nproc))  # HF engine

@@ -26,10 +26,11 @@ from pydantic import ConfigDict, TypeAdapter, with_config
 
 from gspo.config.algorithm import Algorithm, Async, Mismatch, PolicyForward, SampleFilters
 from gspo.config.checks import Group, check_fields, check_types, field_kinds
-from gspo.config.parse import MAX_CONFIG_BYTES, FromText, coerce, load_yaml, parse_values
+from gspo.config.parse import MAX_CONFIG_BYTES, FromText, coerce, load_yaml, load_yaml_lines, parse_values
 from gspo.config.rollout import MultiTurn, Rollout
 from gspo.config.run import Run, Task, WarmStart
 from gspo.config.training import Distributed, Evaluation, LoRA, Optimization
+from gspo.errors import GspoError
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -115,10 +116,17 @@ def field_type(name: str) -> type:
 
 
 def make_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults <- YAML file <- overrides (already coerced), validated."""
-    values: dict[str, Any] = load_yaml(yaml_path) if yaml_path else {}
+    """Defaults <- YAML file <- overrides (already coerced), validated. A value of the file that
+    validation refuses is named by the file and its line too."""
+    values, lines = load_yaml_lines(yaml_path) if yaml_path else ({}, {})
     values.update(overrides or {})
-    return Config(**values).validate()
+    try:
+        return Config(**values).validate()
+    except GspoError as e:
+        field = re.match(r"config field '(\w+)'", str(e))
+        if field and field[1] in lines and field[1] not in (overrides or {}):
+            raise GspoError(f"{yaml_path}:{lines[field[1]]}: {e}") from None
+        raise
 
 
 def save_yaml(cfg: Config, path: str | Path) -> None:

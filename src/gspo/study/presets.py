@@ -15,6 +15,7 @@ tests (keys ``primary``, ``family``, ``declared_at``)::
 
 from __future__ import annotations
 
+import math
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from gspo.config import coerce
+from gspo.config.parse import read_yaml
 from gspo.errors import GspoError
 from gspo.study.metrics import Criteria, run_stats
 from gspo.study.statistics import ALPHA
@@ -110,72 +112,108 @@ def list_presets() -> list[str]:
 
 
 def load_preset(spec: str) -> Preset:
-    """A shipped preset by name (``default``, ``staleness-16``...) or a preset YAML file path."""
+    """A shipped preset by name (``default``, ``staleness-16``...) or a preset YAML file path. Every
+    problem is one GspoError line naming the file, the key's line and the key."""
     path = Path(spec) if spec.endswith((".yaml", ".yml")) else PRESETS_DIR / f"{spec}.yaml"
     if not path.is_file():
         raise GspoError(f"--preset: unknown preset {spec!r} (known: {', '.join(list_presets())})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise GspoError(f"{path}: invalid YAML: {e}") from None
+    data, lines = read_yaml(path, "preset file")
+    data = {} if data is None else data
     if not isinstance(data, dict):
-        raise GspoError(f"{path}: expected a mapping")
-    unknown = set(data) - _KEYS
+        raise GspoError(f"{path}: expected a mapping of preset keys, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in _KEYS)
     if unknown:
-        raise GspoError(f"{path}: unknown preset key(s) {', '.join(sorted(unknown))}")
+        raise GspoError(
+            f"{path}: unknown preset key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})"
+        )
+    at = lambda key: f"{path}:{lines[key]}" if key in lines else str(path)  # noqa: E731
     cfg = data.get("config") or {}
-    if not isinstance(cfg, dict):
-        raise GspoError(f"{path}: 'config' must be a mapping of config keys")
-    conf = {k.replace("-", "_"): coerce(k.replace("-", "_"), v, str(path)) for k, v in cfg.items()}
-    variants = [str(v) for v in data.get("variants", DEFAULT_VARIANTS)]
-    primary = [_endpoint(e, variants, path) for e in data.get("primary") or []]
+    if not isinstance(cfg, dict) or not all(isinstance(k, str) for k in cfg):
+        raise GspoError(f"{at('config')}: 'config' must be a mapping of config keys (got {cfg!r:.60})")
+    conf = {k.replace("-", "_"): coerce(k.replace("-", "_"), v, at("config")) for k, v in cfg.items()}
+    variants = _names(data.get("variants", DEFAULT_VARIANTS), at("variants"), "variants")
+    primary_list = data.get("primary") or []
+    if not isinstance(primary_list, list):
+        raise GspoError(f"{at('primary')}: 'primary' must be a list of endpoints (got {primary_list!r:.60})")
+    primary = [_endpoint(e, variants, at("primary")) for e in primary_list]
+    warm = data.get("warm_target")
     return Preset(
         name=path.stem,
-        description=" ".join(str(data.get("description", "")).split()),
+        description=_text(data.get("description"), at("description"), "description"),
         config=conf,
-        seeds=[int(s) for s in data.get("seeds", DEFAULT_SEEDS)],
+        seeds=_seeds(data.get("seeds", DEFAULT_SEEDS), at("seeds")),
         variants=variants,
-        runtime=" ".join(str(data.get("runtime", "")).split()),
-        warm_target=None if data.get("warm_target") is None else float(data["warm_target"]),
+        runtime=_text(data.get("runtime"), at("runtime"), "runtime"),
+        warm_target=None if warm is None else _number(warm, at("warm_target"), "warm_target"),
         path=path,
         primary=primary,
-        family=_family(data.get("family"), path.stem, len(primary), path) if primary else None,
-        declared_at=None if data.get("declared_at") is None else str(data["declared_at"]),
+        family=_family(data.get("family"), path.stem, len(primary), at("family")) if primary else None,
+        declared_at=_text(data.get("declared_at"), at("declared_at"), "declared_at") or None,
     )
+
+
+def _text(v: Any, where: str, key: str) -> str:
+    """A scalar as one line of text (None: empty); a list or mapping is refused."""
+    if v is None:
+        return ""
+    if isinstance(v, (dict, list)):
+        raise GspoError(f"{where}: '{key}' must be text, got a {type(v).__name__}")
+    return " ".join(str(v).split())
+
+
+def _number(v: Any, where: str, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise GspoError(f"{where}: '{key}' must be a finite number (got {v!r:.60})")
+    return float(v)
+
+
+def _seeds(v: Any, where: str) -> list[int]:
+    ok = isinstance(v, list) and v and all(type(s) is int and 0 <= s < 2**32 for s in v)
+    if not ok:
+        raise GspoError(
+            f"{where}: 'seeds' must be a non-empty list of integers in [0, 2**32) (got {v!r:.60})"
+        )
+    return list(v)
+
+
+def _names(v: Any, where: str, key: str) -> list[str]:
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.strip() for x in v):
+        raise GspoError(f"{where}: '{key}' must be a non-empty list of names (got {v!r:.60})")
+    return [x.strip() for x in v]
 
 
 _METRICS = set(run_stats([], Criteria()))  # what an endpoint may name: every per-run number
 
 
-def _endpoint(e: Any, variants: list[str], path: Path) -> Endpoint:
-    where = f"{path}: primary endpoint {e!r}"
+def _endpoint(e: Any, variants: list[str], where: str) -> Endpoint:
+    where = f"{where}: primary endpoint {e!r:.80}"
     if not isinstance(e, dict) or set(e) - {"metric", "contrast", "direction", "margin"}:
         raise GspoError(f"{where}: expected {{metric, contrast: 'a - b', direction, margin}}")
-    a, _, b = str(e.get("contrast", "")).partition(" - ")
+    contrast, metric, direction = e.get("contrast", ""), e.get("metric"), e.get("direction", "greater")
+    a, _, b = (contrast if isinstance(contrast, str) else "").partition(" - ")
+    a, b = a.strip(), b.strip()
     if not a or not b or a not in variants or b not in variants:
         raise GspoError(f"{where}: contrast must be 'a - b' of this preset's variants {variants}")
-    if e.get("metric") not in _METRICS:
+    if not isinstance(metric, str) or metric not in _METRICS:
         raise GspoError(f"{where}: unknown metric (known: {', '.join(sorted(_METRICS))})")
-    if e.get("direction", "greater") not in _DIRECTIONS:
+    if not isinstance(direction, str) or direction not in _DIRECTIONS:
         raise GspoError(f"{where}: direction must be one of {', '.join(_DIRECTIONS)}")
-    return Endpoint(
-        str(e["metric"]), a.strip(), b.strip(), e.get("direction", "greater"), float(e.get("margin", 0))
-    )
+    return Endpoint(metric, a, b, direction, _number(e.get("margin", 0), where, "margin"))
 
 
-def _family(f: Any, default_name: str, n: int, path: Path) -> Family:
+def _family(f: Any, default_name: str, n: int, where: str) -> Family:
     f = f or {}
     if not isinstance(f, dict) or set(f) - {"name", "size", "alpha", "test"}:
-        raise GspoError(f"{path}: 'family' must be a mapping of name, size, alpha, test")
-    fam = Family(
-        str(f.get("name", default_name)), int(f.get("size", n)), float(f.get("alpha", ALPHA)),
-        str(f.get("test", "permutation")),
-    )  # fmt: skip
-    if fam.size < n:
-        raise GspoError(f"{path}: family size {fam.size} is smaller than its {n} primary endpoint(s)")
-    if fam.test not in _TESTS or not 0 < fam.alpha < 1:
-        raise GspoError(f"{path}: family test must be one of {', '.join(_TESTS)}, alpha in (0, 1)")
-    return fam
+        raise GspoError(f"{where}: 'family' must be a mapping of name, size, alpha, test")
+    size, test = f.get("size", n), f.get("test", "permutation")
+    if type(size) is not int or size < n:
+        raise GspoError(
+            f"{where}: family size must be an integer >= its {n} primary endpoint(s) (got {size!r:.40})"
+        )
+    alpha = _number(f.get("alpha", ALPHA), where, "family alpha")
+    if not isinstance(test, str) or test not in _TESTS or not 0 < alpha < 1:
+        raise GspoError(f"{where}: family test must be one of {', '.join(_TESTS)}, alpha in (0, 1)")
+    return Family(_text(f.get("name", default_name), where, "family name") or default_name, size, alpha, test)
 
 
 def declaration(preset: Preset) -> dict[str, Any]:
@@ -202,9 +240,19 @@ def declaration(preset: Preset) -> dict[str, Any]:
     out["committed"] = bool(log) and git("diff", "--quiet", "HEAD", "--", name) is not None
     if preset.declared_at:
         text = git("show", f"{preset.declared_at}:./{name}")
-        old = yaml.safe_load(text) if text else None
-        now = yaml.safe_load(preset.path.read_text())
+        old = _safe_yaml(text) if text else None
+        now = _safe_yaml(preset.path.read_text())
         out["declared_at_matches"] = (
-            None if old is None else all(old.get(k) == now.get(k) for k in ("primary", "family", "seeds"))
+            None
+            if not isinstance(old, dict) or not isinstance(now, dict)
+            else all(old.get(k) == now.get(k) for k in ("primary", "family", "seeds"))
         )
     return out
+
+
+def _safe_yaml(text: str) -> Any:
+    """A preset's text from git, or as it is now: None where it is not YAML (never a traceback)."""
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError):
+        return None

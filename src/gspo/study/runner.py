@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gspo.config import Config, make_config
 from gspo.errors import GspoError
 from gspo.study.metrics import Criteria
@@ -191,12 +189,24 @@ def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
     return cfg.run_name, time.time() - t0, res.initial_accuracy, res.final_accuracy
 
 
-def _differs(cfg: Config) -> str | None:
+def _saved_config(cfg: Config) -> dict[str, Any] | None:
+    """The run folder's config.yaml when it is a gspo run of this comparison (a mapping naming this
+    run and an algorithm); None for anything else (a user's folder, an unreadable file)."""
+    from gspo.config.parse import read_yaml
+
+    try:
+        saved, _ = read_yaml(cfg.run_dir / "config.yaml")
+    except GspoError:
+        return None
+    if not isinstance(saved, dict) or saved.get("name") != cfg.run_name or "algo" not in saved:
+        return None
+    return saved
+
+
+def _differs(cfg: Config, saved: dict[str, Any]) -> str | None:
     """The first setting the run folder's saved config has otherwise than ``cfg`` ("key: old, now new";
     settings that only steer the run are ignored; a field the saved config lacks, added by a newer
     gspo, counts as its default); None when they agree."""
-    saved_file = cfg.run_dir / "config.yaml"
-    saved = (yaml.safe_load(saved_file.read_text()) or {}) if saved_file.exists() else {}
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     for k, v in cfg.to_dict().items():
         if k not in _STEERING and saved.get(k, defaults.get(k)) != v:
@@ -204,27 +214,54 @@ def _differs(cfg: Config) -> str | None:
     return None
 
 
-def plan_run(cfg: Config) -> Config | None:
-    """What to run for ``cfg``: None when a finished run of it exists (a finished one made with other
-    settings is an error, never deleted); an unfinished run with a complete checkpoint and the same
-    settings continues from it (``resume``); anything else in the folder is removed to start fresh."""
+def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
+    """What to run for ``cfg`` in its folder; deletes nothing itself. None when a finished run with
+    the same settings is there (reused); an unfinished one continues from its newest complete
+    checkpoint (``resume``) or, interrupted before its first, starts over. A run made with other
+    settings is refused, or with ``overwrite`` started over (``gspo train --overwrite`` removes only
+    what a run writes). Anything else there (a file, a folder that is not this comparison's run) is
+    refused and left as it is."""
     from gspo.train.checkpoint import newest_complete
 
     run = cfg.run_dir
-    if not run.exists():
+    if not run.exists() and not run.is_symlink():
         return cfg
-    if (run / "final" / "config.json").exists() and (run / "config.yaml").exists():
-        diff = _differs(cfg)
-        if diff:
-            raise GspoError(
-                f"{run} is a finished run made with other settings ({diff}); pass another --out, or "
-                "delete the folder to redo it"
-            )
-        return None
-    if (run / "config.yaml").exists() and _differs(cfg) is None and newest_complete(run)[0] is not None:
-        return dataclasses.replace(cfg, resume=True)
-    shutil.rmtree(run)
-    return cfg
+    if not run.is_dir():
+        raise GspoError(f"{run} exists and is not a folder; move it away or pass another --out")
+    if not any(run.iterdir()):
+        return cfg
+    saved = _saved_config(cfg)
+    if saved is None:
+        raise GspoError(
+            f"{run} is not a run of this comparison (no gspo config.yaml naming {cfg.run_name}); gspo "
+            "compare neither writes into nor deletes it: move it away or pass another --out"
+        )
+    finished = (run / "final" / "config.json").exists()
+    diff = _differs(cfg, saved)
+    if diff and not overwrite:
+        raise GspoError(
+            f"{run} is {'a finished' if finished else 'an unfinished'} run made with other settings "
+            f"({diff}); pass --overwrite to start it over (its checkpoints and metrics are deleted), or "
+            "another --out"
+        )
+    if diff or (not finished and newest_complete(run)[0] is None):
+        return dataclasses.replace(cfg, overwrite=True)
+    return None if finished else dataclasses.replace(cfg, resume=True)
+
+
+def out_folder(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as a folder to write into, created if need be; a one-line GspoError when it is a
+    file, lies under a file or cannot be created."""
+    out = Path(path)
+    above = next((a for a in (out, *out.parents) if a.exists() or a.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        where = "is" if above == out else f"lies under {above}, which is"
+        raise GspoError(f"{flag} {out}: {where} not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GspoError(f"{flag} {out}: cannot create the folder ({e.strerror or e})") from None
+    return out
 
 
 def run_compare(
@@ -240,6 +277,7 @@ def run_compare(
     command: str | None = None,
     warm_target: float | None = None,
     warm_dir: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Train every (variant, seed) from one warm start per seed, then write the report; returns its path.
 
@@ -249,20 +287,20 @@ def run_compare(
     ``warm_target`` (default: the preset's): warm start each seed until this greedy accuracy on
     held-out-like prompts, at most ``sft_steps`` steps (see :func:`warm_start_job`). Warm starts are
     kept under ``warm_dir`` (default ``<out>/../warm-starts``) and shared by compares that need the
-    same one."""
+    same one. A run folder in ``out`` made with other settings is refused, or with ``overwrite``
+    started over; one that is not this comparison's run is always refused (:func:`plan_run`)."""
     p = load_preset(preset) if preset else Preset(name="custom")
     seeds = list(p.seeds if seeds is None else seeds)
     variants = list(p.variants if variants is None else variants)
     target = p.warm_target if warm_target is None else warm_target
     _check_args(seeds, variants, workers, target)
     base = _base_config(p, config_path, overrides, workers)
-    out = Path(out_dir or f"runs/compare-{p.name}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(out_dir or f"runs/compare-{p.name}")
+    warm_path = out_folder(warm_dir, "--warm-dir") if warm_dir else out.parent / "warm-starts"
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
-    jobs = _Jobs(
-        base, seeds, variants, out, target, Path(warm_dir) if warm_dir else out.parent / "warm-starts"
-    )
+    jobs = _Jobs(base, seeds, variants, out, target, warm_path, overwrite)
+    jobs.check_folders()  # every run folder before any training: a refusal costs no work
     t_start = time.time()
     load = _LoadSampler()
     with _continue_hint(command):
@@ -313,6 +351,7 @@ class _Jobs:
     out: Path
     target: float | None
     warm_dir: Path
+    overwrite: bool = False
     timing: dict[str, float] = field(default_factory=dict)
     warm_folders: dict[str, str | None] = field(default_factory=dict)
 
@@ -324,13 +363,23 @@ class _Jobs:
                 kw.update(tokenizer=warm)
         return dataclasses.replace(self.base, **kw).validate()
 
+    def check_folders(self) -> None:
+        """:func:`plan_run` on every (variant, seed) with the warm-start folder it will have."""
+        for seed in self.seeds:
+            warm = None if self.base.sft_steps == 0 else str(self.warm_folder(seed))
+            for v in self.variants:
+                plan_run(self.run_cfg(v, seed, warm), self.overwrite)
+
+    def warm_folder(self, seed: int) -> Path:
+        return warm_start_folder(self.base, seed, self.target, self.warm_dir)
+
     def warm_done(self, seed: int, warm: str | None, dt: float) -> list[Config]:
         """Record a seed's warm start; the runs of that seed still to train."""
         self.timing[f"warm-start-s{seed}"] = dt
         self.warm_folders[str(seed)] = warm
         todo = []
         for v in self.variants:
-            cfg = plan_run(self.run_cfg(v, seed, warm))
+            cfg = plan_run(self.run_cfg(v, seed, warm), self.overwrite)
             if cfg is None:
                 print(f"[compare] {v} seed {seed}: done already, reusing {self.out / f'{v}-s{seed}'}")
             else:
