@@ -328,16 +328,21 @@ def test_r3_run_replays_vllm_routing_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_with_vllm_on_every_rank_and_shut_down_cleanly(tmp_path):
-    """`gspo train --nproc 2 --rollout-engine vllm` (FSDP2 on gloo, one vLLM per rank, GRPO + R3, pi_old
-    from vLLM): trains; each sync streams the shards one layer at a time and the sampler's log-probs
-    equal the trainer's as on one rank; vLLM's teardown leaves the trainer's process group alone (it
-    used to end it: "Invalid process group specified" at exit); no error line; no process left."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_ranks_train_with_vllm_on_every_rank_and_shut_down_cleanly(tmp_path, tp):
+    """`gspo train --nproc 2 --rollout-engine vllm` (FSDP2 on gloo, GRPO + R3, pi_old from vLLM), vLLM
+    under torchrun with its external_launcher executor: one vLLM per rank (tp 1), or one instance over
+    both ranks (tp 2: they sample their prompts together, each streams the weights into its slice).
+    Trains; the start check passes through the sharded trainer; each sync streams the shards one layer
+    at a time and the sampler's log-probs equal the trainer's as on one rank; vLLM's teardown leaves
+    the trainer's process group alone (it used to end it: "Invalid process group specified" at exit);
+    no error line; no process left."""
     cmd = [
         sys.executable, "-m", "gspo", "train", "--nproc", "2", "--rollout-engine", "vllm",
+        "--vllm-tensor-parallel-size", str(tp),
         "--model", "embedded:tiny-moe-h32", "--algo", "grpo", "--routing-replay", "--routing-replay-source",
         "rollout", "--old-logp", "rollout", "--steps", "3", "--sft-steps", "60", "--prompts-per-step", "4",
-        "--group-size", "4", "--eval-every", "0", "--eval-size", "8", "--threads", "1", "--no-progress",
+        "--group-size", "4", "--eval-every", "2", "--eval-size", "8", "--threads", "1", "--no-progress",
         "--output-dir", str(tmp_path), "--name", "two",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -348,6 +353,9 @@ def test_two_ranks_train_with_vllm_on_every_rank_and_shut_down_cleanly(tmp_path)
     assert not bad, bad[:5]
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
+    assert (
+        0 <= rows[0]["eval/accuracy"] <= 1 and 0 <= rows[2]["eval/accuracy"] <= 1
+    )  # tp 2: both ranks ran it
     for r in rows[1:]:
         assert r["mismatch/token_abs_logp_diff"] < 1e-5 and 0 <= r["moe/volatility"] < 0.5
     assert max(r["loss/grad_norm"] for r in rows[1:]) > 0
