@@ -5,6 +5,7 @@ lost the optimizer's moments, a shard, or the weights would end elsewhere than t
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -129,7 +130,16 @@ def test_a_sharded_checkpoint_resumes_in_one_process(runs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
     _train(tmp, "one", "--nproc", "1", "--steps", "3", "--resume")
     rows = (run / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(rows[-1])["step"] == 3
+    last = json.loads(rows[-1])
+    assert last["step"] == 3
+    # it trained: step 3's update moved the weights away from the checkpoint's, and every number it
+    # logged is finite (a resume whose optimizer lost its parameters would leave the weights as loaded)
+    c = _weights(run / "final")
+    assert c.keys() == b.keys() and any(not torch.equal(c[k], b[k]) for k in b)
+    assert all(torch.isfinite(v).all() for v in c.values())
+    numbers = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert numbers["loss/skipped_updates"] == 0 and "loss/approx_kl" in numbers, sorted(numbers)
+    assert all(math.isfinite(v) for v in numbers.values()), numbers
 
 
 def test_eval_and_export_name_the_problem(runs, tmp_path):

@@ -92,6 +92,11 @@ def _add_export_parser(sub: Any) -> None:
     )
     x.add_argument("checkpoint", help="a sharded checkpoint folder (runs/NAME/checkpoints/step-N)")
     x.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
+    x.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="export the weights and config of a checkpoint that has no tokenizer files (refused otherwise)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,9 +336,14 @@ def cmd_export(ns: argparse.Namespace) -> int:
     why = check_manifest(src)
     if why:
         raise GspoError(f"{src}: {why}")
+    if out.is_symlink():  # dangling or not: the export would replace the link, not write where it points
+        raise GspoError(f"--out {out} is a symlink; give the path of a new (or empty) folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GspoError(f"--out {out} already exists and is not an empty folder")
-    files = export_dcp(src, out)
+    above = next((a for a in out.parents if a.exists() or a.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise GspoError(f"--out {out}: {above} is not a folder")
+    files = export_dcp(src, out, tokenizer=not ns.no_tokenizer)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})")
     return 0
 

@@ -112,12 +112,14 @@ def write_safetensors(
 
 
 def save_config_and_tokenizer(model: Any, tokenizer: Any, folder: Path) -> None:
-    """Everything of an HF folder but the weights (config, generation config, tokenizer files)."""
+    """Everything of an HF folder but the weights (config, generation config, tokenizer files unless
+    ``tokenizer`` is None)."""
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def save_streamed(model: Any, tokenizer: Any, folder: Path | None) -> None:
@@ -133,15 +135,51 @@ def save_streamed(model: Any, tokenizer: Any, folder: Path | None) -> None:
     write_safetensors(weights, folder)
 
 
-def export_dcp(step_dir: Path, out: Path) -> list[Path]:
-    """Turn a sharded checkpoint (``step_dir/dcp``, any world size) into an HF folder at ``out``, in
-    this process, reading one decoder layer's tensors at a time. Returns the weight files."""
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+#: the files of which at least one makes a folder hold a tokenizer ``AutoTokenizer`` can load
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
-    reader = dcp.FileSystemReader(str(step_dir / DCP_DIR))
-    stored = reader.read_metadata().state_dict_metadata
-    config = AutoConfig.from_pretrained(step_dir)
+
+def _read_config(step_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(step_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # unknown model_type, bad JSON
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GspoError(f"{step_dir}/config.json cannot be read as a transformers config: {first}") from None
+
+
+def _read_tokenizer(step_dir: Path, required: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any((step_dir / f).is_file() for f in TOKENIZER_FILES):
+        if required:
+            raise GspoError(
+                f"{step_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); pass --no-tokenizer "
+                "to export the weights and config alone"
+            )
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(step_dir)
+    except Exception as e:  # noqa: BLE001 (any damaged tokenizer file)
+        raise GspoError(f"{step_dir}: its tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
+
+
+def export_dcp(step_dir: Path, out: Path, tokenizer: bool = True) -> list[Path]:
+    """Turn a sharded checkpoint (``step_dir/dcp``, any world size) into an HF folder at ``out``, in
+    this process, reading one decoder layer's tensors at a time. Written into a sibling folder renamed
+    to ``out`` at the end (removed on failure: nothing half-written). Returns the weight files."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from gspo.train.sharded import SafePlanner, SafeReader, check_dcp, failure, read_index
+
+    why = check_dcp(step_dir)
+    if why:
+        raise GspoError(f"{step_dir}: {why}")
+    stored = read_index(step_dir).state_dict_metadata
+    config = _read_config(step_dir)
+    tok = _read_tokenizer(step_dir, tokenizer)
     with torch.device("meta"):  # names, tied weights and the save-time conversion; no memory
         model = AutoModelForCausalLM.from_config(config)
     names = list(transformers_model.save_state_dict(model))
@@ -151,6 +189,7 @@ def export_dcp(step_dir: Path, out: Path) -> list[Path]:
         raise GspoError(
             f"{step_dir}/{DCP_DIR}: the checkpoint has no weight {missing[0]!r} of {config.model_type}"
         )
+    reader = SafeReader(step_dir / DCP_DIR)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for group in layer_groups(names):
@@ -158,10 +197,42 @@ def export_dcp(step_dir: Path, out: Path) -> list[Path]:
             for k in group:
                 md = stored[prefix + k]
                 sd[POLICY_PREFIX + k] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            dcp.load({DCP_MODEL_KEY: sd}, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load({DCP_MODEL_KEY: sd}, storage_reader=reader, planner=SafePlanner(), no_dist=True)
+            except (Exception, dcp.api.CheckpointException) as e:  # bytes damaged under a matching manifest
+                raise GspoError(
+                    f"{step_dir}/{DCP_DIR}: the weights of {group[0]!r} cannot be read ({failure(e)})"
+                ) from None
             yield from transformers_model.revert_weight_conversion(
                 model, {k.removeprefix(POLICY_PREFIX): v for k, v in sd.items()}
             ).items()
 
-    save_config_and_tokenizer(model, AutoTokenizer.from_pretrained(step_dir), out)
-    return write_safetensors(weights(), out)
+    def write(tmp: Path) -> list[Path]:
+        save_config_and_tokenizer(model, tok, tmp)
+        return write_safetensors(weights(), tmp)
+
+    return _write_atomically(out, write)
+
+
+def _write_atomically(out: Path, write: Any) -> list[Path]:
+    """``write(tmp)`` into a new sibling of ``out``, renamed to ``out`` when it returns (``out``: absent
+    or an empty folder); on any failure the sibling is removed. Returns the files, named under ``out``."""
+    import shutil
+    import tempfile
+
+    made = next((p for p in reversed(out.parents) if not p.exists() and not p.is_symlink()), None)
+    try:  # the folders above it, as ``save_pretrained`` would make them (removed again on failure)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as e:
+        raise GspoError(f"--out {out}: cannot create a folder in {out.parent}: {e.strerror or e}") from None
+    try:
+        files = write(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a folder save_pretrained makes is not
+        os.replace(tmp, out)  # replaces an empty folder
+    except BaseException as e:
+        shutil.rmtree(made or tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise GspoError(f"--out {out}: cannot write it: {e.strerror or e}") from None
+        raise
+    return [out / f.name for f in files]

@@ -143,9 +143,34 @@ def save_checkpoint(
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
-    for old in step_folders(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(run_dir, keep, final)
     return final
+
+
+# stray step folders already reported by this process (one warning each, not one per checkpoint)
+_warned_strays: set[Path] = set()
+
+
+def prune(run_dir: Path, keep: int, newest: Path) -> None:
+    """Delete all but the ``keep`` newest checkpoints gspo wrote (those with a manifest; never
+    ``newest``). A ``step-N`` folder without one is not gspo's: it neither counts nor is deleted."""
+    import sys
+
+    folders = step_folders(run_dir)
+    ours = [p for p in folders if (p / MANIFEST).is_file()]
+    for old in ours[:-keep]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
+    strays = [p for p in folders if p not in ours and p not in _warned_strays]
+    if strays:
+        _warned_strays.update(strays)
+        names = ", ".join(p.name for p in strays)
+        print(
+            f"gspo: warning: {run_dir}/checkpoints holds {names} without {MANIFEST} (not a checkpoint gspo "
+            "completed): not counted as a kept checkpoint and never deleted by gspo",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def step_folders(run_dir: Path) -> list[Path]:
@@ -191,6 +216,10 @@ def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
     names = [] if why else _manifest_names(path)
     if not why and not any(n.endswith(".safetensors") or n == f"{DCP_DIR}/.metadata" for n in names):
         why = f"{MANIFEST} lists no weights (*.safetensors, or {DCP_DIR}/ shards)"
+    if not why and f"{DCP_DIR}/.metadata" in names:  # shards the manifest was rewritten to match
+        from gspo.train.sharded import check_dcp
+
+        why = check_dcp(path)
     if why:
         return None, why
     try:

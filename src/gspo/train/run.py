@@ -360,6 +360,11 @@ def _check_run_dir(
                     f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
                     "a new run with --name"
                 )
+            if cfg.steps < state["step"]:  # before config.yaml or final/ is touched
+                raise GspoError(
+                    f"--resume: --steps {cfg.steps} is below the step of the checkpoint being resumed "
+                    f"({path.name}: step {state['step']}); pass --steps {state['step']} or more"
+                )
         if dctx.rank == 0:
             if note:
                 print(f"gspo: {note}", file=sys.stderr, flush=True)
@@ -397,9 +402,14 @@ def _claim_run_dir(cfg: Config) -> tuple[int, Path | None, dict[str, Any] | None
             return lock, path, state, note
         traces = ckpt.run_traces(run_dir)
         if traces and not cfg.overwrite:
-            what = "checkpoints" if ckpt.step_folders(run_dir) else f"a run ({', '.join(traces)})"
+            if not ckpt.step_folders(run_dir):  # stopped before step 0 was saved: nothing to resume
+                raise GspoError(
+                    f"run folder {run_dir} already holds a run ({', '.join(traces)}) that saved no "
+                    "checkpoint (it stopped before step 0), so --resume cannot continue it; pass "
+                    "--overwrite to delete it and start over, or --name to start a new run"
+                )
             raise GspoError(
-                f"run folder {run_dir} already holds {what}; pass --resume to continue it, --overwrite "
+                f"run folder {run_dir} already holds checkpoints; pass --resume to continue it, --overwrite "
                 "to delete it and start over, or --name to start a new run"
             )
         ckpt.remove_traces(run_dir)  # --overwrite (nothing to remove otherwise)

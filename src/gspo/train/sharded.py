@@ -8,19 +8,126 @@ a ``from_pretrained`` folder (:func:`gspo.model.export.export_dcp`).
 
 DCP reshards on load, so a checkpoint resumes at the world size it was written at (bit-exact) and at
 another one, one process included (the same numbers, up to the order of reductions).
+
+Nothing in a sharded checkpoint is executed either: torch's reader unpickles ``.metadata`` and its
+non-tensor entries with plain ``pickle``; :func:`reader` and :func:`planner` read the index through an
+allowlist of DCP's own record types and those entries with ``torch.load(weights_only=True)``.
+:func:`check_dcp` finds a damaged shard folder whose manifest was rewritten to match (a shard missing
+or shorter than the index says, an index that is no DCP index).
 """
 
 from __future__ import annotations
 
+import copyreg
+import dataclasses
+import enum
+import io
+import pathlib
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from gspo.errors import GspoError
 from gspo.model.export import DCP_DIR, DCP_MODEL_KEY
 
 OPTIMIZER_KEY = "optimizer"
+# the modules whose record types (dataclasses, enums) a DCP index is made of
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# how a torch.layout pickles (a function of torch's serialization module, found without naming it)
+_LAYOUT_LOADER = copyreg.dispatch_table[torch.layout](torch.strided)[0]
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` from plain records only: DCP's dataclasses and enums, sizes,
+    dtypes, layouts and paths. Anything else (a callable of any other module) is refused, not run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name)
+        record = module in _DCP_MODULES and isinstance(obj, type)
+        record = record and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        if record or obj is torch.Size or isinstance(obj, torch.dtype) or obj is _LAYOUT_LOADER:
+            return obj
+        if obj in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath):
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """torch's file-system reader with ``.metadata`` read by :class:`_IndexUnpickler`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.folder = Path(path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        with open(self.folder / ".metadata", "rb") as fh:
+            metadata = _IndexUnpickler(fh).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"the index holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class SafePlanner(dcp.DefaultLoadPlanner):
+    """torch's load planner with every non-tensor entry checked by ``torch.load(weights_only=True)``
+    before torch's own (unrestricted) load of the same bytes."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        except pickle.UnpicklingError:
+            raise pickle.UnpicklingError(
+                f"entry {read_item.dest_index.fqn!r} is not plain data (a pickled callable?): refused"
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def failure(e: BaseException) -> str:
+    """One line for a failed DCP load: the first rank's own error (not torch's traceback dump)."""
+    if isinstance(e, dcp.api.CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def read_index(step_dir: Path) -> Any:
+    """The DCP index (``Metadata``) of the sharded checkpoint ``step_dir``; :class:`GspoError` naming
+    the file when it cannot be read safely."""
+    try:
+        return SafeReader(step_dir / DCP_DIR).read_metadata()
+    except Exception as e:  # noqa: BLE001 (garbage, a truncated file or a planted callable: damaged)
+        raise GspoError(f"{step_dir}/{DCP_DIR}/.metadata cannot be read safely ({failure(e)})") from None
+
+
+def check_dcp(step_dir: Path) -> str:
+    """Why the shards of ``step_dir`` cannot be loaded ("" when every piece its index names is on disk):
+    the index unreadable, a rank's shard missing or shorter than the index says."""
+    try:
+        index = read_index(step_dir)
+    except GspoError as e:
+        return str(e).removeprefix(f"{step_dir}/")
+    need: dict[str, int] = {}
+    try:
+        for info in index.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    except (AttributeError, TypeError) as e:
+        return f"{DCP_DIR}/.metadata is no DCP index of shards ({type(e).__name__})"
+    for name, size in sorted(need.items()):
+        f = step_dir / DCP_DIR / name
+        if not f.is_file():
+            return f"{DCP_DIR}/{name} is missing (a rank's shard)"
+        if f.stat().st_size < size:
+            return f"{DCP_DIR}/{name} has {f.stat().st_size} bytes, its index needs {size} (truncated?)"
+    return ""
 
 
 def uses_sharded_checkpoints(policy: nn.Module, lora: bool) -> bool:
@@ -49,8 +156,6 @@ def save(policy: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> b
     """Write this rank's shards of the model and optimizer under ``folder/dcp`` (collective). An
     optimizer that has not stepped yet is not saved (torch's state-dict API would initialise it with
     a zero step, which shifts AdamW's bias correction). Returns whether the optimizer was saved."""
-    import torch.distributed.checkpoint as dcp
-
     with_optimizer = bool(optimizer.state)
     dcp.save(_states(policy, optimizer if with_optimizer else None), checkpoint_id=str(folder / DCP_DIR))
     return with_optimizer
@@ -59,11 +164,19 @@ def save(policy: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> b
 def load(policy: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, with_optimizer: bool) -> None:
     """Load ``folder/dcp`` into this rank's shards (collective; in one process without a group)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     states = _states(policy, optimizer if with_optimizer else None)
-    dcp.load(states, checkpoint_id=str(folder / DCP_DIR), no_dist=not dist.is_initialized())
+    try:
+        dcp.load(
+            states, storage_reader=SafeReader(folder / DCP_DIR), planner=SafePlanner(),
+            no_dist=not dist.is_initialized(),
+        )  # fmt: skip
+    except (Exception, dcp.api.CheckpointException) as e:  # damaged shards matching the manifest
+        raise GspoError(
+            f"--resume: {folder}/{DCP_DIR} cannot be loaded ({failure(e)}); move that checkpoint folder "
+            "away to resume from the one before it"
+        ) from None
     set_model_state_dict(policy, states[DCP_MODEL_KEY])
     if with_optimizer:
         set_optimizer_state_dict(policy, optimizer, states[OPTIMIZER_KEY])
