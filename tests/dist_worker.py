@@ -79,7 +79,11 @@ def main() -> None:
             rsd = {k: v.detach().clone() for k, v in rollout.named_parameters(remove_duplicate=False)}
             tied = rollout.lm_head.weight is rollout.get_input_embeddings().weight
         if rank == 0:
-            rollout_diff = max(float((rsd[k] - v).abs().max()) for k, v in sd.items())
+            # per weight, relative to itself (0 where both are 0): a cast to bf16 is within 2^-8
+            tiny = torch.finfo(torch.float32).tiny
+            rollout_rel = max(
+                float(((rsd[k] - v).abs() / v.abs().clamp(min=tiny)).max()) for k, v in sd.items()
+            )
             opt_diff = max(
                 (
                     float((osd2["state"][n][k] - s[k]).abs().max())
@@ -92,7 +96,7 @@ def main() -> None:
             results[run["name"]] = {
                 "params": sd,
                 "metrics": metrics,
-                "rollout_diff": rollout_diff,
+                "rollout_rel": rollout_rel,
                 "opt_diff": opt_diff,
                 "opt_keys": sorted(osd["state"]),
                 "rollout_tied": tied,

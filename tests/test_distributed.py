@@ -5,6 +5,7 @@ AdamW's first step normalises the gradient scale away, so only SGD catches a wro
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +25,17 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reaso
 
 ROOT = Path(__file__).resolve().parents[1]
 B, NPROC = 16, 2
+# bf16 compute (FSDP2 mixed precision) against the float32 single-process reference. bf16 keeps 8
+# significant bits: one rounding is off by at most u = 2^-8 relative, uniformly (rms u/sqrt(3)). One
+# gradient of the tiny MoE goes through ~100 bf16 roundings: per decoder layer ~24 (2 RMSNorms x 2,
+# q/k/v, q/k norms x 2, rotary 3, attention 3, o_proj, router, 8 in the experts, 2 residual adds), 2
+# layers plus final norm and LM head make ~51 in the forward, and as many in the backward. Independent
+# roundings give the gradient (and each SGD step) a relative error of rms u * sqrt(100 / 3) = 0.023;
+# BF16_REL allows 3 of those. Measured (3 data seeds x ATEN_CPU_CAPABILITY avx2 / default): the update
+# is off by 0.009-0.013 relative, so the count errs on the safe side, by about 2x.
+BF16_U = 2.0**-8
+BF16_ROUNDINGS = 100
+BF16_REL = 3 * BF16_U * (BF16_ROUNDINGS / 3) ** 0.5  # 0.068
 BASE_CFG = {
     "num_minibatches": 2,
     "prompts_per_step": 2,
@@ -222,28 +234,49 @@ def test_two_process_update_equals_single_process(distributed, run):
         if not bf16:
             torch.testing.assert_close(p, ref_sd[name], atol=1e-6, rtol=0, msg=name)
         moved = max(moved, float((ref_sd[name] - init[name]).abs().max()))
-    if bf16:  # bf16 compute: the whole update points where float32's does, within a few percent
+    if bf16:  # bf16 compute: the whole update points where float32's does, within BF16_REL
         names = sorted(got["params"])
         delta = torch.cat([(got["params"][n] - init[n]).flatten() for n in names])
         want = torch.cat([(ref_sd[n] - init[n]).flatten() for n in names])
-        assert float((delta - want).norm()) <= 0.05 * float(want.norm()), float(
-            (delta - want).norm() / want.norm()
-        )
+        err = float((delta - want).norm() / want.norm())
+        assert err <= BF16_REL, err
     assert set(got["params"]) >= {n for n, _ in ref.named_parameters()}
     assert moved > 1e-5  # the update did something
     # the rank mean of these is the global value (token fractions such as clip_frac_tok are rank means of
     # per-rank token fractions, which differ from the global fraction when ranks hold different token counts)
     for k in ("loss/loss", "loss/grad_norm"):
-        assert abs(got["metrics"][k] - ref_m[k]) < (2e-2 * abs(ref_m[k]) if bf16 else 1e-5), k
+        tol = _bf16_tolerance(k, ref_m, data) if bf16 else 1e-5
+        assert abs(got["metrics"][k] - ref_m[k]) <= tol, (k, got["metrics"][k], ref_m[k], tol)
     if bf16:  # ... and it did run in bf16: float32 would match to 1e-6
         assert any(float((got["params"][n] - ref_sd[n]).abs().max()) > 1e-6 for n in got["params"])
-    # the module the sampler uses holds the updated weights (gathered in bf16 under mixed precision)
-    assert got["rollout_diff"] <= (1e-2 if bf16 else 0.0)
+    # the module the sampler uses holds the updated weights (gathered in bf16 under mixed precision:
+    # rounding to nearest moves each weight by at most u |w|; a stale copy is off by the update)
+    assert got["rollout_rel"] <= (BF16_U if bf16 else 0.0), got["rollout_rel"]
     assert got["rollout_tied"]
     assert got["opt_diff"] == 0.0  # the full optimizer state survives a save/load round trip
     if run["opt"] != "sgd":  # (plain SGD keeps no state)
         # the trainer's forward module holds the HF model as ``.model``
         assert got["opt_keys"] == sorted("model." + n for n, p in ref.named_parameters() if p.requires_grad)
+
+
+def _bf16_tolerance(key: str, ref_m: dict[str, float], data: RolloutData) -> float:
+    """How far a bf16-compute metric may be from the float32 reference's (BF16_REL above).
+
+    grad_norm (the mean of the 2 steps' norms): | |g'| - |g| | <= |g' - g| <= BF16_REL |g|.
+    loss: minibatch 0 is on-policy, so its ratios are exactly 1 in both precisions and its terms agree;
+    the 8 rows of minibatch 1 each contribute -A_i min(r_i, clip(r_i)) / B, which moves by at most
+    |A_i| |dr_i| / B, where dr_i = r_i d(ln r_i) and ln r_i (the first step's effect on row i) is off by
+    BF16_REL of itself (the step's error; the forward's own rounding mostly cancels between pi_theta and
+    pi_old: same rows, routing replayed, weights one step apart). Not relative to the loss: its terms
+    have both signs and partly cancel, so its relative error exceeds the update's (measured 0.024 against
+    0.012, ATEN_CPU_CAPABILITY=default, data seed 0; a 0.02 tolerance failed there). Measured over the
+    runs in the BF16_REL comment: |d loss| <= 1.6e-4, under 0.1 of this bound; grad_norm within 0.001."""
+    if key == "loss/grad_norm":
+        return BF16_REL * abs(ref_m[key])
+    r_lo, r_hi = ref_m["loss/ratio_min"], ref_m["loss/ratio_max"]  # over all rows; 1 on minibatch 0
+    r_ln_r = max(r * abs(math.log(r)) for r in (r_lo, r_hi))
+    adv_mb1 = float(data.adv_B[B // 2 :].abs().sum()) / B  # minibatch 1: rows B/2.. (contiguous)
+    return BF16_REL * adv_mb1 * r_ln_r
 
 
 def test_optimizer_state_converts_between_process_counts():
