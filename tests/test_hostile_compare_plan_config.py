@@ -49,23 +49,26 @@ def _run_cfg(out: Path, **kw) -> Config:
 
 
 def test_compare_refuses_a_folder_of_user_files_and_leaves_it(tmp_path, capsys):
-    """OUT/gspo-s0 holding a user's files (no gspo config.yaml, or one of another run): refused in one
-    line naming the folder, before any training, with or without --overwrite; every file kept."""
+    """OUT/gspo-s1 holding a user's files (no gspo config.yaml, or one of another run): refused in one
+    line naming the folder, before any training (seed 0 is not run first), with or without
+    --overwrite; every file kept."""
     out = tmp_path / "out"
-    decoy = out / "gspo-s0"
+    decoy = out / "gspo-s1"
     (decoy / "thesis").mkdir(parents=True)
     (decoy / "thesis" / "chapter1.tex").write_text("years of work")
     (decoy / "notes.txt").write_text("keep me")
     before = _snapshot(decoy)
+    two_seeds = ["--seeds", "0,1", *FAST[2:]]
     for extra in ([], ["--overwrite"]):
-        rc = main(["compare", "--out", str(out), *FAST, *extra])
+        rc = main(["compare", "--out", str(out), *two_seeds, *extra])
         _one_line_error(capsys, rc, str(decoy), "not a run of this comparison")
         assert _snapshot(decoy) == before
     (decoy / "config.yaml").write_text("name: my-experiment\nalgo: mine\n")  # someone else's config.yaml
     before = _snapshot(decoy)
-    rc = main(["compare", "--out", str(out), *FAST, "--overwrite"])
+    rc = main(["compare", "--out", str(out), *two_seeds, "--overwrite"])
     _one_line_error(capsys, rc, str(decoy), "not a run of this comparison")
     assert _snapshot(decoy) == before
+    assert not (out / "gspo-s0").exists()
     decoy_file = out / "gspo_token-s0"  # a file where a run folder goes
     decoy_file.write_text("a file")
     rc = main(["compare", "--out", str(out), *FAST[:2], "--variants", "gspo_token", *FAST[4:]])
@@ -144,8 +147,9 @@ def test_interrupted_compare_run_is_resumed_or_refused_never_wiped(tmp_path, cap
     ],
 )
 def test_compare_empty_names_are_one_line(tmp_path, capsys, args, want):
-    """Given but naming nothing: refused (`--variants ""` used to start the default compare)."""
-    rc = main(["compare", "--out", str(tmp_path / "o"), *args])
+    """Given but naming nothing: refused (`--variants ""` used to start the default compare; the
+    unknown preset makes a regression fail at once instead of training)."""
+    rc = main(["compare", "--out", str(tmp_path / "o"), *args, "--preset", "no-such-preset"])
     _one_line_error(capsys, rc, want)
     assert not (tmp_path / "o").exists()
 
@@ -227,15 +231,17 @@ def _linear_search(cfg: Config, shape: Shape, world: int, gpu: float) -> int:
     return best
 
 
-@pytest.mark.parametrize("minibatches", [1, 3])
-def test_largest_micro_batch_equals_the_exhaustive_search(minibatches):
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-0.6B", "tiny"])
+@pytest.mark.parametrize("minibatches", [1, 4])
+def test_largest_micro_batch_equals_the_exhaustive_search(model, minibatches):
     """Bisection below the whole minibatch, the whole minibatch tried first (it holds no gradients
-    across micro-batches): the same answer as trying every size, over GPUs from too small to ample."""
-    shape = shape_of("Qwen/Qwen3-0.6B")
-    cfg = Config(model="Qwen/Qwen3-0.6B", prompts_per_step=24, group_size=8, num_minibatches=minibatches)
-    cfg = dataclasses.replace(cfg, max_new_tokens=512).validate()
-    sizes = [estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, 1).peak for m in (1, 64)]
-    for gpu in [sizes[0] * 0.9, *(sizes[0] + (sizes[1] - sizes[0]) * k / 13 for k in range(15))]:
+    across micro-batches): the same answer as trying every size, on a GPU of each size's peak (and
+    just below it). The tiny model's activations outgrow its gradients, so there the whole
+    minibatch need not fit where one sequence less does."""
+    shape = Shape.from_config(BASE) if model == "tiny" else shape_of(model)
+    cfg = Config(prompts_per_step=8, group_size=8, num_minibatches=minibatches, max_new_tokens=512).validate()
+    peaks = {estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, 1).peak for m in range(1, 65)}
+    for gpu in sorted(peaks | {p * (1 - 1e-9) for p in peaks}):
         assert largest_micro_batch(cfg, shape, 1, gpu) == _linear_search(cfg, shape, 1, gpu), gpu
 
 
