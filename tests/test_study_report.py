@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from study_binding_helpers import bind
 
 from gspo.config import Config
 from gspo.study import load_preset, write_report, write_study
@@ -48,6 +49,7 @@ def test_study_adjusts_a_family_over_every_folder(tmp_path):
     for k, gap in enumerate([0.2, 0.1]):
         d = tmp_path / f"r{k}"
         _runs(d, {"gspo": [0.5 + gap + 0.01 * s for s in seeds], "grpo": [0.5 + 0.01 * s for s in seeds]})
+        bind(d, Path(_preset(tmp_path, f"r{k}")))  # committed before the runs, which record it
         preset = load_preset(_preset(tmp_path, f"r{k}"))
         text = write_report(d, ["gspo", "grpo"], list(seeds), Config(**TINY), preset=preset).read_text()
         assert "| acc_final: gspo - grpo > 0 | 6 |" in text and "0.094 | **inconclusive** |" in text

@@ -15,9 +15,12 @@ tests (keys ``primary``, ``family``, ``declared_at``)::
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import subprocess
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -216,38 +219,121 @@ def _family(f: Any, default_name: str, n: int, where: str) -> Family:
     return Family(_text(f.get("name", default_name), where, "family name") or default_name, size, alpha, test)
 
 
-def declaration(preset: Preset) -> dict[str, Any]:
-    """Where the declaration comes from: the commit the preset file was last changed in and whether
-    the file differs from it (a declaration that is not committed is not yet a pre-registration);
-    ``declared_at`` when the preset names one, and whether that commit holds the same declaration."""
+RUN_RECORD = "declaration.json"  # in every run folder gspo compare starts: what the run was run for
+
+
+def _git(here: Path, *args: str) -> str | None:
+    """``git args`` in ``here``: its stdout, or None without git / outside a checkout / on failure."""
+    try:
+        r = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def preset_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_record(preset: Preset) -> dict[str, Any]:
+    """What a compare's runs are run for (written to each run folder's :data:`RUN_RECORD` before it
+    trains, with its start time): the preset file's sha256, its endpoints and family, the commit that
+    last changed the file, and the gspo checkout's commit and whether its tree was dirty."""
+    decl = declaration(preset)
+    src = Path(__file__).resolve().parent
+    head = _git(src, "rev-parse", "HEAD")
+    status = _git(src, "status", "--porcelain", "--untracked-files=no") if head else None
+    return {
+        "preset": preset.name,
+        "preset_file": str(preset.path) if preset.path else None,
+        "preset_sha256": preset_hash(preset.path) if preset.path else None,
+        "primary": [dataclasses.asdict(e) for e in preset.primary],
+        "family": dataclasses.asdict(preset.family) if preset.family else None,
+        "declared_at": preset.declared_at,
+        "declaring_commit": decl.get("commit"),
+        "preset_committed": decl.get("committed"),
+        "gspo_commit": head,
+        "gspo_dirty": None if status is None else bool(status),
+    }
+
+
+def declaration(preset: Preset, records: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where the declaration comes from: the commit the preset file was last changed in (and its
+    commit time) and whether the file differs from it (a declaration that is not committed is not yet
+    a pre-registration); ``declared_at`` when the preset names one, and whether that commit holds the
+    same declaration. With ``records`` (run name -> its :data:`RUN_RECORD`, None where it has none):
+    ``preregistered`` and, when not, ``why_not`` (:func:`_binding`)."""
     out: dict[str, Any] = {"declared_at": preset.declared_at, "file_commit": None, "committed": None}
-    if preset.path is None or not preset.primary:
-        return out
-    here = preset.path.resolve().parent
+    if preset.path is not None and preset.primary:
+        _from_git(preset, preset.path.resolve(), out)
+    if records is not None and preset.primary:
+        why = _binding(preset, out, records)
+        out |= {"preregistered": why is None, "why_not": why}
+        if why is None:
+            out["first_start"] = min(r["started_at"] for r in records.values())
+    return out
 
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
 
-    name = preset.path.resolve().name
-    log = git("log", "-1", "--format=%h", "--", name)
+def _from_git(preset: Preset, path: Path, out: dict[str, Any]) -> None:
+    here, name = path.parent, path.name
+    log = _git(here, "log", "-1", "--format=%h %H %ct", "--", name)
     if log is None:  # no git, or not a checkout: unknown, never invented
-        return out
-    out["file_commit"] = log or None
-    out["committed"] = bool(log) and git("diff", "--quiet", "HEAD", "--", name) is not None
+        return
+    short, full, ct = log.split() if log else (None, None, None)
+    out |= {"file_commit": short, "commit": full, "commit_time": int(ct) if ct else None}
+    out["committed"] = bool(log) and _git(here, "diff", "--quiet", "HEAD", "--", name) is not None
     if preset.declared_at:
-        text = git("show", f"{preset.declared_at}:./{name}")
+        text = _git(here, "show", f"{preset.declared_at}:./{name}")
         old = _safe_yaml(text) if text else None
-        now = _safe_yaml(preset.path.read_text())
+        now = _safe_yaml(path.read_text())
         out["declared_at_matches"] = (
             None
             if not isinstance(old, dict) or not isinstance(now, dict)
             else all(old.get(k) == now.get(k) for k in ("primary", "family", "seeds"))
         )
-    return out
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _binding(preset: Preset, decl: dict[str, Any], records: dict[str, Any]) -> str | None:
+    """Why the runs are not bound to the preset's committed declaration (None: they are): every run
+    must record this file's current sha256 and endpoints, and the commit that last changed the file
+    must precede every run's start."""
+    if not records:
+        return "no run has finished"
+    some = lambda names: ", ".join(sorted(names)[:3]) + (" ..." if len(names) > 3 else "")  # noqa: E731
+    missing = [n for n, r in records.items() if not isinstance(r, dict)]
+    if missing:
+        return (
+            f"runs do not record their declaration (run before this check existed, or not by gspo "
+            f"compare): {some(missing)} have no {RUN_RECORD}"
+        )
+    now = preset_hash(preset.path) if preset.path and preset.path.is_file() else None
+    changed = [n for n, r in records.items() if r.get("preset_sha256") != now]
+    if changed:
+        return f"the preset changed after the runs: hashes differ ({some(changed)} ran another preset file)"
+    endpoints = [dataclasses.asdict(e) for e in preset.primary]
+    family = dataclasses.asdict(preset.family) if preset.family else None
+    other = [n for n, r in records.items() if r.get("primary") != endpoints or r.get("family") != family]
+    if other:
+        return f"runs {some(other)} record other endpoints or another family than the preset declares"
+    if decl.get("commit_time") is None:
+        return "the preset file has no commit (no git history): when it was declared is unknown"
+    if decl.get("committed") is not True:
+        return "the preset file has uncommitted changes: the declaration is not yet registered"
+    starts = {n: r.get("started_at") for n, r in records.items()}
+    unknown = [n for n, t in starts.items() if not isinstance(t, (int, float))]
+    if unknown:
+        return f"runs {some(unknown)} record no start time"
+    first = min(starts, key=lambda n: starts[n])
+    if decl["commit_time"] >= starts[first]:
+        return (
+            f"the declaration was committed ({decl['file_commit']}, {_when(decl['commit_time'])}) after run "
+            f"{first} started ({_when(starts[first])})"
+        )
+    return None
 
 
 def _safe_yaml(text: str) -> Any:

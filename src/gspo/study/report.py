@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from gspo.study.metrics import (
     seed_means,
 )
 from gspo.study.plots import band_plots, curves
-from gspo.study.presets import WARM_CHECK_EVERY, WARM_CHECK_PROMPTS, Preset, declaration
+from gspo.study.presets import RUN_RECORD, WARM_CHECK_EVERY, WARM_CHECK_PROMPTS, Preset, declaration
 from gspo.study.statistics import (
     EXACT_MAX_N,
     MC_FLIPS,
@@ -54,6 +55,21 @@ def collect(out: Path, variants: list[str], seeds: list[int], crit: Criteria) ->
             if path.exists():
                 per.setdefault(v, {})[s] = run_stats(read_metrics(path), crit)
     return per
+
+
+def run_records(out: Path, per: PerSeed) -> dict[str, Any]:
+    """Run name -> its :data:`RUN_RECORD` (what gspo compare ran it for), None where it has none or
+    it is not a JSON mapping (a run from before the record, or not started by gspo compare)."""
+    recs: dict[str, Any] = {}
+    for v in per:
+        for s in per[v]:
+            path = out / f"{v}-s{s}" / RUN_RECORD
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError):
+                rec = None
+            recs[f"{v}-s{s}"] = rec if isinstance(rec, dict) else None
+    return recs
 
 
 def column(per: PerSeed, v: str, key: str) -> dict[int, float | None]:
@@ -245,15 +261,15 @@ def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, 
             "exploratory** (raw intervals and p-values, no verdicts).",
             "",
         ]
+    if not decl.get("preregistered"):
+        return _not_preregistered(preset, confirm, decl)
     f = preset.family
-    where = decl.get("file_commit") or ("none" if decl.get("committed") is False else "unknown (no git)")
-    if decl.get("committed") is False:
-        where += " (**the preset file has uncommitted changes: the declaration is not yet registered**)"
     lines = [
         "## Pre-registration",
         "",
-        f"Declared before the runs in `{preset.path.name if preset.path else preset.name}`, last committed "
-        f"at `{where}`"
+        f"Pre-registered: declared in `{preset.path.name if preset.path else preset.name}`, committed at "
+        f"`{decl.get('file_commit')}` ({_utc(decl.get('commit_time'))}), before every run started (the "
+        f"first at {_utc(decl.get('first_start'))}); every run records this file's sha256 and endpoints"
         + (
             f"; declared at `{preset.declared_at}` (same declaration there: {decl.get('declared_at_matches')})"
             if preset.declared_at
@@ -277,6 +293,32 @@ def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, 
         "Everything after this section is exploratory: raw (unadjusted) numbers, no verdicts.",
         "",
     ]
+
+
+def _utc(t: float | None) -> str:
+    return "unknown" if t is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def _not_preregistered(preset: Preset, confirm: list[Comparison], decl: dict[str, Any]) -> list[str]:
+    """The preset's endpoints when its runs are not bound to a committed declaration: why not, and
+    their raw numbers with no adjusted p and no verdict."""
+    name = preset.path.name if preset.path else preset.name
+    lines = [
+        "## Pre-registration",
+        "",
+        f"**Not pre-registered**: {decl.get('why_not')}. The endpoints `{name}` names now are shown as "
+        "**exploratory** (raw intervals and p-values, no adjusted p, no verdicts).",
+        "",
+        "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in confirm:
+        e = next(e for e in preset.primary if (e.metric, e.a, e.b) == (c.metric, c.a, c.b))
+        lines.append(
+            f"| {e.text()} | {c.interval.n} | {c.interval.fmt()} | {fmt_p(c.p_t)} | {fmt_p(c.p_perm)} | "
+            "exploratory: no verdict |"
+        )
+    return lines + ["", "Everything below is exploratory: raw (unadjusted) numbers, no verdicts.", ""]
 
 
 def _variant_tables(per: PerSeed, ci: str, crit: Criteria) -> list[str]:
@@ -382,7 +424,9 @@ def write_report(
     preset = preset or Preset(name="custom")
     per = collect(out, variants, seeds, crit)
     images = band_plots(out, variants, seeds, ci)
-    confirm, pairs, decl = confirmatory(per, preset), exploratory(per), declaration(preset)
+    confirm, pairs = confirmatory(per, preset), exploratory(per)
+    decl = declaration(preset, run_records(out, per))
+    bound = confirm if decl.get("preregistered") else []  # no verdict without a binding declaration
     timing_file = out / "timing.json"
     timing = json.loads(timing_file.read_text()) if timing_file.exists() else {}
     lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl)
@@ -396,7 +440,7 @@ def write_report(
         "| claim (arXiv 2507.18071) | measured here (raw 95% CI) | read as | status |",
         "|---|---|---|---|",
     ]
-    claim_rows = claims(per, ci, confirm)
+    claim_rows = claims(per, ci, bound)
     lines += [f"| {c} | {m} | {r} | {v} |" for c, m, r, v in claim_rows] + [""]
     lines += _per_seed_table(per)
     for title, fname in images:
@@ -454,7 +498,10 @@ def _write_data(
             "primary": [dataclasses.asdict(e) for e in preset.primary],
             "family": dataclasses.asdict(preset.family) if preset.family else None,
             **decl,
-            "results": [c.to_dict() for c in confirm],
+            # endpoints whose runs are not bound to the declaration: numbers only, no study verdict
+            "results" if decl.get("preregistered") else "results_exploratory": [
+                c.to_dict() | ({} if decl.get("preregistered") else {"verdict": None}) for c in confirm
+            ],
         },
         "claims": [dict(claim=c, measured=m, read_as=r, status=v) for c, m, r, v in claim_rows],
         # held-out accuracy curves (the study's plots need no metrics.jsonl)

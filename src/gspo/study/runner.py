@@ -26,12 +26,14 @@ from gspo.config import Config, make_config
 from gspo.errors import GspoError
 from gspo.study.metrics import Criteria
 from gspo.study.presets import (
+    RUN_RECORD,
     VARIANTS,
     WARM_CHECK_AFTER,
     WARM_CHECK_EVERY,
     WARM_CHECK_PROMPTS,
     Preset,
     load_preset,
+    run_record,
 )
 from gspo.study.report import write_report
 
@@ -228,7 +230,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
         return cfg
     if not run.is_dir():
         raise GspoError(f"{run} exists and is not a folder; move it away or pass another --out")
-    if not any(run.iterdir()):
+    if all(p.name == RUN_RECORD for p in run.iterdir()):  # empty, or stopped before train wrote anything
         return cfg
     saved = _saved_config(cfg)
     if saved is None:
@@ -299,7 +301,7 @@ def run_compare(
     warm_path = out_folder(warm_dir, "--warm-dir") if warm_dir else out.parent / "warm-starts"
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
-    jobs = _Jobs(base, seeds, variants, out, target, warm_path, overwrite)
+    jobs = _Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p))
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
     t_start = time.time()
     load = _LoadSampler()
@@ -352,6 +354,7 @@ class _Jobs:
     target: float | None
     warm_dir: Path
     overwrite: bool = False
+    record: dict[str, Any] = field(default_factory=dict)  # what the runs are run for (run_record)
     timing: dict[str, float] = field(default_factory=dict)
     warm_folders: dict[str, str | None] = field(default_factory=dict)
 
@@ -383,8 +386,30 @@ class _Jobs:
             if cfg is None:
                 print(f"[compare] {v} seed {seed}: done already, reusing {self.out / f'{v}-s{seed}'}")
             else:
+                prepare_run(cfg, self.record)
                 todo.append(cfg)
         return todo
+
+
+def prepare_run(cfg: Config, record: dict[str, Any]) -> None:
+    """Before ``cfg`` trains: its folder's :data:`RUN_RECORD` (the preset's hash, endpoints, family,
+    declaring commit, gspo's commit) with the start time. A resumed run keeps the record of its first
+    start (its earliest data came from then); one that never had a record gets none."""
+    path = cfg.run_dir / RUN_RECORD
+    if cfg.resume:
+        return
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    tmp = path.with_name(f"{RUN_RECORD}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(
+            json.dumps({**record, "run": cfg.run_name, "started_at": now, "started": started}, indent=1)
+        )
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise GspoError(f"{path}: cannot record the run's declaration ({e.strerror or e})") from None
 
 
 def _write_timing(

@@ -1,0 +1,39 @@
+"""Binding constructed runs to a preset's declaration: a tiny git repo holding the preset, committed at
+a chosen time, and each run folder's record of what it was run for (as gspo compare writes it)."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from gspo.study.presets import RUN_RECORD, load_preset, run_record
+
+
+def commit(repo: Path, path: Path, when: float) -> None:
+    """Commit ``path`` in ``repo`` (created if need be) with author and committer time ``when``."""
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_DATE": f"@{int(when)} +0000",
+        "GIT_COMMITTER_DATE": f"@{int(when)} +0000",
+    }
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    if not (repo / ".git").exists():
+        subprocess.run([*git, "init", "-q", str(repo)], check=True, env=env)
+    subprocess.run([*git, "add", str(path)], cwd=repo, check=True, env=env)
+    subprocess.run([*git, "commit", "-q", "-m", "declare", "--", str(path)], cwd=repo, check=True, env=env)
+
+
+def record_runs(out: Path, preset_path: Path, started: float | None = None) -> None:
+    """Every run folder under ``out`` records the preset as it is now, started at ``started``."""
+    rec = run_record(load_preset(str(preset_path)))
+    started = time.time() if started is None else started
+    for run in out.iterdir():
+        if (run / "metrics.jsonl").exists():
+            (run / RUN_RECORD).write_text(json.dumps({**rec, "run": run.name, "started_at": started}))
+
+
+def bind(out: Path, preset_path: Path) -> None:
+    """A declaration committed an hour before the runs, which record it: pre-registered."""
+    commit(preset_path.parent, preset_path, time.time() - 3600)
+    record_runs(out, preset_path)
