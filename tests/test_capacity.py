@@ -1,5 +1,6 @@
 """gspo plan's memory model (gspo.capacity): parameter counts, the recorded measurements it must
-stay within 15% of, and the command's output and refusals."""
+stay within 15% of, its phases (start-up, update, rollout, weight sync), the GPU's memory in the unit
+given, and the command's output and refusals (no margin beyond the GPU)."""
 
 from __future__ import annotations
 
@@ -90,15 +91,19 @@ def _plan_one_node(*args: str) -> int:
 
 
 def test_plan_of_the_one_node_recipe_fits(capsys):
-    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "141")
+    """8 x H200 as torch.cuda reports one (139.8 GiB): every phase fits, the start-up is the peak
+    (vLLM's share and its start check beside the shards and, on --resume, AdamW's moments)."""
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")
     out = capsys.readouterr().out
-    assert rc == 0 and "30.53B parameters" in out and ": fits" in out
+    assert rc == 0 and "30.53B parameters" in out and "(start-up) of 139.8 GiB per GPU: fits" in out
+    for phase in ("start-up peak", "update peak", "rollout peak", "sync peak"):
+        assert phase in out
 
 
 def test_plan_that_does_not_fit_exits_2_with_one_line(capsys):
     rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "40")
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "does not fit in 40 GB per GPU" in err[0]
+    assert rc == 2 and len(err) == 1 and "does not fit in 37.3 GiB per GPU (--gpu-memory-gb 40" in err[0]
 
 
 def test_plan_refuses_a_world_size_that_does_not_divide_the_batch(capsys):
@@ -124,8 +129,12 @@ def test_train_refuses_a_plan_that_does_not_fit_before_loading_weights():
         check_plan_fits(cfg, 1, 80e9)
     check_plan_fits(cfg, 1, None)  # no GPU: nothing to check
     check_plan_fits(Config(model="someone/unknown").validate(), 1, 80e9)  # shape unknown until loaded
+    # no margin beyond the GPU (the 15% tolerance let a run start at 115% of it): this config's
+    # peak does not depend on the GPU's size (HF engine), so the GPU can be set around it
     need = estimate(cfg, shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
-    check_plan_fits(cfg, 1, need / 1.1)  # within the model's 15% tolerance
+    check_plan_fits(cfg, 1, need)
+    with pytest.raises(GspoError, match="this run needs about"):
+        check_plan_fits(cfg, 1, need * 0.999)
 
 
 def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
@@ -145,3 +154,111 @@ def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
     for shape, bound in (("cpu-moe-480m", 0.65), ("cpu-moe-490m-16l", 0.6)):
         one = next(r["peak"] for r in rows if r["world"] == 1 and r["shape"] == shape)
         assert max(r["peak"] for r in rows if r["world"] == 2 and r["shape"] == shape) / one <= bound
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 31 item 5: every phase, the unit the user gives, each copy once, no margin beyond the GPU
+
+H200_GIB = 139.8  # what torch.cuda reports for an H200 sold as "141 GB"
+
+
+def _one_node() -> Config:
+    from gspo.config import make_config
+
+    return make_config(str(ROOT / "recipes/qwen3-30b-a3b-1node.yaml"))
+
+
+def test_gpu_memory_is_read_in_the_unit_given_and_printed_in_gib(capsys):
+    """--gpu-memory-gb 141 is 141e9 bytes = 131.3 GiB, --gpu-memory-gib 139.8 is 139.8 x 2**30; vLLM's
+    share is a fraction of those true bytes (0.55 x 139.8 GiB, not of 131.3)."""
+    from gspo.capacity import gpu_bytes_of
+    from gspo.errors import GspoError
+
+    assert gpu_bytes_of(gb=141) == (141e9, "--gpu-memory-gb 141")
+    assert gpu_bytes_of(gib=H200_GIB) == (H200_GIB * 2**30, "--gpu-memory-gib 139.8")
+    assert gpu_bytes_of() == (80e9, "--gpu-memory-gb 80")  # the default, as before
+    with pytest.raises(GspoError, match="--gpu-memory-gib or --gpu-memory-gb, not both"):
+        gpu_bytes_of(gb=141, gib=H200_GIB)
+    _plan_one_node("--gpus", "8", "--gpu-memory-gb", "141")
+    assert "8 GPU(s) x 131.3 GiB (--gpu-memory-gb 141)" in capsys.readouterr().out
+    _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")
+    assert "8 GPU(s) x 139.8 GiB (--gpu-memory-gib 139.8)" in capsys.readouterr().out
+    e = estimate(_one_node(), shape_of("Qwen/Qwen3-30B-A3B"), 8, H200_GIB * 2**30)
+    assert e.sampler == pytest.approx(0.55 * H200_GIB * 2**30)
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "141", "--gpu-memory-gib", "139.8")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["gspo: error: give --gpu-memory-gib or --gpu-memory-gb, not both"], err
+
+
+def test_start_up_is_a_phase_of_its_own():
+    """FSDP2 from disk: each GPU holds its shard while one tensor at a time (the largest: the fused
+    gate/up experts of a layer, 128 x 1536 x 2048 in float32) is broadcast whole and sharded; then
+    vLLM's share is taken and its start check runs the probe through the sharded module (the root
+    group and two layers gathered in bf16), beside AdamW's moments on --resume. The recipe's
+    start-up is above its rollout, so a GPU between the two is refused, naming the start-up."""
+    from gspo.errors import GspoError
+    from gspo.limits import check_plan_fits
+
+    cfg, shape, gpu = _one_node(), shape_of("Qwen/Qwen3-30B-A3B"), H200_GIB * 2**30
+    e = estimate(cfg, shape, 8, gpu)
+    assert e.load == 2 * 128 * 1536 * 2048 * 4
+    root = shape.vocab * shape.hidden * 2 * 2  # untied embedding and LM head, bf16
+    check = root + 4 * shape.layer_params() * 2 + 24 * shape.vocab * 8
+    assert check > e.sync and e.start_engine == pytest.approx(e.sampler + check)
+    assert e.startup_peak == pytest.approx(e.weights + e.optimizer + e.sampler + check)
+    assert e.peak == e.startup_peak > max(e.update_peak, e.rollout_peak, e.sync_peak)
+    # vLLM's share is 0.55 of the GPU: the start-up fits from (start-up - share) / 0.45 up, the rollout
+    # from (rollout - share) / 0.45; a GPU halfway between fits every phase but the start-up
+    free = 1 - cfg.vllm_gpu_memory_utilization
+    low = max((e.rollout_peak - e.sampler) / free, e.update_peak, e.sync_peak)
+    between = (low + (e.startup_peak - e.sampler) / free) / 2
+    b = estimate(cfg, shape, 8, between)
+    assert b.startup_peak > between >= max(b.update_peak, b.rollout_peak, b.sync_peak)
+    with pytest.raises(GspoError, match=r"per GPU \(start-up\)"):
+        check_plan_fits(cfg, 8, between)
+    # one process: the weights are loaded whole (no broadcast), the HF engine samples from them
+    one = estimate(Config(model="Qwen/Qwen3-8B").validate(), shape_of("Qwen/Qwen3-8B"), 1, 80e9)
+    assert one.load == 0 and one.startup_peak == pytest.approx(one.weights + one.optimizer)
+
+
+def test_the_hf_engines_copy_is_counted_once_where_it_lives():
+    """Under FSDP2 the HF engine samples from a whole copy in rollout_dtype when it differs from the
+    trainer's (no gathered trainer weights then), and that copy stays on the GPU through the update."""
+    shape = shape_of("Qwen/Qwen3-8B")
+    base = dict(model="Qwen/Qwen3-8B", nproc=8, parallel="fsdp", prompts_per_step=8, group_size=8)
+    own = estimate(Config(**base).validate(), shape, 8, 141e9)
+    copied = estimate(Config(**base, rollout_dtype="bfloat16").validate(), shape, 8, 141e9)
+    copy, gathered = shape.params() * 2, shape.params() * 4  # bf16 copy; float32 gathered groups
+    cfg = Config(**base).validate()
+    kv_f32 = 8 * (cfg.max_prompt_tokens + cfg.max_new_tokens) * 2 * shape.layers * shape.kv_dim * 4  # 8 rows
+    assert copied.rollout_peak - own.rollout_peak == pytest.approx(copy - gathered - kv_f32 / 2)  # bf16 KV
+    assert copied.update_peak - own.update_peak == pytest.approx(copy)
+    assert copied.sampler_kept == copy and own.sampler_kept == 0
+
+
+def _plan_8b_hf(gib: float) -> list[str]:
+    return ["plan", "--model", "Qwen/Qwen3-8B", "--gpus", "1", "--prompts-per-step", "8", "--group-size", "8",
+            "--max-new-tokens", "4096", "--gpu-memory-gib", repr(gib)]  # fmt: skip
+
+
+@pytest.mark.parametrize("ratio", [1.001, 0.99])
+def test_no_margin_beyond_the_gpu(capsys, ratio):
+    """An estimate at 100.1% of the GPU is refused (gspo plan: one line, exit 2; gspo train's check
+    before any weight is read); at 99% it is accepted. The HF engine's peak does not depend on the
+    GPU's size, so the GPU is set around it."""
+    from gspo.errors import GspoError
+    from gspo.limits import check_plan_fits
+
+    cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=8, group_size=8, max_new_tokens=4096).validate()
+    need = estimate(cfg, shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
+    gpu = need / ratio
+    rc = main(_plan_8b_hf(gpu / 2**30))
+    captured = capsys.readouterr()
+    if ratio > 1:
+        with pytest.raises(GspoError, match="this run needs about"):
+            check_plan_fits(cfg, 1, gpu)
+        err = captured.err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "does not fit in" in err[0] and "does NOT fit" in captured.out
+    else:
+        check_plan_fits(cfg, 1, gpu)
+        assert rc == 0 and ": fits" in captured.out

@@ -196,7 +196,9 @@ def response_tokens(cfg: Any) -> int:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Bytes per rank (GPU) by part, and the peaks of the two phases of an RL step."""
+    """Bytes per rank (GPU) by part, and the peak of each phase of a run: start-up, then per RL step
+    the rollout, the update and the weight sync. Every tensor is counted once, in the phases where
+    it is resident."""
 
     weights: float
     optimizer: float
@@ -204,15 +206,26 @@ class Estimate:
     fsdp_unsharded: float
     activations: float  # of one micro-batch, at the update's peak
     lm_head: float
-    sampler: float  # KV cache (HF engine) or vLLM's share, plus weights gathered for sampling
-    sync: float  # extra while the sampler's weights are refreshed (2x a decoder layer or the embedding)
+    sampler: float  # while sampling: KV cache and logits plus the HF copy or gathered weights; vLLM's share
+    sync: float  # extra while the sampler's weights are refreshed (2x the largest piece streamed)
     update_peak: float
     rollout_peak: float
     rows_per_forward: int
+    sampler_kept: float = 0.0  # the sampler's memory that stays through the update and the sync
+    load: float = 0.0  # start-up: the buffers of one weight tensor being broadcast and sharded
+    start_engine: float = 0.0  # start-up: the sampler started, its first sync or vLLM's start check
+    startup_peak: float = 0.0
+    sync_peak: float = 0.0
 
     @property
     def peak(self) -> float:
-        return max(self.update_peak, self.rollout_peak)
+        return max(self.startup_peak, self.update_peak, self.rollout_peak, self.sync_peak)
+
+    def phases(self) -> dict[str, float]:
+        return {
+            "start-up": self.startup_peak, "update": self.update_peak, "rollout": self.rollout_peak,
+            "weight sync": self.sync_peak,
+        }  # fmt: skip
 
 
 def _rows_per_forward(cfg: Any, world: int) -> int:
@@ -232,20 +245,16 @@ def _tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
     return rows * (P + T), rows * (P + T) ** 2
 
 
-def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None) -> Estimate:
-    """Per-rank memory of ``cfg`` on ``world`` GPUs (FSDP2 shards by ``world``)."""
-    bw = BYTES[cfg.dtype]
-    compute = 2 if cfg.mixed_precision == "bf16" else bw
-    shards = world if cfg.parallel == "fsdp" and world > 1 else 1
-    n = shape.params()
-    weights, optimizer, grads = n * bw / shards, 2 * n * bw / shards, n * bw / shards
-    unsharded = 0.0
-    if shards > 1:  # the root group (embeddings, LM head), and per gathered decoder layer its
-        # all-gather buffer and unsharded parameters (this layer and the prefetched next one), then
-        # in backward its unsharded gradients and the reduce-scatter buffer (reduced in float32)
-        root = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-        layer = shape.layer_params() * (4 * compute + 2 * 4)
-        unsharded = root * compute + layer
+def _unsharded(shape: Shape, compute: int) -> float:
+    """FSDP2's working set: the root group (embeddings, LM head), and per gathered decoder layer its
+    all-gather buffer and unsharded parameters (this layer and the prefetched next one), then in
+    backward its unsharded gradients and the reduce-scatter buffer (reduced in float32)."""
+    root = shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    return root * compute + shape.layer_params() * (4 * compute + 2 * 4)
+
+
+def _update_parts(cfg: Any, shape: Shape, world: int, compute: int) -> tuple[float, float, int]:
+    """Activations and LM-head buffers of one micro-batch at the update's peak, and its rows."""
     rows = _rows_per_forward(cfg, world)
     tokens, pairs = _tokens_and_pairs(cfg, rows)
     per_layer = tokens * shape.saved_floats_per_token() * compute
@@ -259,47 +268,84 @@ def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None)
     layer_peak = kept + ATTN_TRANSIENT * attn + (per_layer if cfg.activation_checkpointing else 0.0)
     lm = LM_HEAD_BUFFERS * cfg.logp_chunk_size * shape.vocab * 4 + shape.vocab * shape.hidden * 4
     activations, lm_part = (layer_peak, 0.0) if layer_peak >= kept + lm else (kept, lm)
+    return activations, lm_part, rows
+
+
+def largest_tensor(shape: Shape) -> int:
+    """Elements of the model's largest single tensor: the embedding (or LM head), a dense MLP
+    projection, or a MoE layer's fused gate-and-up experts (transformers 5: experts x 2i x h)."""
+    h = shape.hidden
+    return max(shape.vocab * h, shape.intermediate * h, 2 * shape.experts * shape.moe_intermediate * h)
+
+
+def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None) -> Estimate:
+    """Per-rank memory of ``cfg`` on ``world`` GPUs of ``gpu_bytes`` (FSDP2 shards by ``world``)."""
+    bw = BYTES[cfg.dtype]
+    compute = 2 if cfg.mixed_precision == "bf16" else bw
+    shards = world if cfg.parallel == "fsdp" and world > 1 else 1
+    n = shape.params()
+    weights, optimizer, grads = n * bw / shards, 2 * n * bw / shards, n * bw / shards
+    unsharded = _unsharded(shape, compute) if shards > 1 else 0.0
+    activations, lm_part, rows = _update_parts(cfg, shape, world, compute)
     several = cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches > rows
     held_grads = grads if several else 0.0
-    update = weights + optimizer + held_grads + unsharded + activations + lm_part
-    sampler, sync = _sampler(cfg, shape, world, gpu_bytes)
-    gathered = n * compute if shards > 1 and cfg.rollout_engine == "hf" else 0.0
-    rollout = weights + optimizer + gathered + sampler + sync
-    if cfg.rollout_engine == "vllm" and not _sleeps(gpu_bytes):
-        update += sampler  # vLLM keeps its share through the update where it cannot sleep
+    s = _sampler(cfg, shape, world, gpu_bytes, compute, shards)
+    states = weights + optimizer
+    update = states + held_grads + unsharded + activations + lm_part + s.kept
+    # start-up: FSDP2 from disk (rank 0 reads the model into host memory) broadcasts one full
+    # tensor at a time in the trainer's dtype and copies this rank's shard out of it; AdamW's
+    # moments exist before the sampler starts when a sharded checkpoint is resumed
+    load = 2 * largest_tensor(shape) * bw if shards > 1 else 0.0
+    startup = weights + max(load, optimizer + s.start)
     return Estimate(
-        weights,
-        optimizer,
-        held_grads,
-        unsharded,
-        activations,
-        lm_part,
-        sampler + gathered,
-        sync,
-        update,
-        rollout,
-        rows,
-    )
+        weights, optimizer, held_grads, unsharded, activations, lm_part, s.sampling, s.sync, update,
+        states + s.sampling, rows, s.kept, load, s.start, startup, states + s.at_sync + s.sync,
+    )  # fmt: skip
 
 
 def _sleeps(gpu_bytes: float | None) -> bool:
     return gpu_bytes is not None  # sleep mode exists on GPUs only
 
 
-def _sampler(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None) -> tuple[float, float]:
-    """The sampler's memory while it samples, and the extra of a weight sync: twice the largest piece
-    streamed at once, a decoder layer or the embedding (measured on vLLM: 0.9-2.0x that piece,
-    benchmarks/RESULTS_scale.md section 4), in the rollout dtype."""
-    rb = BYTES[cfg.rollout_dtype or cfg.dtype]
-    sync = 2 * max(shape.layer_params(), shape.vocab * shape.hidden) * rb
+@dataclass(frozen=True)
+class _Sampler:
+    sampling: float  # beside the trainer's weights and moments while it samples
+    kept: float  # through the update (the HF engine's copy; vLLM where it cannot sleep)
+    at_sync: float  # resident while the weights are streamed into it
+    sync: float  # the streamed piece
+    start: float  # its start, at most: what it holds plus its first sync or start check
+
+
+def _sampler(
+    cfg: Any, shape: Shape, world: int, gpu_bytes: float | None, compute: int, shards: int
+) -> _Sampler:
+    """The sampler's memory in each phase. A weight sync streams the trainer's weights one decoder
+    layer (or the embedding) at a time, gathered in the trainer's dtype, plus their converted copy:
+    twice the largest piece (measured on vLLM: 0.9-2.0x that piece, benchmarks/RESULTS_scale.md
+    section 4)."""
+    rb, bw = BYTES[cfg.rollout_dtype or cfg.dtype], BYTES[cfg.dtype]
+    sync = 2 * max(shape.layer_params(), shape.vocab * shape.hidden) * bw
     if cfg.rollout_engine == "vllm":
+        own = shape.params() * rb / cfg.vllm_tensor_parallel_size  # its weights, inside its share
         share = cfg.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
-        return share, sync
+        sleeps = _sleeps(gpu_bytes)  # asleep (level 2) in the update; only its weights woken for a sync
+        # the start check runs a 24-token probe through the trainer's module: under FSDP2 the root
+        # group and two decoder layers gathered in the compute dtype, and the probe's logits
+        check = (_unsharded(shape, compute) - shape.layer_params() * 2 * 4 if shards > 1 else 0.0) + (
+            24 * shape.vocab * 4 * 2
+        )
+        return _Sampler(
+            share, 0.0 if sleeps else share, own if sleeps else share, sync, share + max(sync, check)
+        )
     rows = min(HF_GENERATION_CHUNK, max(1, cfg.prompts_per_step * cfg.group_size // world))
     kv = rows * (cfg.max_prompt_tokens + response_tokens(cfg)) * 2 * shape.layers * shape.kv_dim * rb
     logits = rows * shape.vocab * 4 * 2
-    copy = shape.params() * rb if cfg.rollout_dtype not in (None, cfg.dtype) else 0.0
-    return kv + logits + copy, sync if copy else 0.0
+    if cfg.rollout_dtype not in (None, cfg.dtype):  # a whole copy in the sampler's dtype, kept
+        copy = shape.params() * rb
+        return _Sampler(kv + logits + copy, copy, copy, sync, copy + sync)
+    # samples from the trainer's own module: under FSDP2 every group gathered (compute dtype)
+    gathered = shape.params() * compute if shards > 1 else 0.0
+    return _Sampler(kv + logits + gathered, 0.0, 0.0, 0.0, 0.0)
 
 
 def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) -> int:
@@ -323,48 +369,82 @@ def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) ->
     return lo
 
 
-def report(cfg: Any, spec: str, gpus: int, gpu_gb: float) -> tuple[str, bool]:
-    """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs of ``gpu_gb`` GB, and whether it fits."""
-    if not (isinstance(gpu_gb, (int, float)) and math.isfinite(gpu_gb) and 0 < gpu_gb <= MAX_GPU_GB):
-        raise GspoError(f"--gpu-memory-gb must be a number in (0, {MAX_GPU_GB:g}] (got {gpu_gb!r})")
+def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[float, str]:
+    """One GPU's memory in bytes, from ``--gpu-memory-gib`` (2**30 bytes, what ``nvidia-smi`` and
+    ``torch.cuda`` report: an H200 is ~139.8 GiB) or ``--gpu-memory-gb`` (1e9 bytes: the "141 GB" of a
+    data sheet), and the flag as given; 80 GB when neither is."""
+    if gb is not None and gib is not None:
+        raise GspoError("give --gpu-memory-gib or --gpu-memory-gb, not both")
+    flag, value, unit = ("--gpu-memory-gib", gib, 2**30) if gib is not None else ("--gpu-memory-gb", gb, 1e9)
+    value = 80.0 if value is None else value
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_GPU_GB):
+        raise GspoError(f"{flag} must be a number in (0, {MAX_GPU_GB:g}] (got {value!r})")
+    return value * unit, f"{flag} {value:g}"
+
+
+def report(cfg: Any, spec: str, gpus: int, gpu_bytes: float, given: str = "") -> tuple[str, bool]:
+    """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs of ``gpu_bytes`` each (``given``: the flag
+    as the user wrote it), phase by phase, and whether every phase fits (no margin beyond the GPU)."""
+    if not (isinstance(gpu_bytes, (int, float)) and math.isfinite(gpu_bytes) and gpu_bytes > 0):
+        raise GspoError(f"GPU memory must be a positive number of bytes (got {gpu_bytes!r})")
     shape = shape_of(spec)
-    gpu = gpu_gb * 1e9
-    e = estimate(cfg, shape, gpus, gpu)
+    e = estimate(cfg, shape, gpus, gpu_bytes)
     gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
     kind = f"MoE, {shape.experts} experts top-{shape.top_k}" if shape.experts else "dense"
-    shard = (
-        f"FSDP2 over {gpus}" if cfg.parallel == "fsdp" and gpus > 1 else ("DDP" if gpus > 1 else "1 process")
-    )
+    sharded = cfg.parallel == "fsdp" and gpus > 1
+    shard = f"FSDP2 over {gpus}" if sharded else ("DDP" if gpus > 1 else "1 process")
     P, T = cfg.max_prompt_tokens, response_tokens(cfg)
+    vllm = cfg.rollout_engine == "vllm"
+    states = e.weights + e.optimizer
     lines = [
         f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {gpus} GPU(s) x "
-        f"{gpu_gb:g} GB; {shard}; trainer {cfg.dtype}"
+        f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {cfg.dtype}"
         + (", bf16 compute" if cfg.mixed_precision == "bf16" else "")
         + (", activation checkpointing" if cfg.activation_checkpointing else ""),
-        f"per GPU, update (micro-batch of {e.rows_per_forward} x up to {P}+{T} tokens):",
+        "per GPU, start-up ("
+        + ("rank 0 reads the weights into host memory; each GPU holds its shard" if sharded else "weights loaded")
+        + "):",
         f"  weights                 {gib(e.weights)}",
-        f"  AdamW moments           {gib(e.optimizer)}",
+        f"  loading one tensor      {gib(e.load)}   (broadcast whole, then this rank's shard copied out)",
+        f"  AdamW moments           {gib(e.optimizer)}   (loaded before the sampler on --resume)",
+        f"  sampler started         {gib(e.start_engine)}   ("
+        + ("vLLM's share + max(first weight sync, start check one layer at a time)" if vllm
+           else "the HF engine's copy and its first sync" if e.start_engine else "samples from the trainer")
+        + ")",
+        f"  start-up peak           {gib(e.startup_peak)}",
+        f"per GPU, update (micro-batch of {e.rows_per_forward} x up to {P}+{T} tokens):",
+        f"  weights + AdamW moments {gib(states)}",
         f"  gradients held          {gib(e.gradients)}",
         f"  FSDP2 unsharded groups  {gib(e.fsdp_unsharded)}",
         f"  activations             {gib(e.activations)}",
         f"  LM head buffers         {gib(e.lm_head)}",
+        f"  sampler kept            {gib(e.sampler_kept)}   ("
+        + ("vLLM asleep" if vllm and not e.sampler_kept else "vLLM awake: no sleep mode off a GPU" if vllm
+           else f"the HF engine's {cfg.rollout_dtype} copy" if e.sampler_kept else "none")
+        + ")",
         f"  update peak             {gib(e.update_peak)}",
         f"per GPU, rollout ({cfg.rollout_engine} engine):",
+        f"  weights + AdamW moments {gib(states)}",
         f"  sampler                 {gib(e.sampler)}",
-        f"  weight sync             {gib(e.sync)}",
         f"  rollout peak            {gib(e.rollout_peak)}",
-    ]
-    fits = e.peak <= gpu
+        "per GPU, weight sync:",
+        f"  weights + AdamW moments {gib(states)}",
+        f"  sampler resident        {gib(e.sync_peak - states - e.sync)}",
+        f"  weight sync             {gib(e.sync)}   (2x the largest piece streamed, in {cfg.dtype})",
+        f"  sync peak               {gib(e.sync_peak)}",
+    ]  # fmt: skip
+    fits = e.peak <= gpu_bytes  # no margin: every measured estimate was at or below the truth
+    worst = max(e.phases().items(), key=lambda kv: kv[1])[0]
     verdict = "fits" if fits else "does NOT fit"
-    if cfg.rollout_engine == "vllm":
+    if vllm:
         need = shape.params() * BYTES[cfg.rollout_dtype or cfg.dtype] / cfg.vllm_tensor_parallel_size
-        lines.append(f"  vLLM weights in its share {gib(need)} of {gib(e.sampler).strip()}")
+        lines.append(f"vLLM weights in its share {gib(need).strip()} of {gib(e.sampler).strip()}")
         if need >= e.sampler:
             fits, verdict = (
                 False,
                 "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights)",
             )
-    lines.append(f"peak {gib(e.peak).strip()} of {gpu / 2**30:.1f} GiB per GPU: {verdict}")
-    best = largest_micro_batch(cfg, shape, gpus, gpu)
+    lines.append(f"peak {gib(e.peak).strip()} ({worst}) of {gpu_bytes / 2**30:.1f} GiB per GPU: {verdict}")
+    best = largest_micro_batch(cfg, shape, gpus, gpu_bytes)
     lines.append(f"largest micro_batch_size that fits: {best}" if best else "no micro_batch_size fits")
     return "\n".join(lines), fits

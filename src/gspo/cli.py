@@ -78,7 +78,10 @@ def _add_plan_parser(sub: Any) -> None:
     )
     pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
     pl.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) [default: 8]")
-    pl.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GB [default: 80]")
+    pl.add_argument(
+        "--gpu-memory-gib", type=float, help="memory of one GPU in GiB, as torch.cuda and nvidia-smi report it"
+    )
+    pl.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (1e9 bytes) [default: 80]")
     _add_config_flags(pl, skip=("nproc",))
 
 
@@ -309,16 +312,17 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from gspo.capacity import report
+    from gspo.capacity import gpu_bytes_of, report
     from gspo.config import make_config
 
-    if ns.gpus < 1 or ns.gpu_memory_gb <= 0:
-        raise GspoError("--gpus must be >= 1 and --gpu-memory-gb > 0")
+    if ns.gpus < 1:
+        raise GspoError("--gpus must be >= 1")
+    gpu, given = gpu_bytes_of(ns.gpu_memory_gb, ns.gpu_memory_gib)  # bytes, whichever unit was given
     cfg = make_config(ns.config, {**_overrides(ns, ("nproc",)), "nproc": ns.gpus})
-    text, fits = report(cfg, cfg.model, ns.gpus, ns.gpu_memory_gb)
+    text, fits = report(cfg, cfg.model, ns.gpus, gpu, given)
     print(text)
     if not fits:
-        raise GspoError(f"does not fit in {ns.gpu_memory_gb:g} GB per GPU (see the table above)")
+        raise GspoError(f"does not fit in {gpu / 2**30:.1f} GiB per GPU ({given}; see the table above)")
     return 0
 
 
