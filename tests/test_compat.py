@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gspo import compat
-from gspo.compat import transformers_model, transformers_moe
+from gspo.compat import torch_dcp, transformers_model, transformers_moe
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
 
@@ -30,6 +30,17 @@ def test_version_tuple():
     assert compat.version_tuple("1.0rc1") == (1, 0)
     assert compat.version_tuple("") == ()
     assert compat.installed_version("surely-not-a-distribution-gspo") is None
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint
+
+
+@pytest.mark.parametrize("module,attr", torch_dcp.UPSTREAM)
+def test_torch_dcp_private_names_exist(module, attr):
+    """The DCP reader method gspo replaces, and the records its index is made of."""
+    assert torch_dcp.applies()
+    compat.resolve(module, attr)
 
 
 # ------------------------------------------------------------------------------------------------

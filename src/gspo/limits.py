@@ -137,7 +137,7 @@ def check_resources(cfg: Any, model: Any) -> None:
             raise _bad(
                 cfg, field, f"needs about {_gib(need)} of memory with this model, {_gib(free)} is free"
             )
-    _check_vllm_share(cfg)
+    check_vllm_share(cfg)
     if cfg.async_staleness:  # torch shares each tensor of each weight copy through its own descriptor
         fds = (cfg.async_staleness + 1) * len(params) + 256
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -164,7 +164,7 @@ def check_local_ranks(nproc: int) -> None:
             )
 
 
-def _check_vllm_share(cfg: Any, device: Any = None, share: float | None = None) -> None:
+def check_vllm_share(cfg: Any, device: Any = None, share: float | None = None) -> None:
     """vLLM on a GPU takes ``share`` (default ``vllm_gpu_memory_utilization``) of the GPU's total memory
     at start and refuses to start when that is more than is free: refused here first, in one line
     naming the field. The vLLM engine calls it on ``device`` after the trainer is sharded and

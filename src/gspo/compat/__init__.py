@@ -8,6 +8,8 @@ dependency's source), one module per upstream API, each with a version guard:
 * :mod:`gspo.compat.vllm_runner`: vLLM's V1 model runner internals (``_model_forward``), for the
   routed experts on CPU (R3).
 * :mod:`gspo.compat.vllm_cpu_reload`: vLLM's CPU weight repacking after ``reload_weights``.
+* :mod:`gspo.compat.torch_dcp`: a torch.distributed.checkpoint reader whose index and non-tensor
+  entries are read without running pickled code (``FileSystemReader.read_metadata`` replaced).
 
 Each module lists the upstream names it relies on in ``UPSTREAM`` (``(module, dotted attribute)``
 pairs, checked by tests/test_compat.py against the installed version) and says in ``applies()``

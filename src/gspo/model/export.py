@@ -172,7 +172,8 @@ def export_dcp(step_dir: Path, out: Path, tokenizer: bool = True) -> list[Path]:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from gspo.train.sharded import SafePlanner, SafeReader, check_dcp, failure, read_index
+    from gspo.compat.torch_dcp import SafePlanner, SafeReader
+    from gspo.train.sharded import check_dcp, failure, read_index
 
     why = check_dcp(step_dir)
     if why:

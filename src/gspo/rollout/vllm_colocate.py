@@ -121,7 +121,7 @@ def empty_cache() -> None:
 
 def check_share(cfg: Any, share: float) -> None:
     """vLLM's share of the GPU against what is free now (the trainer sharded, its cache emptied)."""
-    from gspo.limits import _check_vllm_share
+    from gspo.limits import check_vllm_share
 
     empty_cache()
-    _check_vllm_share(cfg, torch.device("cuda", torch.cuda.current_device()), share)
+    check_vllm_share(cfg, torch.device("cuda", torch.cuda.current_device()), share)
