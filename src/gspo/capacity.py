@@ -15,13 +15,18 @@ What one rank holds (bytes), for a decoder-only (dense or MoE) transformer:
   the attention probabilities (``heads x pairs x 4`` bytes per layer: gspo loads transformers' sdpa
   attention, which keeps them when given a mask), and the chunked LM head's buffers; with activation checkpointing only each layer's
   input is kept, and one layer's activations while it is recomputed;
-* **sampler**: the HF engine's KV cache for one generation chunk (and under FSDP2 the gathered
-  weights while it samples); vLLM its configured share of the GPU, given back during the update
-  by sleep mode on a GPU.
+* **sampler**: the HF engine's KV cache for one generation chunk, beside its copy in another dtype
+  (kept through the update) or under FSDP2 the trainer's weights gathered while it samples; vLLM its
+  configured share of the GPU, given back during the update by sleep mode on a GPU;
+* **start-up**: this rank's shard while each full tensor is broadcast from rank 0 (whose copy is host
+  memory) and sharded; then AdamW's moments (on a resume) and the sampler started: vLLM's share and
+  the larger of its first weight sync and its start check (a probe through the sharded module, one
+  layer gathered at a time).
 
-The peak is the larger of the update (at the first layer's backward or the LM head's, whichever is
-larger) and the rollout. The per-token count's factor and the shape of the peak were fitted to, and
-checked against, measured peaks (``benchmarks/memory_probe.py``; ``benchmarks/RESULTS_scale.md``).
+Each phase is a per-GPU peak: start-up, update (at the first layer's backward or the LM head's,
+whichever is larger), rollout and weight sync; the run's peak is the largest. The per-token
+count's factor and the shape of the update's peak were fitted to, and checked against, measured
+peaks (``benchmarks/memory_probe.py``; ``benchmarks/RESULTS_scale.md``).
 """
 
 from __future__ import annotations
