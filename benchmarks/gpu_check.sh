@@ -52,7 +52,7 @@ if [ -z "${1:-}" ] || [ "$1" = phases ]; then
   timeout 60 python3 benchmarks/make_random_model.py --shape dense-0.6b --out /tmp/qwen3-0.6b-random \
     --dtype bfloat16 > "$OUT/phases_model.log" 2>&1 || echo "FAILED: make_random_model" | tee -a "$OUT/phases_model.log"
   # shellcheck disable=SC2086
-  python3 -m gspo plan $PHASE_ARGS --gpus 1 --gpu-memory-gb 141 > "$OUT/phases_plan.txt" 2>&1
+  python3 -m gspo plan $PHASE_ARGS --gpus 1 --gpu-memory-gib 139.8 > "$OUT/phases_plan.txt" 2>&1
   # shellcheck disable=SC2086
   timeout 300 python3 -m gspo train $PHASE_ARGS --device cuda --output-dir /tmp/gpu_phase_runs --name q06 \
     --overwrite --no-progress > "$OUT/phases_train.log" 2>&1
