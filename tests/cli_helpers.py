@@ -41,3 +41,19 @@ def procs_with(token: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def one_line(capsys, args: list[str], want: str, rc: int = 2) -> str:
+    """Run ``gspo ARGS`` in-process; assert exit ``rc`` and exactly one stderr line containing ``want``."""
+    from gspo.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse, or a user file's SystemExit that got through
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == rc, err[-2000:]
+    assert "Traceback" not in err
+    assert len(lines) == 1 and want in lines[0], err[-2000:]
+    return lines[0]

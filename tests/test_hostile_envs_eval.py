@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from cli_helpers import one_line
 
 from gspo.cli import main
 from gspo.config import Config, save_yaml
@@ -28,20 +29,6 @@ FAST = [
     "--num-minibatches", "1", "--max-new-tokens", "4", "--eval-every", "0", "--threads", "1", "--no-progress",
     "--model", "embedded:tiny-dense",
 ]  # fmt: skip
-
-
-def _one_line(capsys, args, want, rc=2):
-    """Run ``gspo ARGS`` in-process; assert exit ``rc`` and exactly one stderr line containing ``want``."""
-    try:
-        code = main(args)
-    except SystemExit as e:  # argparse, or a user file's SystemExit that got through
-        code = e.code
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == rc, err[-2000:]
-    assert "Traceback" not in err
-    assert len(lines) == 1 and want in lines[0], err[-2000:]
-    return lines[0]
 
 
 def _write(tmp_path, name, body):
@@ -120,7 +107,7 @@ def test_eval_imports_the_runs_relative_env_file_not_the_current_folders(
     assert evaluate_checkpoint(str(run / "final"))["eval/reward_mean"] == 1.0
     assert f"env file {work / 'env.py'} was modified after the run's config.yaml" in capsys.readouterr().err
     (work / "env.py").unlink()  # the run's file is gone: refused, the decoy is not used instead
-    line = _one_line(capsys, ["eval", str(run / "final")], "config.yaml: env 'env.py:Env' is relative to")
+    line = one_line(capsys, ["eval", str(run / "final")], "config.yaml: env 'env.py:Env' is relative to")
     assert f"({work})" in line and "--env" in line and "reward" not in line
 
 
@@ -185,11 +172,11 @@ def test_systemexit_at_import_of_an_env_or_reward_file_is_one_line_exit_2(tmp_pa
     f = _write(tmp_path, "exits.py", "raise SystemExit(3)\n")
     out = ["--output-dir", str(tmp_path / "o")]
     capsys.readouterr()
-    _one_line(
+    one_line(
         capsys, ["train", *FAST, *out, "--env", f"{f}:Env"],
         f"environment '{f}:Env': importing {f} failed: SystemExit: 3",
     )  # fmt: skip
-    _one_line(
+    one_line(
         capsys,
         ["train", *FAST, *out, "--reward", f"{f}:fn"],
         f"reward '{f}:fn': importing {f} failed: SystemExit: 3",

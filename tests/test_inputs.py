@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+from cli_helpers import one_line
 
 from gspo.cli import main
 from gspo.errors import GspoError
@@ -22,22 +23,8 @@ FAST = [
 ]  # fmt: skip
 
 
-def _one_line(capsys, args, want, rc=2):
-    """Run ``gspo ARGS`` in-process; assert exit ``rc`` and exactly one stderr line containing ``want``."""
-    try:
-        code = main(args)
-    except SystemExit as e:  # argparse
-        code = e.code
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == rc, err[-2000:]
-    assert "Traceback" not in err
-    assert len(lines) == 1 and want in lines[0], err[-2000:]
-    return lines[0]
-
-
 def _train(capsys, tmp_path, *args, want):
-    return _one_line(capsys, ["train", *FAST, "--output-dir", str(tmp_path / "o"), *args], want)
+    return one_line(capsys, ["train", *FAST, "--output-dir", str(tmp_path / "o"), *args], want)
 
 
 def _write_jsonl(path, rows):
@@ -100,9 +87,7 @@ def test_relative_dataset_path_of_a_run_is_found_by_eval_from_another_folder(tmp
     assert out["task"] == str(work / "data.jsonl") and out["n"] == 2
     (work / "data.jsonl").rename(tmp_path / "moved.jsonl")
     capsys.readouterr()  # the progress bars of the save and load above, when this test runs alone
-    _one_line(
-        capsys, ["eval", str(run / "final")], "config.yaml: task 'data.jsonl' is relative to the folder"
-    )
+    one_line(capsys, ["eval", str(run / "final")], "config.yaml: task 'data.jsonl' is relative to the folder")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,7 +163,7 @@ def test_yaml_prompts_per_step_1e50(tmp_path, capsys, value):
     (tmp_path / "c.yaml").write_text(f"prompts_per_step: {value}\n")
     i = FAST.index("--prompts-per-step")
     args = FAST[:i] + FAST[i + 2 :]  # the YAML's value, not the flag's
-    _one_line(capsys, ["train", *args, "--config", str(tmp_path / "c.yaml")],
+    one_line(capsys, ["train", *args, "--config", str(tmp_path / "c.yaml")],
               "config field 'prompts_per_step': must be <= 1,000,000")  # fmt: skip
 
 
@@ -306,9 +291,7 @@ def test_answer_longer_than_the_context_is_refused_before_the_warm_start(tmp_pat
     rows.append({"prompt": "x", "answer": "9" * 200_000})
     f = _write_jsonl(tmp_path / "big.jsonl", rows)
     args = [*FAST, "--sft-steps", "5", "--eval-size", "4"]
-    line = _one_line(
-        capsys, ["train", *args, "--task", f, "--output-dir", str(tmp_path / "o")], "warm start:"
-    )
+    line = one_line(capsys, ["train", *args, "--task", f, "--output-dir", str(tmp_path / "o")], "warm start:")
     assert "answer tokens, more than the model's context" in line
 
 
@@ -445,9 +428,9 @@ def test_reward_timeout_past_what_threading_can_wait_is_one_line():
 
 
 def test_unknown_flag_names_the_subcommand_help(capsys):
-    _one_line(capsys, ["train", "--bogus"], "unrecognized arguments: --bogus (see 'gspo train --help')")
-    _one_line(capsys, ["eval", "x", "--bogus"], "(see 'gspo eval --help')")
-    _one_line(capsys, ["compare", "--bogus"], "unrecognized arguments: --bogus (see 'gspo compare --help')")
+    one_line(capsys, ["train", "--bogus"], "unrecognized arguments: --bogus (see 'gspo train --help')")
+    one_line(capsys, ["eval", "x", "--bogus"], "(see 'gspo eval --help')")
+    one_line(capsys, ["compare", "--bogus"], "unrecognized arguments: --bogus (see 'gspo compare --help')")
 
 
 def test_version(capsys):
