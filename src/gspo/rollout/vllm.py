@@ -240,22 +240,14 @@ class VLLMRolloutEngine:
         trainer: Any = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
-        """An engine holding ``model``'s current weights.
-
-        ``return_routing``: return R3 data (default: ``cfg.routing_replay_source == "rollout"`` where
-        the config has that field). ``sleep_mode``: vLLM sleep mode (default: on GPU). ``check_sync``:
-        after the first weight push, compare vLLM's log-probs of a short probe sequence with the
-        trainer's and raise if they disagree (catches a weight sync that silently fails). ``trainer``:
-        the trainer's forward module (:class:`~gspo.model.logprobs.PolicyLogprobs`, an FSDP2 root on
-        several ranks), which that check runs the probe through, one decoder layer gathered at a time
-        (default: ``model`` itself). ``gather``: no longer used for the check (it gathered the whole
-        model on every rank); kept for callers. ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
-        ``max_model_len``, default ``cfg.max_prompt_tokens + cfg.max_new_tokens`` capped by the
-        model's context; ``enforce_eager``, default True on CPU).
-
-        Under torchrun each rank gets its own vLLM (:func:`.vllm_colocate.colocation`); on a GPU its
-        memory share is checked against what is free now, after the trainer is sharded
-        (:func:`.vllm_colocate.check_share`).
+        """An engine holding ``model``'s current weights. ``return_routing``: R3 data (default:
+        ``cfg.routing_replay_source == "rollout"``); ``sleep_mode``: vLLM sleep mode (default: on GPU);
+        ``check_sync``: after the first weight push, compare vLLM's log-probs of a probe with the
+        trainer's, run through ``trainer`` (the forward module, an FSDP2 root on several ranks: one
+        decoder layer gathered at a time; default ``model``), and raise if they disagree;
+        ``gather``: unused (kept for callers); ``llm_kwargs`` go to ``vllm.LLM``. Under torchrun each
+        rank gets its own vLLM (:func:`.vllm_colocate.colocation`); on a GPU its memory share is
+        checked against what is free after the trainer is sharded (:func:`.vllm_colocate.check_share`).
         """
         vllm = _import_vllm()
         on_cpu = _is_cpu_platform()
@@ -265,19 +257,7 @@ class VLLMRolloutEngine:
             return_routing = getattr(cfg, "routing_replay_source", None) == "rollout"
         if sleep_mode is None:
             sleep_mode = not on_cpu
-        version = _vllm_version()
-        cpu_fixes = on_cpu and vllm_cpu_reload.applies(version)
-        if on_cpu and not cpu_fixes:
-            warnings.warn(
-                f"vLLM {version} on CPU is untested with gspo (tested: {vllm_cpu_reload.VERSIONS}); "
-                "the weight sync is checked once at start (check_sync)",
-                stacklevel=2,
-            )
-        cpu_capture = bool(return_routing) and on_cpu
-        if cpu_capture and not vllm_runner.applies(version):
-            raise GspoError(
-                f"vLLM {version} on CPU: gspo's routed-experts capture supports {vllm_runner.VERSIONS}"
-            )
+        version, cpu_fixes, cpu_capture = _version_support(on_cpu, bool(return_routing))
         if gpu_memory_utilization is None:
             gpu_memory_utilization = float(getattr(cfg, "vllm_gpu_memory_utilization", 0.3))
         kwargs = _llm_kwargs(cfg, model, on_cpu, cpu_capture, gpu_memory_utilization, bool(sleep_mode))
@@ -315,11 +295,10 @@ class VLLMRolloutEngine:
             cpu_fixes=cpu_fixes,
         )
         engine.shares_world, engine.gather = shares_world, gather or contextlib.nullcontext
-        engine.policy = trainer
+        engine.policy, engine.tp_group = trainer, tp_group
         engine.compute_dtype = vllm_colocate.compute_dtype(
             vllm_colocate.param_dtype(model), getattr(cfg, "mixed_precision", None), kwargs["dtype"]
         )
-        engine.tp_group = tp_group
         engine.dp_rank = torch.distributed.get_rank() // tp if shares_world else 0
         engine.top_k, engine.top_p = int(getattr(cfg, "top_k", 0)), float(getattr(cfg, "top_p", 1.0))
         engine.sync_weights()
@@ -502,6 +481,26 @@ class VLLMRolloutEngine:
         :meth:`generate` / :meth:`sync_weights`)."""
         if self._asleep:
             self.sync_weights()
+
+
+def _version_support(on_cpu: bool, return_routing: bool) -> tuple[str, bool, bool]:
+    """The installed vLLM's version, whether gspo's CPU reload fixes apply to it (a warning where
+    that version is untested) and whether routed experts are captured on the CPU (refused where
+    gspo's capture does not support the version)."""
+    version = _vllm_version()
+    cpu_fixes = on_cpu and vllm_cpu_reload.applies(version)
+    if on_cpu and not cpu_fixes:
+        warnings.warn(
+            f"vLLM {version} on CPU is untested with gspo (tested: {vllm_cpu_reload.VERSIONS}); "
+            "the weight sync is checked once at start (check_sync)",
+            stacklevel=3,
+        )
+    cpu_capture = return_routing and on_cpu
+    if cpu_capture and not vllm_runner.applies(version):
+        raise GspoError(
+            f"vLLM {version} on CPU: gspo's routed-experts capture supports {vllm_runner.VERSIONS}"
+        )
+    return version, cpu_fixes, cpu_capture
 
 
 def _has_reload_weights(worker: Any) -> bool:
