@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from study_binding_helpers import bind
 
 from gspo.cli import main
 from gspo.compare import run_compare, write_study
@@ -131,6 +132,7 @@ def test_report_verdict_follows_the_data(tmp_path, gspo_minus_grpo, verdict):
     gspo = [0.5 + gspo_minus_grpo + j * (1 if gspo_minus_grpo else -1) for j in jitter]
     _write_runs(tmp_path, {"gspo": gspo, "grpo": grpo})
     (tmp_path / "p.yaml").write_text(PRESET)
+    bind(tmp_path, tmp_path / "p.yaml")  # committed before the runs, which record it: pre-registered
     preset = load_preset(str(tmp_path / "p.yaml"))
     text = write_report(tmp_path, ["gspo", "grpo"], list(range(8)), Config(**TINY), preset=preset).read_text()
     row = next(ln for ln in text.splitlines() if ln.startswith("| acc_final: gspo - grpo > 0 |"))
