@@ -79,7 +79,9 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
     pl.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) [default: 8]")
     pl.add_argument(
-        "--gpu-memory-gib", type=float, help="memory of one GPU in GiB, as torch.cuda and nvidia-smi report it"
+        "--gpu-memory-gib",
+        type=float,
+        help="memory of one GPU in GiB, as torch.cuda and nvidia-smi report it",
     )
     pl.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (1e9 bytes) [default: 80]")
     _add_config_flags(pl, skip=("nproc",))
