@@ -3,8 +3,6 @@ process and ``gspo compare`` ask for them by config, never by class."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,18 +16,16 @@ def make_engine(
     model: nn.Module,
     tokenizer: Any,
     generator: torch.Generator | None = None,
-    gather: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     trainer: nn.Module | None = None,
 ) -> RolloutEngine:
     """The configured engine over ``model`` (``rollout_engine``); vLLM is imported only when selected.
-    ``gather``: where ``model`` is an FSDP2 shard, a context in which it is whole (vLLM's start check).
     ``trainer``: the trainer's module, where the HF engine samples from a copy of it in another
     precision (``model``): the engine takes its weights with every ``sync_weights``, the first now;
     vLLM's start check runs its probe through it (one FSDP2 layer gathered at a time)."""
     if cfg.rollout_engine == "vllm":
         from gspo.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer, gather=gather, trainer=trainer)
+        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer, trainer=trainer)
     from gspo.rollout.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(

@@ -51,7 +51,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +203,6 @@ class VLLMRolloutEngine:
         self.llm = llm
         self.trainer_model = trainer_model
         self.shares_world = False  # vLLM's groups live on torchrun's process group (set by from_trainer)
-        self.gather: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.seed = seed
@@ -236,7 +235,6 @@ class VLLMRolloutEngine:
         return_routing: bool | None = None,
         sleep_mode: bool | None = None,
         check_sync: bool = True,
-        gather: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
         trainer: Any = None,
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
@@ -245,7 +243,7 @@ class VLLMRolloutEngine:
         ``check_sync``: after the first weight push, compare vLLM's log-probs of a probe with the
         trainer's, run through ``trainer`` (the forward module, an FSDP2 root on several ranks: one
         decoder layer gathered at a time; default ``model``), and raise if they disagree;
-        ``gather``: unused (kept for callers); ``llm_kwargs`` go to ``vllm.LLM``. Under torchrun each
+        ``llm_kwargs`` go to ``vllm.LLM``. Under torchrun each
         rank gets its own vLLM (:func:`.vllm_colocate.colocation`); on a GPU its memory share is
         checked against what is free after the trainer is sharded (:func:`.vllm_colocate.check_share`).
         """
@@ -294,7 +292,7 @@ class VLLMRolloutEngine:
             sleep_mode=bool(sleep_mode) and not on_cpu,
             cpu_fixes=cpu_fixes,
         )
-        engine.shares_world, engine.gather = shares_world, gather or contextlib.nullcontext
+        engine.shares_world = shares_world
         engine.policy, engine.tp_group = trainer, tp_group
         engine.compute_dtype = vllm_colocate.compute_dtype(
             vllm_colocate.param_dtype(model), getattr(cfg, "mixed_precision", None), kwargs["dtype"]

@@ -161,8 +161,7 @@ class Run:
             sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
         sample_gen = torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank)
         module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
-        gather = lambda: dist_utils.gathered(policy)  # noqa: E731
-        engine = make_engine(cfg, module, tokenizer, sample_gen, gather=gather, trainer=policy)
+        engine = make_engine(cfg, module, tokenizer, sample_gen, trainer=policy)
         sampler = make_sampler(
             cfg, engine, tokenizer, task, model=unwrap(policy, "model"), train_ids=train_ids,
             version=state["step"] if state else 0, state=state,
