@@ -119,6 +119,9 @@ def test_colocation_uses_the_external_launcher_under_torchrun(torchrun, monkeypa
     }
     monkeypatch.delenv("LOCAL_RANK")
     assert "LOCAL_RANK" in _one_line_error("torchrun", vc.colocation, cfg, config, "m")
+    # a one-rank group (vLLM's uni-process executor makes one in-process): vLLM's defaults, no launcher
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert vc.colocation(SimpleNamespace(vllm_tensor_parallel_size=1), config, "m") == {}
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     assert vc.colocation(cfg, config, "m") == {}
 

@@ -49,6 +49,8 @@ def colocation(cfg: Any, config: Any, name: str) -> dict[str, Any]:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {}
     world = torch.distributed.get_world_size()
+    if world == 1:  # one rank (or a group vLLM's own executor set up in this process): no launcher
+        return {}
     tp = int(getattr(cfg, "vllm_tensor_parallel_size", 1))
     check_tensor_parallel(tp, world, config, name)
     missing = [
