@@ -28,7 +28,7 @@ def one(checkpointing: bool, rows: int, tokens: int) -> dict[str, float]:
     from gspo.config import Config
     from gspo.model.load import build_char_tokenizer, build_small_moe, enable_activation_checkpointing
     from gspo.train.batch import RolloutData
-    from gspo.train.plan import plan_update
+    from gspo.resolve import plan_update
     from gspo.train.update import policy_update
 
     vocab = len(build_char_tokenizer())

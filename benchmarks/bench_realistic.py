@@ -269,7 +269,7 @@ class GspoContender:
         from gspo.rollout.hf import HFRolloutEngine
         from gspo.rollout.sampler import SyncSampler
         from gspo.train import run as RN
-        from gspo.train.plan import plan_update
+        from gspo.resolve import plan_update
 
         sh = inp.sh
         self.inp, self.sh = inp, sh
@@ -316,7 +316,7 @@ class FloorContender:
 
     def __init__(self, inp: Inputs) -> None:
         self.g = GspoContender(inp)
-        from gspo.train.plan import choose_layout
+        from gspo.resolve import choose_layout
 
         self.layout = choose_layout(self.g.model, self.g.cfg)
 

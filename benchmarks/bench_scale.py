@@ -36,7 +36,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.train import distributed as D
     from gspo.train.batch import RolloutData
-    from gspo.train.plan import plan_update
+    from gspo.resolve import plan_update
     from gspo.train.update import policy_update
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -54,7 +54,7 @@ from gspo.train import batch as BA
 from gspo.train import run as RN
 from gspo.train import scoring as RO
 from gspo.train import update as U
-from gspo.train.plan import choose_layout, plan_update
+from gspo.resolve import choose_layout, plan_update
 
 PROMPTS, G, NEW_TOKENS, MINIBATCHES = 8, 8, 8, 4
 LR, BETAS = 3e-4, (0.9, 0.99)

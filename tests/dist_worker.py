@@ -38,7 +38,7 @@ def main() -> None:
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.train import distributed as D
     from gspo.train.batch import RolloutData
-    from gspo.train.plan import plan_update
+    from gspo.resolve import plan_update
     from gspo.train.update import policy_update
 
     blob = torch.load(args.data, weights_only=False)

@@ -17,7 +17,7 @@ import torch
 from gspo.config import Config
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
 from gspo.train.batch import RolloutData
-from gspo.train.plan import plan_update
+from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
 pytest.importorskip("torch.distributed")

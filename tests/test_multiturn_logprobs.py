@@ -19,7 +19,7 @@ from gspo.rollout.base import RolloutBatch, Sampled
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
 from gspo.train.batch import split_minibatches
-from gspo.train.plan import plan_update
+from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
 G = 8

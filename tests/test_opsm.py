@@ -88,7 +88,7 @@ def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
     batch with those rows' advantages set to 0 (their sequences still counted in the normalizer)."""
     from gspo.rollout.hf import HFRolloutEngine, left_pad
     from gspo.train.batch import RolloutData
-    from gspo.train.plan import plan_update
+    from gspo.resolve import plan_update
     from gspo.train.update import policy_update
 
     model, tok = tiny_moe

@@ -18,7 +18,7 @@ from test_multiturn_logprobs import G, trajectories  # noqa: F401  (a fixture: H
 from gspo import Config, train
 from gspo.envs.rollout import score_episodes
 from gspo.losses import LOSSES
-from gspo.train.plan import plan_update
+from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
 # exact match plus noise: rewards differ within every group, so there are A < 0 sequences to mask

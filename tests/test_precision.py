@@ -3,7 +3,7 @@
 import json
 
 from gspo import Config, train
-from gspo.train.plan import pi_old_source
+from gspo.resolve import pi_old_source
 
 
 def test_bf16_sampler_is_a_synced_copy_and_its_mismatch_is_measured(tmp_path):

@@ -9,7 +9,7 @@ from gspo.config import Config
 from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, left_pad
 from gspo.train.batch import RolloutData
-from gspo.train.plan import plan_update
+from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
 
@@ -250,7 +250,7 @@ def test_prefix_sharing_on_needs_a_model_that_takes_4d_masks():
     error naming the field; ``auto`` falls back to per-row sequences."""
     from gspo.errors import GspoError
     from gspo.model.load import load_model_and_tokenizer
-    from gspo.train.plan import choose_layout as _layout
+    from gspo.resolve import choose_layout as _layout
 
     model, _ = load_model_and_tokenizer("embedded:tiny-dense")
     assert _layout(model, Config(prefix_sharing="auto").validate()) == "shared_prefix"
@@ -268,7 +268,7 @@ def test_other_architectures_get_a_layout_that_is_exact(arch):
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from gspo.model.logprobs import shared_prefix_is_exact, takes_additive_mask
-    from gspo.train.plan import choose_layout as _layout
+    from gspo.resolve import choose_layout as _layout
 
     torch.manual_seed(0)
     if arch == "gpt2":

@@ -14,7 +14,7 @@ from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
 from gspo.rollout.hf import HFRolloutEngine, left_pad
 from gspo.train.batch import RolloutData
-from gspo.train.plan import plan_update
+from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
 ROOT = Path(__file__).resolve().parents[1]

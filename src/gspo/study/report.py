@@ -40,7 +40,7 @@ from gspo.study.statistics import (
     sign_flip_is_exact,
 )
 from gspo.train.logger import read_metrics
-from gspo.train.plan import pi_old_source
+from gspo.resolve import pi_old_source
 
 PerSeed = dict[str, dict[int, dict[str, Any]]]  # variant -> seed -> run_stats
 CI_NAMES = {"t": "Student t", "bootstrap": "percentile bootstrap"}

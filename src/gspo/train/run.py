@@ -33,7 +33,8 @@ from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train import sharded as sharded_ckpt
 from gspo.train.logger import MetricsLogger, read_metrics
-from gspo.train.plan import UpdatePlan, plan_update
+from gspo.plans import UpdatePlan
+from gspo.resolve import plan_update
 from gspo.train.scoring import evaluate
 
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder

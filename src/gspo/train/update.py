@@ -1,6 +1,6 @@
 """The policy update: ``num_minibatches`` optimizer steps over one rollout batch (GSPO paper, sec. 5).
 
-    attach pi_old                    (where it comes from: the plan, gspo.train.plan)
+    attach pi_old                    (where it comes from: the plan, gspo.resolve)
     for each minibatch i:            (contiguous rows of the rollout batch)
         for each micro-batch:        logp = pi_theta(rows); loss(logp, pi_old, A) / N; backward
         clip the gradient norm, optimizer step
@@ -27,7 +27,7 @@ from gspo.model.logprobs import as_policy
 from gspo.model.unwrap import full_tensor, unwrap
 from gspo.train import distributed as dist_utils
 from gspo.train.batch import MicroBatch, RolloutData, split_minibatches
-from gspo.train.plan import UpdatePlan
+from gspo.plans import UpdatePlan
 
 # How each logged metric of a micro-batch combines with the others of the rollout batch:
 # a mean weighted by the micro-batch's response tokens or sequences, a minimum or a maximum.

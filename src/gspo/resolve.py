@@ -1,18 +1,14 @@
-"""The update plan: every decision a policy update makes, resolved once from the config.
+"""The config, resolved once into the plans every stage runs (:mod:`gspo.plans`).
 
-    pi_old       the sampler's log-probs (``rollout``) or the trainer's own (``recompute``)
-    replay       none, R2 (pi_old's own experts, recorded by the trainer) or R3 (the sampler's)
-    volatility   none, read from a training forward (free) or from one extra no-grad forward
-    correction   none or a registered train/inference mismatch correction
-    layout       how the training forward lays out its rows (padded, packed, shared prefix)
-
-:func:`gspo.train.update.policy_update` runs a plan: it tests no config field and holds no mode flag.
+This is where config fields are read: ``gspo.train(cfg)`` (:mod:`gspo.launch`), ``gspo compare`` and
+the study runner resolve here, and hand each stage its plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -22,45 +18,85 @@ from gspo.errors import GspoError
 from gspo.losses import LOSSES
 from gspo.model.logprobs import attn_implementation, lm_head_is_plain, shared_prefix_is_exact
 from gspo.model.unwrap import unwrap
+from gspo.plans import (
+    DistPlan,
+    EnginePlan,
+    EnvPlan,
+    LoadPlan,
+    LoopPlan,
+    ModelPlan,
+    OptimPlan,
+    PromptPlan,
+    SamplePlan,
+    ScorePlan,
+    SftPlan,
+    TaskPlan,
+    UpdatePlan,
+)
+
+P = TypeVar("P")
 
 
-@dataclass(frozen=True)
-class UpdatePlan:
-    """What one policy update does (:func:`plan_update` builds it; the fields are its decisions)."""
+def _take(plan: type[P], cfg: Config, **resolved: Any) -> P:
+    """``plan`` with the config's same-named fields, and ``resolved`` for the rest."""
+    names = {f.name for f in dataclasses.fields(plan)}  # type: ignore[arg-type]
+    return plan(**{n: getattr(cfg, n) for n in names - resolved.keys()}, **resolved)
 
-    algo: str  # key of gspo.losses.LOSSES
-    eps_low: float
-    eps_high: float
-    aggregation: str | None  # for the losses that take one (None: the loss takes no aggregation)
-    num_minibatches: int  # optimizer steps per rollout batch
-    micro_batch_size: int  # rows per forward/backward (0: the whole minibatch)
-    max_grad_norm: float  # inf: no clipping
-    temperature: float
-    top_k: int  # the sampler's truncation, applied to the trainer's log-probs too (0 / 1.0: off)
-    top_p: float
-    logp_chunk_size: int
-    layout: str  # rows / packed / shared_prefix (gspo.model.logprobs)
-    pi_old: str  # "rollout": the sampler's log-probs; "recompute": the trainer's
-    trainer_pi_old: bool  # the trainer's pi_old of minibatches 1.. is computed (loss or correction)
-    replay: str | None  # None, "R2" or "R3"
-    volatility: str | None  # None, "free" (a training forward shows it) or "forward" (an extra one)
-    volatility_minibatch: int | None  # which minibatch volatility is measured on
-    correction: str  # "none" or a key of gspo.correction's registry
-    mismatch_low: float
-    mismatch_high: float
-    mismatch_cap: float
-    opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
-    loss_options: tuple[tuple[str, float], ...] = ()  # the loss's own keywords (VESPO's kernel)
 
-    @property
-    def token_normalizer(self) -> bool:
-        """The loss divides by the minibatch's response tokens (DAPO's token_mean), else its sequences."""
-        return self.aggregation == "token_mean"
+def prompt_plan(cfg: Config) -> PromptPlan:
+    return _take(PromptPlan, cfg)
 
-    def own_routing(self, i: int) -> bool:
-        """Whether minibatch ``i`` needs pi_old's own choice of experts (R2 forces it in minibatches
-        1..; volatility compares with it)."""
-        return i == self.volatility_minibatch or (self.replay == "R2" and i > 0)
+
+def task_plan(cfg: Config) -> TaskPlan:
+    return _take(TaskPlan, cfg)
+
+
+def env_plan(cfg: Config) -> EnvPlan | None:
+    return _take(EnvPlan, cfg, prompt=prompt_plan(cfg)) if cfg.env else None
+
+
+def engine_plan(cfg: Config) -> EnginePlan:
+    return _take(EnginePlan, cfg, return_routing=cfg.routing_replay_source == "rollout")
+
+
+def sample_plan(cfg: Config) -> SamplePlan:
+    return _take(SamplePlan, cfg, engine=engine_plan(cfg), task=task_plan(cfg), env=env_plan(cfg))
+
+
+def score_plan(cfg: Config) -> ScorePlan:
+    return _take(ScorePlan, cfg, env=env_plan(cfg))
+
+
+def load_plan(cfg: Config, dtype: str | None = None) -> LoadPlan:
+    """``dtype`` overrides the config's (``gspo compare`` warm-starts in float32)."""
+    return _take(
+        LoadPlan, cfg, dtype=dtype or cfg.dtype, task=task_plan(cfg), prompt=prompt_plan(cfg), env=env_plan(cfg)
+    )
+
+
+def sft_plan(cfg: Config) -> SftPlan:
+    return _take(SftPlan, cfg, env=env_plan(cfg))
+
+
+def dist_plan(cfg: Config) -> DistPlan:
+    return _take(DistPlan, cfg, lora=bool(cfg.lora_rank))
+
+
+def model_plan(cfg: Config) -> ModelPlan:
+    copy = cfg.rollout_engine == "hf" and cfg.rollout_dtype not in (None, cfg.dtype)
+    return _take(ModelPlan, cfg, rollout_copy_dtype=cfg.rollout_dtype if copy else None)
+
+
+def optim_plan(cfg: Config) -> OptimPlan:
+    return _take(OptimPlan, cfg)
+
+
+def loop_plan(cfg: Config) -> LoopPlan:
+    return _take(LoopPlan, cfg, run_dir=cfg.run_dir, title=f"{cfg.algo} on {cfg.task} ({cfg.model})")
+
+
+# ------------------------------------------------------------------------------------------------
+# the update
 
 
 def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
@@ -101,8 +137,6 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
         opsm_threshold=cfg.opsm_threshold,
         loss_options=tuple(loss_options(cfg).items()),
     )
-
-
 def pi_old_source(cfg: Config) -> str:
     """Where the loss's pi_old comes from: ``rollout`` (the sampler's log-probs) or ``recompute`` (the
     trainer's own forward); ``old_logp = auto`` takes the sampler's wherever they are the trainer's

@@ -1,0 +1,225 @@
+"""Plans: what each stage of a run does, resolved once from the config (:mod:`gspo.resolve`).
+
+The config stops at the top (``gspo.train(cfg)``, the CLI, ``gspo compare``); below it every stage
+takes only its own frozen plan. A plan's fields keep the config's names where they mean the same
+thing, so a field's documentation is the config field's (``gspo train --help``).
+
+This module imports nothing of gspo: every layer may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """How a prompt becomes token ids (:func:`gspo.tasks.prompts.encode_prompts`)."""
+
+    chat_template: bool
+    system_prompt: str | None
+    max_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """Which task, its reward and its splits (:func:`gspo.tasks.task_from_config`; the async sampler's
+    process loads it again from this)."""
+
+    task: str
+    reward: str
+    seed: int
+    eval_size: int
+    eval_task: str | None
+    prompt_field: str
+    answer_field: str
+    reward_timeout_s: float
+
+
+@dataclass(frozen=True)
+class EnvPlan:
+    """Multi-turn episodes in an environment (:mod:`gspo.envs`)."""
+
+    env: str
+    max_turns: int
+    max_new_tokens: int  # per model turn
+    max_trajectory_tokens: int  # all turns of one trajectory, tool output included
+    max_prompt_tokens: int
+    reward_timeout_s: float
+    reward_on_error: str
+    prompt: PromptPlan
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How a rollout engine is built and samples (:func:`gspo.rollout.factory.make_engine`)."""
+
+    rollout_engine: str  # "hf" or "vllm"
+    model: str  # the model's name, for messages
+    dtype: str  # the trainer's weights
+    rollout_dtype: str | None  # the sampler's (None: the trainer's)
+    mixed_precision: str  # "bf16": the trainer computes in bf16 (the start check's precision)
+    seed: int
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_trajectory_tokens: int
+    env: str | None  # multi-turn: a turn's prompt holds the trajectory so far
+    return_routing: bool  # the engine records the experts it routed to (R3)
+    vllm_gpu_memory_utilization: float
+    vllm_tensor_parallel_size: int
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """Each RL step's responses (:func:`gspo.rollout.factory.make_sampler`)."""
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    async_staleness: int  # 0: sampled when asked; K: a process running up to K updates ahead
+    prompts_per_step: int
+    seed: int
+    dtype: str
+    engine: EnginePlan  # the async process builds its own engine from this
+    task: TaskPlan  # ... and loads the task from this
+    env: EnvPlan | None = None  # multi-turn
+
+
+@dataclass(frozen=True)
+class ScorePlan:
+    """Rewards -> group advantages (:mod:`gspo.train.scoring`), and the held-out evaluation."""
+
+    group_size: int
+    max_new_tokens: int  # single-turn: the overlong penalty's limit
+    max_trajectory_tokens: int  # multi-turn: the overlong penalty's limit
+    overlong_buffer: int
+    overlong_penalty: float
+    overlong_filter: bool
+    adv_scale: str
+    reward_on_error: str
+    env: EnvPlan | None = None  # multi-turn: trajectories scored (and evaluated) by their environment
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The model, tokenizer and task a run starts from (:func:`gspo.train.sft.load_start`)."""
+
+    model: str
+    tokenizer: str | None
+    dtype: str
+    seed: int
+    keep_dropout: bool
+    max_prompt_tokens: int
+    max_new_tokens: int
+    task: TaskPlan
+    prompt: PromptPlan
+    env: EnvPlan | None = None
+
+
+@dataclass(frozen=True)
+class SftPlan:
+    """The supervised warm start (:func:`gspo.train.sft.warm_start`)."""
+
+    sft_steps: int
+    sft_lr: float
+    sft_batch_size: int
+    seed: int
+    logp_chunk_size: int
+    task: str  # multi-turn tasks with demonstrations warm-start on them (gspo.envs.sft)
+    env: EnvPlan | None = None
+
+
+@dataclass(frozen=True)
+class DistPlan:
+    """Devices and data parallelism (:mod:`gspo.train.distributed`)."""
+
+    device: str
+    parallel: str  # "ddp" or "fsdp"
+    mixed_precision: str  # "none" or "bf16"
+    lora: bool
+    threads: int
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What is done to the loaded model before it is wrapped: LoRA, activation checkpointing, a copy
+    in the sampler's precision."""
+
+    lora_rank: int
+    lora_alpha: float
+    lora_target_modules: str
+    activation_checkpointing: bool
+    rollout_copy_dtype: str | None  # the HF sampler samples from a copy in this dtype (None: no copy)
+
+
+@dataclass(frozen=True)
+class OptimPlan:
+    """AdamW and its warm-up (:func:`gspo.train.run.make_optimizer`)."""
+
+    lr: float
+    adam_beta1: float
+    adam_beta2: float
+    weight_decay: float
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """The loop around the RL steps (:mod:`gspo.train.loop`)."""
+
+    steps: int
+    eval_every: int
+    save_every: int
+    progress: bool
+    num_minibatches: int
+    prompts_per_step: int
+    group_size: int
+    seed: int
+    dynamic_sampling: bool
+    dynamic_sampling_max_rounds: int
+    run_dir: Path
+    title: str  # the curves' title: "<algo> on <task> (<model>)"
+    algo: str
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What one policy update does (:func:`gspo.resolve.plan_update` builds it; the fields are its
+    decisions; :func:`gspo.train.update.policy_update` runs it, testing no config field)."""
+
+    algo: str  # key of gspo.losses.LOSSES
+    eps_low: float
+    eps_high: float
+    aggregation: str | None  # for the losses that take one (None: the loss takes no aggregation)
+    num_minibatches: int  # optimizer steps per rollout batch
+    micro_batch_size: int  # rows per forward/backward (0: the whole minibatch)
+    max_grad_norm: float  # inf: no clipping
+    temperature: float
+    top_k: int  # the sampler's truncation, applied to the trainer's log-probs too (0 / 1.0: off)
+    top_p: float
+    logp_chunk_size: int
+    layout: str  # rows / packed / shared_prefix (gspo.model.logprobs)
+    pi_old: str  # "rollout": the sampler's log-probs; "recompute": the trainer's
+    trainer_pi_old: bool  # the trainer's pi_old of minibatches 1.. is computed (loss or correction)
+    replay: str | None  # None, "R2" or "R3"
+    volatility: str | None  # None, "free" (a training forward shows it) or "forward" (an extra one)
+    volatility_minibatch: int | None  # which minibatch volatility is measured on
+    correction: str  # "none" or a key of gspo.correction's registry
+    mismatch_low: float
+    mismatch_high: float
+    mismatch_cap: float
+    opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
+    loss_options: tuple[tuple[str, float], ...] = ()  # the loss's own keywords (VESPO's kernel)
+
+    @property
+    def token_normalizer(self) -> bool:
+        """The loss divides by the minibatch's response tokens (DAPO's token_mean), else its sequences."""
+        return self.aggregation == "token_mean"
+
+    def own_routing(self, i: int) -> bool:
+        """Whether minibatch ``i`` needs pi_old's own choice of experts (R2 forces it in minibatches
+        1..; volatility compares with it)."""
+        return i == self.volatility_minibatch or (self.replay == "R2" and i > 0)
