@@ -26,8 +26,8 @@ def one(checkpointing: bool, rows: int, tokens: int) -> dict[str, float]:
 
     torch.set_num_threads(1)
     from gspo.config import Config
+    from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_small_moe, enable_activation_checkpointing
-    from gspo.train.batch import RolloutData
     from gspo.resolve import plan_update
     from gspo.train.update import policy_update
 
@@ -40,7 +40,7 @@ def one(checkpointing: bool, rows: int, tokens: int) -> dict[str, float]:
     ids = torch.randint(4, vocab, (rows, P + T), generator=g)
     ones_p, ones_t = torch.ones(rows, P, dtype=torch.long), torch.ones(rows, T, dtype=torch.long)
     adv = torch.randn(rows, generator=g)
-    data = RolloutData(ids[:, :P], ones_p, ids[:, P:], ones_t, -torch.rand(rows, T, generator=g), adv)
+    data = TrainBatch(ids[:, :P], ones_p, ids[:, P:], ones_t, -torch.rand(rows, T, generator=g), adv)
     cfg = Config(prompts_per_step=rows // 8, group_size=8, routing_replay=True, max_new_tokens=T).validate()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -266,10 +266,10 @@ class GspoContender:
     def __init__(self, inp: Inputs, engine: str = "hf", **cfg_kw: Any) -> None:
         import torch
 
+        from gspo.resolve import plan_update
         from gspo.rollout.hf import HFRolloutEngine
         from gspo.rollout.sampler import SyncSampler
         from gspo.train import run as RN
-        from gspo.resolve import plan_update
 
         sh = inp.sh
         self.inp, self.sh = inp, sh
@@ -321,8 +321,8 @@ class FloorContender:
         self.layout = choose_layout(self.g.model, self.g.cfg)
 
     def step(self, r: int) -> dict[str, Any]:
+        from gspo.data import left_pad
         from gspo.model.logprobs import response_logprobs
-        from gspo.rollout.hf import left_pad
         from gspo.train import batch as BA
 
         g, sh = self.g, self.g.sh
@@ -334,7 +334,7 @@ class FloorContender:
         p_ids, p_mask = left_pad(rep, g.inp.tok.pad_token_id)
         import torch
 
-        data = BA.RolloutData(
+        data = BA.TrainBatch(
             p_ids, p_mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, torch.zeros(len(rep))
         )
         mb = len(rep) // sh.minibatches

@@ -33,10 +33,10 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
 
     torch.set_num_threads(1)
     from gspo.config import Config
+    from gspo.data import TrainBatch
     from gspo.model.logprobs import PolicyLogprobs
-    from gspo.train import distributed as D
-    from gspo.train.batch import RolloutData
     from gspo.resolve import plan_update
+    from gspo.train import distributed as D
     from gspo.train.update import policy_update
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -64,7 +64,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
     g = torch.Generator().manual_seed(ctx.rank)
     n = rows // world
     ids = torch.randint(4, V, (n, prompt + response), generator=g)
-    data = RolloutData(
+    data = TrainBatch(
         ids[:, :prompt], torch.ones(n, prompt, dtype=torch.long), ids[:, prompt:],
         torch.ones(n, response, dtype=torch.long), -torch.rand(n, response, generator=g), torch.randn(n, generator=g),
     )  # fmt: skip

@@ -43,9 +43,11 @@ from typing import Any
 import torch
 
 from gspo.config import Config
+from gspo.data import left_pad
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import HFRolloutEngine, left_pad
+from gspo.resolve import choose_layout, plan_update
+from gspo.rollout.hf import HFRolloutEngine
 from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
 from gspo.tasks.prompts import encode_prompts
@@ -54,7 +56,6 @@ from gspo.train import batch as BA
 from gspo.train import run as RN
 from gspo.train import scoring as RO
 from gspo.train import update as U
-from gspo.resolve import choose_layout, plan_update
 
 PROMPTS, G, NEW_TOKENS, MINIBATCHES = 8, 8, 8, 4
 LR, BETAS = 3e-4, (0.9, 0.99)
@@ -229,7 +230,7 @@ def floor_stepper(kind: str, su: Setup) -> Stepper:
         rb = engine.generate(rep, NEW_TOKENS, 1.0)
         t_gen = _since(t0)
         p_ids, p_mask = left_pad(rep, su.tok.pad_token_id)
-        data = BA.RolloutData(
+        data = BA.TrainBatch(
             p_ids, p_mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, torch.zeros(len(rep))
         )
         mb = len(rep) // MINIBATCHES

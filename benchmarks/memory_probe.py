@@ -87,9 +87,9 @@ def measure(
     import torch
 
     from gspo.config import Config
+    from gspo.data import TrainBatch
     from gspo.model.load import enable_activation_checkpointing
     from gspo.model.routing import is_moe
-    from gspo.train.batch import RolloutData
     from gspo.resolve import plan_update
     from gspo.train.update import policy_update
 
@@ -105,7 +105,7 @@ def measure(
     ids = torch.randint(4, V, (rows, prompt + response), generator=g)
     ones_p = torch.ones(rows, prompt, dtype=torch.long)
     ones_t = torch.ones(rows, response, dtype=torch.long)
-    data = RolloutData(
+    data = TrainBatch(
         ids[:, :prompt], ones_p, ids[:, prompt:], ones_t, -torch.rand(rows, response, generator=g),
         torch.randn(rows, generator=g),
     ).to(torch.device(device))  # fmt: skip

@@ -34,15 +34,15 @@ def main() -> None:
     args = ap.parse_args()
 
     from gspo.config import Config
+    from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
     from gspo.model.logprobs import PolicyLogprobs
-    from gspo.train import distributed as D
-    from gspo.train.batch import RolloutData
     from gspo.resolve import plan_update
+    from gspo.train import distributed as D
     from gspo.train.update import policy_update
 
     blob = torch.load(args.data, weights_only=False)
-    data: RolloutData = blob["data"]
+    data: TrainBatch = blob["data"]
     vocab = len(build_char_tokenizer())
     results = {}
     ctx = None

@@ -47,8 +47,8 @@ def _record_versions_and_batches(monkeypatch) -> tuple[dict[int, dict], dict[int
 
 def _sampled_by(model, weights: dict[int, dict], batch) -> list[int]:
     """The versions whose weights give ``batch``'s responses the sampler's log-probs (to 1e-5)."""
+    from gspo.data import left_pad
     from gspo.model.logprobs import response_logprobs
-    from gspo.rollout.hf import left_pad
 
     p_ids, p_mask = left_pad(batch.prompt_ids, 0)
     m = batch.response_mask_BT.bool()

@@ -4,7 +4,7 @@ import torch
 
 from gspo import Config, train
 from gspo.advantages import overlong_penalty
-from gspo.train.batch import RolloutData
+from gspo.data import TrainBatch
 
 
 def test_overlong_penalty_closed_form():
@@ -16,15 +16,15 @@ def test_overlong_penalty_closed_form():
 
 
 def test_rollout_data_cat_pads_and_keeps_rows():
-    a = RolloutData(
+    a = TrainBatch(
         torch.tensor([[0, 5]]), torch.tensor([[0, 1]]), torch.tensor([[7]]), torch.tensor([[1]]),
         torch.tensor([[-0.5]]), torch.tensor([1.0]), torch.tensor([1.0]),
     )  # fmt: skip
-    b = RolloutData(
+    b = TrainBatch(
         torch.tensor([[4, 5, 6]]), torch.tensor([[1, 1, 1]]), torch.tensor([[8, 9]]), torch.tensor([[1, 1]]),
         torch.tensor([[-0.1, -0.2]]), torch.tensor([-1.0]), torch.tensor([0.0]),
     )  # fmt: skip
-    c = RolloutData.cat([a, b])
+    c = TrainBatch.cat([a, b])
     assert c.prompt_ids_BP.tolist() == [[0, 0, 5], [4, 5, 6]] and c.prompt_mask_BP.tolist() == [
         [0, 0, 1],
         [1, 1, 1],

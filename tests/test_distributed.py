@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import TrainBatch
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
-from gspo.train.batch import RolloutData
 from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
@@ -114,7 +114,7 @@ RUNS = (
 )
 
 
-def synthetic_rollout(vocab: int, seed: int = 0) -> RolloutData:
+def synthetic_rollout(vocab: int, seed: int = 0) -> TrainBatch:
     """B rows: left-padded prompts (3..9 tokens), right-padded responses (1..10), fixed advantages."""
     g = torch.Generator().manual_seed(seed)
     p_len = torch.randint(3, 10, (B,), generator=g)
@@ -126,10 +126,10 @@ def synthetic_rollout(vocab: int, seed: int = 0) -> RolloutData:
     t_ids = torch.randint(4, vocab, (B, T), generator=g) * t_mask
     logp = -torch.rand(B, T, generator=g).mul(3).add(0.1) * t_mask
     adv = torch.linspace(-1.5, 1.5, B)[torch.randperm(B, generator=g)]
-    return RolloutData(p_ids, p_mask, t_ids, t_mask, logp, adv)
+    return TrainBatch(p_ids, p_mask, t_ids, t_mask, logp, adv)
 
 
-def _single(run: dict, data: RolloutData, vocab: int):
+def _single(run: dict, data: TrainBatch, vocab: int):
     from tests.dist_worker import make_optimizer
 
     # the reference never checkpoints: 2 ranks with checkpointing must make the plain 1-process update
@@ -259,7 +259,7 @@ def test_two_process_update_equals_single_process(distributed, run):
         assert got["opt_keys"] == sorted("model." + n for n, p in ref.named_parameters() if p.requires_grad)
 
 
-def _bf16_tolerance(key: str, ref_m: dict[str, float], data: RolloutData) -> float:
+def _bf16_tolerance(key: str, ref_m: dict[str, float], data: TrainBatch) -> float:
     """How far a bf16-compute metric may be from the float32 reference's (BF16_REL above).
 
     grad_norm (the mean of the 2 steps' norms): | |g'| - |g| | <= |g' - g| <= BF16_REL |g|.

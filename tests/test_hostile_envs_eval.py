@@ -16,12 +16,12 @@ from cli_helpers import one_line
 
 from gspo.cli import main
 from gspo.config import Config, save_yaml
+from gspo.data import SampleBatch
 from gspo.envs.base import Limits
 from gspo.envs.load import env_spec
 from gspo.envs.rollout import encoder, run_episodes
 from gspo.envs.tools import ToolError, calculator
 from gspo.errors import GspoError
-from gspo.rollout.base import RolloutBatch
 from gspo.tasks.datasets import Example
 
 FAST = [
@@ -44,7 +44,7 @@ class _Engine:
         seq = [2, 3, 1][:max_new_tokens]
         B, T = len(prompt_ids), len(seq)
         ids = torch.tensor([seq] * B)
-        return RolloutBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
+        return SampleBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
 
 
 class _Tok:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import SampleBatch
 from gspo.envs.base import Limits, Step
 from gspo.envs.load import EnvSpec, env_spec
 from gspo.envs.rollout import run_episodes
 from gspo.envs.tools import ToolEnv, calculator, parse_tool_call, run_tool_call
 from gspo.errors import GspoError
 from gspo.losses import LOSSES
-from gspo.rollout.base import RolloutBatch
 from gspo.tasks.datasets import Example
 
 TINY = dict(
@@ -202,7 +202,7 @@ class _ScriptEngine:
         seq = (self.turn + [self.eos])[:max_new_tokens]
         B, T = len(prompt_ids), len(seq)
         ids = torch.tensor([seq] * B)
-        return RolloutBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
+        return SampleBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
 
 
 class _CharTok:
@@ -430,9 +430,9 @@ def _answer_nll(model, tok, examples, prompt_ids, cfg) -> float:
     """Mean NLL of the answer turn (after the tool's output) of PROBE_ROWS fixed demonstrations."""
     import random
 
+    from gspo.data import left_pad
     from gspo.envs.sft import DEMONSTRATIONS, demo_tokens
     from gspo.model.logprobs import make_layout, response_logprobs
-    from gspo.rollout.hf import left_pad
 
     demos = [demo_tokens(tok, DEMONSTRATIONS[cfg.task](e, random.Random(0))) for e in examples[:PROBE_ROWS]]
     p_ids, p_mask = left_pad(prompt_ids[:PROBE_ROWS], tok.pad_token_id, torch.device("cpu"))
@@ -542,11 +542,11 @@ def test_reset_may_change_the_prompt():
 def test_overlong_penalty_and_filter_on_trajectories():
     """The soft penalty counts a trajectory's tokens (model and observations) against
     max_trajectory_tokens; the filter zeroes the advantage of trajectories a limit cut off."""
-    from gspo.envs.rollout import EnvRolloutBatch, score_episodes
+    from gspo.envs.rollout import EnvSampleBatch, score_episodes
 
     model = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0]])
     obs = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0]])
-    eb = EnvRolloutBatch(
+    eb = EnvSampleBatch(
         [[5]] * 4, torch.ones(4, 6, dtype=torch.long), model, torch.zeros(4, 6), obs_mask_BT=obs,
         reward_B=torch.tensor([1.0, 0.0, 1.0, 0.0]), truncated_B=torch.tensor([0.0, 1.0, 1.0, 0.0]),
         turns_B=torch.tensor([2.0, 1.0, 1.0, 2.0]),

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import SampleBatch, SamplerOutput
 from gspo.envs.base import Limits, Step
 from gspo.envs.load import EnvSpec
-from gspo.envs.rollout import EnvRolloutBatch, run_episodes, score_episodes
+from gspo.envs.rollout import EnvSampleBatch, run_episodes, score_episodes
 from gspo.losses import LOSSES
-from gspo.rollout.base import RolloutBatch, Sampled
+from gspo.resolve import plan_update
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
 from gspo.train.batch import split_minibatches
-from gspo.resolve import plan_update
 from gspo.train.update import policy_update
 
 G = 8
@@ -38,7 +38,7 @@ class _Observer:
 
 
 @pytest.fixture(scope="module")
-def trajectories(tiny_moe) -> EnvRolloutBatch:
+def trajectories(tiny_moe) -> EnvSampleBatch:
     """2 prompts x 8 trajectories of the tiny MoE (seed 0: five of them have model tokens after an
     observation, one has three turns)."""
     model, tok = tiny_moe
@@ -51,16 +51,16 @@ def trajectories(tiny_moe) -> EnvRolloutBatch:
     return eb
 
 
-def _async_round_trip(eb: EnvRolloutBatch) -> RolloutBatch:
+def _async_round_trip(eb: EnvSampleBatch) -> SampleBatch:
     """``eb`` as the async trainer receives it (the sampler process's wire format), then as a resumed
     run reads it back from a checkpoint's batches in flight."""
     from gspo.rollout.async_sampler import _from_wire, _to_wire, in_flight_from_state, in_flight_to_state
 
-    got = _from_wire(_to_wire(3, 1, Sampled(eb, 0.0, {})))
+    got = _from_wire(_to_wire(3, 1, SamplerOutput(eb, 0.0, {})))
     return in_flight_from_state(in_flight_to_state([got]))[0][2].batch
 
 
-def _update(model, eb: EnvRolloutBatch, tok, monkeypatch, rb: RolloutBatch | None = None, **kw):
+def _update(model, eb: EnvSampleBatch, tok, monkeypatch, rb: SampleBatch | None = None, **kw):
     """One ``policy_update`` (lr 0) on the trajectories ``eb`` (or ``rb``: the same after a trip through
     the async path) scored, recording what the loss is given: (the micro-batch's log-probs, pi_old,
     loss mask), and the update's metrics."""
@@ -125,7 +125,7 @@ def test_loss_mask_of_a_trajectory_is_exactly_the_models_tokens(tiny_moe, trajec
     model, tok = tiny_moe
     eb = trajectories
     rb = eb if path == "sync" else _async_round_trip(eb)
-    assert isinstance(rb, EnvRolloutBatch)
+    assert isinstance(rb, EnvSampleBatch)
     _, (logp, old, mask), out = _update(model, eb, tok, monkeypatch, rb=rb)
     T = mask.shape[1]
     want = eb.response_mask_BT[:, :T]
@@ -165,7 +165,7 @@ class _OneTurnEngine:
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, greedy=False):
         B, T = len(prompt_ids), len(self.turn)
         ids = torch.tensor([self.turn] * B)
-        return RolloutBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
+        return SampleBatch(prompt_ids, ids, torch.ones(B, T, dtype=torch.long), torch.full((B, T), -0.5))
 
 
 class _Recording:

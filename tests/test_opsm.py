@@ -86,9 +86,9 @@ def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
     """policy_update with --opsm-threshold 0.5 on a batch whose sampler log-probs sit 1 nat/token above
     the policy on half the rows: it logs the masked share and makes exactly the update of the same
     batch with those rows' advantages set to 0 (their sequences still counted in the normalizer)."""
-    from gspo.rollout.hf import HFRolloutEngine, left_pad
-    from gspo.train.batch import RolloutData
+    from gspo.data import TrainBatch, left_pad
     from gspo.resolve import plan_update
+    from gspo.rollout.hf import HFRolloutEngine
     from gspo.train.update import policy_update
 
     model, tok = tiny_moe
@@ -106,7 +106,7 @@ def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         cfg = Config(prompts_per_step=1, group_size=8, num_minibatches=1, log_volatility=False, **kw)
-        data = RolloutData(ids, pmask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv_B)
+        data = TrainBatch(ids, pmask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv_B)
         metrics = policy_update(m, opt, sched, data, plan_update(cfg.validate(), m, True), 1)
         return m, metrics
 

@@ -2,8 +2,9 @@
 
 import torch
 
+from gspo.data import left_pad
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import HFRolloutEngine, _sample, left_pad
+from gspo.rollout.hf import HFRolloutEngine, _sample
 
 
 def _prompts(tok):

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import left_pad
 from gspo.errors import GspoError
 from gspo.model.lm_head import logprobs_from_hidden, naive_logprobs_from_hidden, truncation_mask
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import HFRolloutEngine, left_pad
+from gspo.rollout.hf import HFRolloutEngine
 
 F64 = torch.float64
 

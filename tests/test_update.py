@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import TrainBatch, left_pad
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import HFRolloutEngine, left_pad
-from gspo.train.batch import RolloutData
 from gspo.resolve import plan_update
+from gspo.rollout.hf import HFRolloutEngine
 from gspo.train.update import policy_update
 
 
@@ -22,7 +22,7 @@ def batch(tiny_moe):
     rb = eng.generate(prompts, 10, temperature=1.0)
     ids, mask = left_pad(prompts, tok.pad_token_id)
     adv = torch.linspace(-1.5, 1.5, 16)
-    return RolloutData(ids, mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, adv)
+    return TrainBatch(ids, mask, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, adv)
 
 
 def _run(model, data, **kw):

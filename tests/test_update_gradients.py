@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import TrainBatch, left_pad
 from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import HFRolloutEngine, left_pad
-from gspo.train.batch import RolloutData
 from gspo.resolve import plan_update
+from gspo.rollout.hf import HFRolloutEngine
 from gspo.train.update import policy_update
 
 
@@ -43,7 +43,7 @@ def batch(tiny_moe):
     adv = torch.linspace(-1.5, 1.5, 16)[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
     # a sampler slightly off the trainer, so that pi_old = recompute differs from the sampler's numbers
     sampler = rb.sampler_logp_BT + 0.01 * rb.response_mask_BT
-    return RolloutData(ids, mask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv)
+    return TrainBatch(ids, mask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv)
 
 
 class _Recorder(torch.optim.SGD):
@@ -61,7 +61,7 @@ class _Recorder(torch.optim.SGD):
         return super().step(closure)
 
 
-def _direct_grads(model, params, rows: RolloutData, old_logp_BT, algo, agg, cfg):
+def _direct_grads(model, params, rows: TrainBatch, old_logp_BT, algo, agg, cfg):
     m = copy.deepcopy(model)
     with torch.no_grad():
         for p, v in zip(m.parameters(), params, strict=True):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from gspo.config import Config
+from gspo.data import TrainBatch, left_pad
 from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import HFRolloutEngine, left_pad
-from gspo.train.batch import RolloutData
 from gspo.resolve import plan_update
+from gspo.rollout.hf import HFRolloutEngine
 from gspo.train.update import policy_update
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_pi_old_is_the_samplers_in_every_minibatch(tiny_moe, sampled, kw, monkey
     model, _ = tiny_moe
     ids, mask, r_ids, r_mask, own_BT = sampled
     sampler_BT = (own_BT - OFFSETS[:, None]) * r_mask
-    data = RolloutData(ids, mask, r_ids, r_mask, sampler_BT, torch.linspace(-1.5, 1.5, 16).roll(3))
+    data = TrainBatch(ids, mask, r_ids, r_mask, sampler_BT, torch.linspace(-1.5, 1.5, 16).roll(3))
     cfg = Config(prompts_per_step=2, group_size=8, num_minibatches=2, log_volatility=False, **kw).validate()
     m = copy.deepcopy(model)
     plan = plan_update(cfg, m, True)

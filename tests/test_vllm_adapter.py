@@ -7,10 +7,10 @@ import torch
 
 import gspo.rollout.vllm as gv
 from gspo.compat import transformers_model
+from gspo.data import SampleBatch
 from gspo.errors import GspoError
-from gspo.rollout.base import RolloutBatch
 from gspo.rollout.vllm import (
-    VLLMRolloutBatch,
+    VLLMSampleBatch,
     hf_checkpoint_weights,
     outputs_to_batch,
     routing_rows_layout,
@@ -22,7 +22,7 @@ def _lp(x):
 
 
 def test_outputs_to_batch_pads_and_cuts_at_eos():
-    """vLLM completions become a right-padded RolloutBatch; tokens after the first EOS are dropped."""
+    """vLLM completions become a right-padded SampleBatch; tokens after the first EOS are dropped."""
     eos, pad = 1, 0
     outs = [
         SimpleNamespace(token_ids=[5, 6, eos], logprobs=[{5: _lp(-0.5)}, {6: _lp(-1.0)}, {eos: _lp(-0.1)}]),
@@ -30,7 +30,7 @@ def test_outputs_to_batch_pads_and_cuts_at_eos():
         SimpleNamespace(token_ids=[8, eos, 8], logprobs=[{8: -0.2}, {eos: -0.3}, {8: -0.4}]),
     ]
     b = outputs_to_batch([[3], [3, 4], [4]], outs, eos, pad)
-    assert isinstance(b, RolloutBatch) and isinstance(b, VLLMRolloutBatch)
+    assert isinstance(b, SampleBatch) and isinstance(b, VLLMSampleBatch)
     assert b.response_ids_BT.tolist() == [[5, 6, eos], [7, pad, pad], [8, eos, pad]]
     assert b.response_mask_BT.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
     torch.testing.assert_close(

@@ -28,11 +28,11 @@ from types import SimpleNamespace  # noqa: E402
 import torch  # noqa: E402
 
 import gspo.rollout.vllm as gv  # noqa: E402
+from gspo.data import left_pad  # noqa: E402
 from gspo.errors import GspoError  # noqa: E402
 from gspo.model.load import load_model_and_tokenizer  # noqa: E402
 from gspo.model.logprobs import response_logprobs  # noqa: E402
 from gspo.model.routing import capture_routing, replay_routing  # noqa: E402
-from gspo.rollout.hf import left_pad  # noqa: E402
 from gspo.rollout.vllm import VLLMRolloutEngine, routing_rows_layout  # noqa: E402
 
 TOL = 1e-5  # float32: vLLM's sampler log-probs vs the trainer's (measured ~1e-6)

@@ -29,9 +29,9 @@ import test_vllm_real as vr  # noqa: E402  (its engines, prompts and tolerance)
 import torch  # noqa: E402
 from test_vllm_real import _close_engines  # noqa: E402, F401  (closes the engines at the module's end)
 
+from gspo.data import left_pad  # noqa: E402
 from gspo.model.load import load_model_and_tokenizer  # noqa: E402
 from gspo.model.logprobs import response_logprobs  # noqa: E402
-from gspo.rollout.hf import left_pad  # noqa: E402
 from gspo.rollout.vllm import VLLMRolloutEngine  # noqa: E402
 
 NAME = "tiny-dense-h32"

@@ -70,7 +70,12 @@ def score_plan(cfg: Config) -> ScorePlan:
 def load_plan(cfg: Config, dtype: str | None = None) -> LoadPlan:
     """``dtype`` overrides the config's (``gspo compare`` warm-starts in float32)."""
     return _take(
-        LoadPlan, cfg, dtype=dtype or cfg.dtype, task=task_plan(cfg), prompt=prompt_plan(cfg), env=env_plan(cfg)
+        LoadPlan,
+        cfg,
+        dtype=dtype or cfg.dtype,
+        task=task_plan(cfg),
+        prompt=prompt_plan(cfg),
+        env=env_plan(cfg),
     )
 
 
@@ -137,6 +142,8 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
         opsm_threshold=cfg.opsm_threshold,
         loss_options=tuple(loss_options(cfg).items()),
     )
+
+
 def pi_old_source(cfg: Config) -> str:
     """Where the loss's pi_old comes from: ``rollout`` (the sampler's log-probs) or ``recompute`` (the
     trainer's own forward); ``old_logp = auto`` takes the sampler's wherever they are the trainer's

@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from gspo.data import RolloutEngine, SampleBatch
 from gspo.envs.base import Env, Limits
 from gspo.envs.load import EnvFailure, EnvSpec, env_spec, make_env, reset, step
 from gspo.errors import GspoError
-from gspo.rollout.base import RolloutBatch, RolloutEngine
 from gspo.tasks.datasets import Example, Prompt
 
 
 @dataclass
-class EnvRolloutBatch(RolloutBatch):
-    """A :class:`RolloutBatch` of trajectories: ``response_*`` hold model turns and observations."""
+class EnvSampleBatch(SampleBatch):
+    """A :class:`SampleBatch` of trajectories: ``response_*`` hold model turns and observations."""
 
     obs_mask_BT: torch.Tensor | None = None  # [B, T] 1 on observation tokens
     reward_B: torch.Tensor | None = None  # [B] the environment's reward (sum over steps)
@@ -105,7 +105,7 @@ def run_episodes(
     temperature: float,
     greedy: bool = False,
     encode: Callable[[Prompt], list[int]] | None = None,
-) -> EnvRolloutBatch:
+) -> EnvSampleBatch:
     """One trajectory per example (repeat an example G times for a group), played to its end.
     ``prompt_ids`` are the examples' prompts encoded; a different prompt from ``env.reset`` is
     encoded with ``encode`` (the trainer's :func:`~gspo.tasks.prompts.encode_prompts`)."""
@@ -182,7 +182,7 @@ def _turn(
     return True
 
 
-def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_bad: int) -> EnvRolloutBatch:
+def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_bad: int) -> EnvSampleBatch:
     B, T = len(trajs), max([len(t.ids) for t in trajs] + [1])
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     model = torch.zeros((B, T), dtype=torch.long)
@@ -196,7 +196,7 @@ def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_ba
             1,
         )
         logp[b, :n] = torch.tensor(t.logp, dtype=torch.float32)
-    return EnvRolloutBatch(
+    return EnvSampleBatch(
         [list(p) for p in prompt_ids],
         ids,
         model,
@@ -210,13 +210,12 @@ def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_ba
 
 
 def score_episodes(
-    eb: EnvRolloutBatch, tokenizer: Any, n_prompts: int, cfg: Any, t_gen: float
+    eb: EnvSampleBatch, tokenizer: Any, n_prompts: int, cfg: Any, t_gen: float
 ) -> tuple[Any, dict[str, float]]:
     """Group advantages of the environment's rewards; overlong handling on the trajectory's tokens
     (the penalty against ``max_trajectory_tokens``, the filter on trajectories a limit cut off)."""
     from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
-    from gspo.rollout.hf import left_pad
-    from gspo.train.batch import RolloutData
+    from gspo.data import TrainBatch, left_pad
 
     assert eb.obs_mask_BT is not None and eb.reward_B is not None and eb.truncated_B is not None
     G = cfg.group_size
@@ -248,7 +247,7 @@ def score_episodes(
         "env/trajectory_len_max": float(total_B.max()),
         "time/generate_s": t_gen,
     }
-    data = RolloutData(
+    data = TrainBatch(
         p_ids,
         p_mask,
         eb.response_ids_BT.cpu(),
@@ -284,20 +283,20 @@ def evaluate_env(
 ENV_FIELDS = ("obs_mask_BT", "reward_B", "truncated_B", "turns_B")
 
 
-def env_fields(rb: RolloutBatch) -> dict[str, Any] | None:
-    """What a trajectory batch carries beyond a :class:`RolloutBatch` (numpy arrays and ``n_errors``),
+def env_fields(rb: SampleBatch) -> dict[str, Any] | None:
+    """What a trajectory batch carries beyond a :class:`SampleBatch` (numpy arrays and ``n_errors``),
     to cross a process boundary or go into a checkpoint; None for a single-turn batch."""
-    if not isinstance(rb, EnvRolloutBatch):
+    if not isinstance(rb, EnvSampleBatch):
         return None
     return {f: getattr(rb, f).numpy() for f in ENV_FIELDS} | {"n_errors": rb.n_errors}
 
 
-def with_env_fields(rb: RolloutBatch, fields: dict[str, Any] | None) -> RolloutBatch:
-    """``rb`` as an :class:`EnvRolloutBatch` again (inverse of :func:`env_fields`)."""
+def with_env_fields(rb: SampleBatch, fields: dict[str, Any] | None) -> SampleBatch:
+    """``rb`` as an :class:`EnvSampleBatch` again (inverse of :func:`env_fields`)."""
     if fields is None:
         return rb
     arrays = {f: torch.as_tensor(fields[f]) for f in ENV_FIELDS}
-    out = EnvRolloutBatch(
+    out = EnvSampleBatch(
         rb.prompt_ids, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT,
         **arrays, n_errors=int(fields["n_errors"]),
     )  # fmt: skip

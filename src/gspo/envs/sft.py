@@ -51,8 +51,8 @@ def warm_start_env(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> float:
     """``cfg.sft_steps`` supervised steps on demonstrations of ``cfg.task``. Returns the last loss."""
+    from gspo.data import left_pad
     from gspo.model.logprobs import make_layout, response_logprobs
-    from gspo.rollout.hf import left_pad
     from gspo.train.logger import Progress
     from gspo.train.nll import nll_step
 

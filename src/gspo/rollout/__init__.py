@@ -1,5 +1,5 @@
 """Rollout engines: turn prompt token ids into sampled responses with the sampler's log-probs."""
 
-from gspo.rollout.base import RolloutBatch, RolloutEngine
+from gspo.data import RolloutEngine, SampleBatch
 
-__all__ = ["RolloutBatch", "RolloutEngine"]
+__all__ = ["SampleBatch", "RolloutEngine"]

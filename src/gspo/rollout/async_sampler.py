@@ -30,10 +30,10 @@ import torch
 from torch import multiprocessing as mp
 from torch import nn
 
+from gspo.data import SampleBatch, SamplerOutput
 from gspo.errors import GspoError
-from gspo.rollout.base import RolloutBatch, Sampled
 
-Pending = tuple[int, int, Sampled]  # (step, the policy version it was sampled from, its responses)
+Pending = tuple[int, int, SamplerOutput]  # (step, the policy version it was sampled from, its responses)
 
 
 class AsyncSampler:
@@ -82,7 +82,7 @@ class AsyncSampler:
         self.proc.start()
         self._publish(version)
 
-    def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> Sampled:
+    def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput:
         """The responses of ``step`` (blocking), with how stale and how long waited. The batch stays in
         flight until the update of ``step`` is synced (a step that fails before its update keeps it)."""
         t0 = time.time()
@@ -92,7 +92,7 @@ class AsyncSampler:
         if got != step or s.batch.prompt_ids != [p for p in prompt_ids for _ in range(self.G)]:
             raise GspoError(f"async sampler: its batch for step {got} does not answer step {step}'s prompts")
         info = {"async/staleness": float(step - 1 - version), "async/queue_wait_s": time.time() - t0}
-        return Sampled(s.batch, s.gen_s, info)
+        return SamplerOutput(s.batch, s.gen_s, info)
 
     def sync(self, version: int) -> None:
         """Step ``version`` has used its batch; hand the weights after it to the sampler."""
@@ -135,7 +135,7 @@ class AsyncSampler:
 
 # A batch crosses the process boundary as numpy arrays, pickled by value: torch tensors would go
 # through shared-memory file descriptors, ~4 ms per batch on this CPU (a twentieth of a tiny step).
-def _to_wire(t: int, version: int, s: Sampled) -> tuple[Any, ...]:
+def _to_wire(t: int, version: int, s: SamplerOutput) -> tuple[Any, ...]:
     from gspo.envs.rollout import env_fields
 
     rb = s.batch
@@ -147,8 +147,12 @@ def _from_wire(msg: tuple[Any, ...]) -> Pending:
     from gspo.envs.rollout import with_env_fields
 
     t, version, prompt_ids, ids, mask, logp, gen_s, env = msg
-    rb = RolloutBatch(prompt_ids, *(torch.from_numpy(a) for a in (ids, mask, logp)))
-    return t, version, Sampled(with_env_fields(rb, env), gen_s, {})  # multi-turn trajectories: gspo.envs
+    rb = SampleBatch(prompt_ids, *(torch.from_numpy(a) for a in (ids, mask, logp)))
+    return (
+        t,
+        version,
+        SamplerOutput(with_env_fields(rb, env), gen_s, {}),
+    )  # multi-turn trajectories: gspo.envs
 
 
 def in_flight_to_state(pending: list[Pending]) -> list[dict[str, Any]]:
@@ -168,7 +172,7 @@ def in_flight_to_state(pending: list[Pending]) -> list[dict[str, Any]]:
     ]
 
 
-def _env_state(rb: RolloutBatch) -> dict[str, Any]:
+def _env_state(rb: SampleBatch) -> dict[str, Any]:
     """A multi-turn batch's own fields (gspo.envs) as tensors and ints, for the checkpoint."""
     from gspo.envs.rollout import env_fields
 
@@ -181,9 +185,9 @@ def in_flight_from_state(items: list[dict[str, Any]]) -> list[Pending]:
 
     out = []
     for d in items:
-        rb = RolloutBatch(d["prompt_ids"], d["response_ids"], d["response_mask"], d["sampler_logp"])
+        rb = SampleBatch(d["prompt_ids"], d["response_ids"], d["response_mask"], d["sampler_logp"])
         rb = with_env_fields(rb, d.get("env"))  # a multi-turn batch (gspo.envs)
-        out.append((d["step"], d["version"], Sampled(rb, d["gen_s"], {})))
+        out.append((d["step"], d["version"], SamplerOutput(rb, d["gen_s"], {})))
     return out
 
 

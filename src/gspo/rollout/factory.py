@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gspo.rollout.base import RolloutEngine, Sampler
+from gspo.data import RolloutEngine, Sampler
 
 
 def make_engine(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import inspect
-from itertools import chain
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from gspo.data import SampleBatch, left_pad
 from gspo.model.lm_head import truncate_logits
 from gspo.model.logprobs import (
     additive_mask,
@@ -15,19 +15,6 @@ from gspo.model.logprobs import (
     position_ids_from_mask,
     takes_additive_mask,
 )
-from gspo.rollout.base import RolloutBatch
-
-
-def left_pad(
-    seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists -> ``(ids_BP, mask_BP)`` so every prompt ends at the same column."""
-    lens_B = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    P = int(lens_B.max()) if len(seqs) else 0
-    mask = torch.arange(P) >= (P - lens_B)[:, None]  # row-major order of the real slots = token order
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    ids[mask] = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
-    return ids.to(device), mask.long().to(device)
 
 
 def _sample(logp_bV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -110,18 +97,18 @@ class HFRolloutEngine:
 
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
-    ) -> RolloutBatch:
+    ) -> SampleBatch:
         with torch.inference_mode():  # no autograd bookkeeping at all: ~10% off each decode step
             parts = [
                 self._generate(prompt_ids[i : i + self.max_batch_size], max_new_tokens, temperature, greedy)
                 for i in range(0, len(prompt_ids), self.max_batch_size)
             ]
-        # plain CPU tensors (the RolloutBatch contract), so scoring and the trainer may use them next to
+        # plain CPU tensors (the SampleBatch contract), so scoring and the trainer may use them next to
         # autograd (sampler log-probs as pi_old); the update moves them to its device
         parts = [tuple(x.to("cpu", copy=True) for x in p) for p in parts]
         T = max(p[0].shape[1] for p in parts)
         pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
-        return RolloutBatch(
+        return SampleBatch(
             prompt_ids=[list(p) for p in prompt_ids],
             response_ids_BT=torch.cat([pad(p[0], self.pad_token_id) for p in parts]),
             response_mask_BT=torch.cat([pad(p[1], 0) for p in parts]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gspo.rollout.base import RolloutEngine, Sampled
+from gspo.data import RolloutEngine, SamplerOutput
 
 
 class SyncSampler:
@@ -22,7 +22,7 @@ class SyncSampler:
 
             self.env = (spec_of(cfg, task), limits_of(cfg), encoder(tokenizer, cfg))
 
-    def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> Sampled:
+    def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput:
         G, cfg = self.cfg.group_size, self.cfg
         rep = [p for p in prompt_ids for _ in range(G)]
         t0 = time.time()
@@ -36,7 +36,7 @@ class SyncSampler:
             rb = run_episodes(
                 self.engine, self.tokenizer, spec, examples_rep, rep, limits, cfg.temperature, encode=encode
             )
-        return Sampled(rb, time.time() - t0, {})
+        return SamplerOutput(rb, time.time() - t0, {})
 
     def sync(self, version: int) -> None:
         self.engine.sync_weights()

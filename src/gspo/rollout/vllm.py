@@ -21,8 +21,8 @@ trainer, with its own copy of the weights:
   row, so runs repeat and the G samples of a prompt differ. Only the tokenizer's EOS stops a row
   (``generation_config="vllm"``: no extra stop ids from the model's generation config), as in the HF
   engine.
-* **R3 data** (rollout routing replay, ``return_routing=True``): :class:`VLLMRolloutBatch` carries the
-  experts vLLM routed every token to; see :attr:`VLLMRolloutBatch.routed_experts` for the exact format
+* **R3 data** (rollout routing replay, ``return_routing=True``): :class:`VLLMSampleBatch` carries the
+  experts vLLM routed every token to; see :attr:`VLLMSampleBatch.routed_experts` for the exact format
   and :func:`routing_rows_layout` for the trainer's ``rows`` layout.
 * **GPU memory**: ``gpu_memory_utilization`` (config ``vllm_gpu_memory_utilization``) bounds vLLM's
   share; with ``sleep_mode`` (default on GPU) :meth:`~VLLMRolloutEngine.sleep` drops vLLM's weights
@@ -62,7 +62,7 @@ from gspo.errors import GspoError
 from gspo.model.export import hf_checkpoint_weights
 from gspo.model.unwrap import is_peft, unwrap
 from gspo.rollout import vllm_colocate
-from gspo.rollout.vllm_batch import VLLMRolloutBatch, outputs_to_batch, routing_rows_layout  # noqa: F401 (re-exported)
+from gspo.rollout.vllm_batch import VLLMSampleBatch, outputs_to_batch, routing_rows_layout  # noqa: F401 (re-exported)
 
 INSTALL_HINT = (
     'on a GPU: pip install "gspo[vllm]"; on a CPU: bash .ci/vllm_env.sh, then use .venv-vllm '
@@ -326,7 +326,7 @@ class VLLMRolloutEngine:
 
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
-    ) -> VLLMRolloutBatch:
+    ) -> VLLMSampleBatch:
         vllm = _import_vllm()
         if self._asleep:
             self.wake_up()
@@ -507,7 +507,7 @@ def _has_reload_weights(worker: Any) -> bool:
 
 __all__ = [
     "INSTALL_HINT",
-    "VLLMRolloutBatch",
+    "VLLMSampleBatch",
     "VLLMRolloutEngine",
     "hf_checkpoint_weights",
     "outputs_to_batch",

@@ -1,4 +1,4 @@
-"""vLLM's request outputs as gspo's :class:`~gspo.rollout.base.RolloutBatch`, with the R3 routing the
+"""vLLM's request outputs as gspo's :class:`~gspo.rollout.base.SampleBatch`, with the R3 routing the
 engine captured, laid out for the trainer's ``rows`` forward. Imports no vLLM: tested without it."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
+from gspo.data import SampleBatch
 from gspo.errors import GspoError
-from gspo.rollout.base import RolloutBatch
 
 
 @dataclass
-class VLLMRolloutBatch(RolloutBatch):
-    """A :class:`RolloutBatch` plus, when the engine was made with ``return_routing=True``, R3 data.
+class VLLMSampleBatch(SampleBatch):
+    """A :class:`SampleBatch` plus, when the engine was made with ``return_routing=True``, R3 data.
 
     ``routed_experts[i]`` (one per row) is a ``LongTensor[P_i + R_i - 1, num_moe_layers, top_k]``:
     row ``t`` holds the expert ids vLLM routed the token at position ``t`` of
@@ -38,7 +38,7 @@ class VLLMRolloutBatch(RolloutBatch):
 
 def outputs_to_batch(
     prompt_ids: Sequence[Sequence[int]], completions: Sequence[Any], eos_token_id: int, pad_token_id: int
-) -> VLLMRolloutBatch:
+) -> VLLMSampleBatch:
     """Convert vLLM ``CompletionOutput``-like objects (``token_ids``, ``logprobs``) to a batch.
 
     ``logprobs`` is a list, one entry per generated token, of ``{token_id: Logprob(logprob=...)}``
@@ -68,10 +68,10 @@ def outputs_to_batch(
             ids_BT[i, :n] = torch.tensor(ids)
             mask_BT[i, :n] = 1
             logp_BT[i, :n] = torch.tensor(lps)
-    return VLLMRolloutBatch([list(p) for p in prompt_ids], ids_BT, mask_BT, logp_BT)
+    return VLLMSampleBatch([list(p) for p in prompt_ids], ids_BT, mask_BT, logp_BT)
 
 
-def routing_rows_layout(batch: VLLMRolloutBatch) -> dict[str, torch.Tensor]:
+def routing_rows_layout(batch: VLLMSampleBatch) -> dict[str, torch.Tensor]:
     """R3 routing for the trainer's ``rows`` layout (:func:`gspo.model.logprobs.make_layout`):
     ``{"layer<N>": LongTensor[B, L, k]}`` where row ``i`` holds the real tokens ``prompt_ids[i] +
     response[:R_i]`` from column 0 (no left padding) and ``L = max_i(P_i + R_i)``, ready for

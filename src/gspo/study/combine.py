@@ -14,11 +14,11 @@ from typing import Any
 
 from gspo.config import Config
 from gspo.errors import GspoError
+from gspo.resolve import pi_old_source
 from gspo.study.metrics import PAPER_VOLATILITY, seed_means
 from gspo.study.plots import accuracy_by_regime_plot, regimes_plot
 from gspo.study.report import sampler_dtype
 from gspo.study.statistics import Interval, fmt_p, holm, interval, paired_interval, verdict, welch_interval
-from gspo.resolve import pi_old_source
 
 # the regime table's paired differences: (a, b, metric)
 STUDY_PAIRS = [

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import Config
+from gspo.resolve import pi_old_source
 from gspo.study.metrics import (
     PAIR_KEYS,
     PAIRS,
@@ -40,7 +41,6 @@ from gspo.study.statistics import (
     sign_flip_is_exact,
 )
 from gspo.train.logger import read_metrics
-from gspo.resolve import pi_old_source
 
 PerSeed = dict[str, dict[int, dict[str, Any]]]  # variant -> seed -> run_stats
 CI_NAMES = {"t": "Student t", "bootstrap": "percentile bootstrap"}

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import Config
+from gspo.data import TrainBatch
 from gspo.errors import GspoError
 from gspo.memory import phase_peak
 from gspo.model.export import save_streamed
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
 from gspo.train import distributed as dist_utils
-from gspo.train.batch import RolloutData
 from gspo.train.logger import Progress, plot_metrics, read_metrics
 from gspo.train.run import Run, save_hf
 from gspo.train.scoring import collect_rollout
@@ -115,7 +115,7 @@ def rl_step(run: Run) -> dict[str, float]:
     return metrics
 
 
-def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
+def sample_batch(run: Run) -> tuple[TrainBatch, dict[str, float]]:
     """The next prompts, G responses each, their rewards and group advantages.
 
     With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no gradient: they are
@@ -128,8 +128,8 @@ def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
     if not cfg.dynamic_sampling:
         return data, metrics
     G, want = cfg.group_size, len(examples)
-    kept: list[RolloutData] = []
-    dropped: list[RolloutData] = []
+    kept: list[TrainBatch] = []
+    dropped: list[TrainBatch] = []
     rounds, n_dropped = 1, 0
     while True:
         informative_N = data.reward_B.view(-1, G).std(1, correction=0) > 0
@@ -148,7 +148,7 @@ def sample_batch(run: Run) -> tuple[RolloutData, dict[str, float]]:
     metrics["rollout/filtered_groups"] = float(n_dropped)
     metrics["rollout/filled_groups"] = float(max(0, want - len(kept)))
     metrics["rollout/sampling_rounds"] = float(rounds)
-    return RolloutData.cat((kept + dropped)[:want]), metrics
+    return TrainBatch.cat((kept + dropped)[:want]), metrics
 
 
 def next_prompts(run: Run) -> tuple[list[Example], list[list[int]]]:

@@ -20,21 +20,21 @@ import torch
 from torch import nn
 
 from gspo.config import Config, save_yaml
+from gspo.data import RolloutEngine, Sampler
 from gspo.errors import GspoError
 from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
 from gspo.model.export import save_config_and_tokenizer
 from gspo.model.load import enable_activation_checkpointing, save_pretrained
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
-from gspo.rollout.base import RolloutEngine, Sampler
+from gspo.plans import UpdatePlan
+from gspo.resolve import plan_update
 from gspo.rollout.factory import make_engine, make_sampler
 from gspo.tasks import Task
 from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train import sharded as sharded_ckpt
 from gspo.train.logger import MetricsLogger, read_metrics
-from gspo.plans import UpdatePlan
-from gspo.resolve import plan_update
 from gspo.train.scoring import evaluate
 
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder

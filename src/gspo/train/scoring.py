@@ -1,4 +1,4 @@
-"""Scoring sampled responses: rewards -> group advantages -> the training batch (``RolloutData``).
+"""Scoring sampled responses: rewards -> group advantages -> the training batch (``TrainBatch``).
 
 The sampling itself is the sampler's (:mod:`gspo.rollout`); also here: the held-out evaluation
 (greedy decoding, the same reward), which uses the run's engine.
@@ -13,13 +13,11 @@ import torch
 
 from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
 from gspo.config import Config
-from gspo.rollout.base import RolloutBatch, RolloutEngine, Sampler
-from gspo.rollout.hf import left_pad
+from gspo.data import RolloutEngine, SampleBatch, Sampler, TrainBatch, left_pad
 from gspo.tasks import Task
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import completion_texts
 from gspo.tasks.rewards import safe_rewards
-from gspo.train.batch import RolloutData
 
 
 def collect_rollout(
@@ -30,17 +28,17 @@ def collect_rollout(
     prompt_ids: list[list[int]],
     cfg: Config,
     step: int = 1,
-) -> tuple[RolloutData, dict[str, float]]:
+) -> tuple[TrainBatch, dict[str, float]]:
     """RL step ``step``: G samples (or trajectories) per prompt, rewards, group advantages ->
-    RolloutData (groups contiguous) and the rollout's metrics."""
+    TrainBatch (groups contiguous) and the rollout's metrics."""
     s = sampler.sample(step, examples, prompt_ids)
     data, metrics = score_rollout(s.batch, tokenizer, task, examples, cfg, s.gen_s)
     return data, metrics | s.info
 
 
 def score_rollout(
-    rb: RolloutBatch, tokenizer: Any, task: Task, examples: list[Example], cfg: Config, t_gen: float
-) -> tuple[RolloutData, dict[str, float]]:
+    rb: SampleBatch, tokenizer: Any, task: Task, examples: list[Example], cfg: Config, t_gen: float
+) -> tuple[TrainBatch, dict[str, float]]:
     """Rewards and group advantages of sampled responses (``rb``: G rows per example, in order)."""
     if getattr(rb, "obs_mask_BT", None) is not None:  # multi-turn trajectories, already scored by their env
         from gspo.envs.rollout import score_episodes
@@ -75,7 +73,7 @@ def score_rollout(
         "rollout/overlong_penalty": float(penalty_B.mean()),
         "time/generate_s": t_gen,
     }
-    data = RolloutData(
+    data = TrainBatch(
         p_ids,
         p_mask,
         rb.response_ids_BT.cpu(),

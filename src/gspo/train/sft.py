@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from gspo.config import Config
+from gspo.data import left_pad
 from gspo.errors import GspoError
 from gspo.model.logprobs import response_logprobs
-from gspo.rollout.hf import left_pad
 from gspo.tasks.datasets import Example
 from gspo.train.logger import Progress
 from gspo.train.nll import nll_step

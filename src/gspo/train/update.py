@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from gspo import correction as C
+from gspo.data import TrainBatch
 from gspo.losses import LOSSES
 from gspo.model import routing as R
 from gspo.model.logprobs import as_policy
 from gspo.model.unwrap import full_tensor, unwrap
-from gspo.train import distributed as dist_utils
-from gspo.train.batch import MicroBatch, RolloutData, split_minibatches
 from gspo.plans import UpdatePlan
+from gspo.train import distributed as dist_utils
+from gspo.train.batch import MicroBatch, split_minibatches
 
 # How each logged metric of a micro-batch combines with the others of the rollout batch:
 # a mean weighted by the micro-batch's response tokens or sequences, a minimum or a maximum.
@@ -270,7 +271,7 @@ def policy_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data: RolloutData,
+    data: TrainBatch,
     plan: UpdatePlan,
     world_size: int = 1,
 ) -> dict[str, float]:
