@@ -266,7 +266,7 @@ class GspoContender:
     def __init__(self, inp: Inputs, engine: str = "hf", **cfg_kw: Any) -> None:
         import torch
 
-        from gspo.resolve import plan_update
+        from gspo.resolve import optim_plan, plan_update
         from gspo.rollout.hf import HFRolloutEngine
         from gspo.rollout.sampler import SyncSampler
         from gspo.train import run as RN
@@ -275,7 +275,7 @@ class GspoContender:
         self.inp, self.sh = inp, sh
         self.cfg = _cfg(sh, rollout_engine=engine, **cfg_kw)
         self.model = build_model(sh)
-        self.opt, self.sched = RN.make_optimizer(self.model, self.cfg)
+        self.opt, self.sched = RN.make_optimizer(self.model, optim_plan(self.cfg))
         if engine == "vllm":
             from gspo.rollout.vllm import VLLMRolloutEngine
 

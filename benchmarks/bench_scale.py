@@ -35,7 +35,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
     from gspo.config import Config
     from gspo.data import TrainBatch
     from gspo.model.logprobs import PolicyLogprobs
-    from gspo.resolve import plan_update
+    from gspo.resolve import dist_plan, plan_update
     from gspo.train import distributed as D
     from gspo.train.update import policy_update
 
@@ -46,7 +46,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
         max_new_tokens=response, max_prompt_tokens=prompt, routing_replay=False, log_volatility=False,
         old_logp="recompute", parallel="fsdp", threads=1,
     ).validate()  # fmt: skip
-    ctx = D.setup(cfg)
+    ctx = D.setup(dist_plan(cfg))
     base = _vm("VmRSS")
     model = build(shape, "meta" if world > 1 else "cpu")
     source = None
@@ -56,7 +56,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
     if world > 1:
         D.share_probes(model, source)
     plan = plan_update(cfg, PolicyLogprobs(model), bool(SHAPES[shape]["kind"] == "moe"))
-    policy = D.wrap(PolicyLogprobs(model), cfg, ctx, source)
+    policy = D.wrap(PolicyLogprobs(model), dist_plan(cfg), ctx, source)
     del source
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

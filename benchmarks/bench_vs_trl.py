@@ -46,7 +46,7 @@ from gspo.config import Config
 from gspo.data import left_pad
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
 from gspo.model.logprobs import response_logprobs
-from gspo.resolve import choose_layout, plan_update
+from gspo.resolve import choose_layout, optim_plan, plan_update
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
@@ -195,7 +195,7 @@ def trl_run(kind: str, su: Setup, n: int, between: Callable[[int], None]) -> lis
 
 def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     model = _model(kind, su.tok)
-    opt, sched = RN.make_optimizer(model, cfg)  # what ``gspo train`` uses (fused AdamW, warmup 0)
+    opt, sched = RN.make_optimizer(model, optim_plan(cfg))  # what ``gspo train`` uses (fused AdamW, warmup 0)
     engine = HFRolloutEngine(
         model, su.tok.eos_token_id, su.tok.pad_token_id, torch.Generator().manual_seed(0)
     )

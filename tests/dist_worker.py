@@ -37,7 +37,7 @@ def main() -> None:
     from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
     from gspo.model.logprobs import PolicyLogprobs
-    from gspo.resolve import plan_update
+    from gspo.resolve import dist_plan, plan_update
     from gspo.train import distributed as D
     from gspo.train.update import policy_update
 
@@ -48,7 +48,7 @@ def main() -> None:
     ctx = None
     for run in blob["runs"]:
         cfg = Config(**run["cfg"]).validate()
-        ctx = D.setup(cfg)
+        ctx = D.setup(dist_plan(cfg))
         rank, world = ctx.rank, ctx.world_size
         rows = local_rows(data.adv_B.shape[0], cfg.num_minibatches, rank, world)
         local = data.rows(rows)
@@ -61,7 +61,7 @@ def main() -> None:
             from gspo.model.load import enable_activation_checkpointing
 
             enable_activation_checkpointing(hf)
-        model = D.wrap(PolicyLogprobs(hf), cfg, ctx)
+        model = D.wrap(PolicyLogprobs(hf), dist_plan(cfg), ctx)
         trainable = [p for p in model.parameters() if p.requires_grad]
         rollout = D.rollout_model(model)
         opt = make_optimizer(run["opt"], trainable, run["lr"])

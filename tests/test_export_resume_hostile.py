@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from gspo.cli import main as gspo_main
 from gspo.config import Config
 from gspo.errors import GspoError
+from gspo.launch import check_run_dir, claim_run_dir
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
 from gspo.train import checkpoint as ckpt
 from gspo.train import sharded
 from gspo.train.distributed import DistContext
-from gspo.train.run import _check_run_dir, _claim_run_dir
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 
@@ -259,11 +259,12 @@ def test_a_planted_payload_in_a_shard_entry_never_runs(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from gspo.model.logprobs import PolicyLogprobs
+    from gspo.resolve import optim_plan
     from gspo.train.run import make_optimizer
 
     tok = build_char_tokenizer()
     policy = PolicyLogprobs(build_tiny_moe(len(tok), seed=1))
-    optimizer, _ = make_optimizer(policy, Config())
+    optimizer, _ = make_optimizer(policy, optim_plan(Config()))
     for p in policy.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -297,7 +298,7 @@ def test_export_without_tokenizer_files_is_refused_unless_asked(base, tmp_path, 
 
 def _claim(run: Path, **kw):
     cfg = Config(output_dir=str(run.parent), name=run.name, **kw)
-    lock, path, state, note = _claim_run_dir(cfg)
+    lock, path, state, note = claim_run_dir(cfg)
     ckpt.unlock_run_dir(lock)
     return path, state, note
 
@@ -359,12 +360,12 @@ def test_resume_with_steps_below_the_checkpoint_is_refused_before_anything_is_wr
     saved = torch.load(run / "checkpoints" / "step-000002" / ckpt.TRAINER_STATE, weights_only=True)["config"]
     cfg = Config(**{**saved, "steps": 1, "resume": True, "nproc": 1, "output_dir": str(run.parent)})
     with pytest.raises(GspoError, match=r"--steps 1 is below the step of the checkpoint .*step 2\)") as e:
-        _check_run_dir(cfg, DistContext(0, 1, 0, torch.device("cpu")))
+        check_run_dir(cfg, DistContext(0, 1, 0, torch.device("cpu")))
     assert "\n" not in str(e.value) and "pass --steps 2 or more" in str(e.value)
     assert {p: p.read_bytes() for p in before} == before
     assert sorted((run / "final").iterdir()) == sorted(p for p in before if p.parent.name == "final")
     cfg = Config(**{**saved, "steps": 2, "resume": True, "nproc": 1, "output_dir": str(run.parent)})
-    path, state, lock = _check_run_dir(cfg, DistContext(0, 1, 0, torch.device("cpu")))
+    path, state, lock = check_run_dir(cfg, DistContext(0, 1, 0, torch.device("cpu")))
     ckpt.unlock_run_dir(lock)
     assert path.name == "step-000002" and state["step"] == 2  # as many steps as done: allowed
 

@@ -112,7 +112,7 @@ def test_interrupted_compare_run_is_resumed_or_refused_never_wiped(tmp_path, cap
     """A compare's run interrupted after its checkpoints: re-running the compare with one flag
     changed is refused in one line (checkpoints and metrics intact); the same command resumes it
     from its last checkpoint and finishes it."""
-    from gspo.train.loop import train
+    from gspo.launch import train
 
     out = tmp_path / "out"
     tiny = dict(steps=2, save_every=1, eval_size=4, prompts_per_step=2, group_size=2, max_new_tokens=4)

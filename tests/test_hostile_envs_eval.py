@@ -357,9 +357,9 @@ def test_calculator_keeps_small_and_unit_powers():
 
 
 def test_sigterm_notice_goes_to_stderr(capsys):
-    from gspo.train.loop import _deferred_signals
+    from gspo.train.loop import deferred_signals
 
-    with _deferred_signals() as stop:
+    with deferred_signals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         t0 = time.time()
         while not stop.requested and time.time() - t0 < 5:

@@ -4,7 +4,7 @@ A run stopped after step 3 and resumed must end with the weights of an uninterru
 only as strong as its settings: here every step moves the weights (a reward with noise from every
 global generator), the learning rate is still warming up, and step 4 samples, draws prompts and scores
 with state that lives in the checkpoint. Each test then resumes once more with one piece of that state
-left at what a fresh run would have (a mutant of ``Run._restore``) and asserts the result differs: the
+left at what a fresh run would have (a mutant of ``Run.restore``) and asserts the result differs: the
 resume check would catch a resume that forgot that piece.
 """
 
@@ -76,26 +76,26 @@ def async_runs(tmp_path_factory) -> _Runs:
 
 
 def _forget(piece: str) -> Callable[..., None]:
-    """``Run._restore`` that leaves ``piece`` as a fresh (not resumed) run has it."""
-    restore = Run._restore
+    """``Run.restore`` that leaves ``piece`` as a fresh (not resumed) run has it."""
+    restore = Run.restore
 
     def mutant(self: Run, state: dict, *args, **kw) -> None:
         fresh = {
-            "sample_gen": self.sample_gen.get_state(),
-            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "sample_gen": self.state.sample_gen.get_state(),
+            "scheduler": copy.deepcopy(self.trainer.scheduler.state_dict()),
             "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),
         }
         restore(self, state, *args, **kw)
         if piece == "optimizer":
-            self.optimizer.state.clear()  # AdamW's moments, as a fresh optimizer has them
+            self.trainer.optimizer.state.clear()  # AdamW's moments, as a fresh optimizer has them
         elif piece == "scheduler":
-            self.scheduler.load_state_dict(fresh["scheduler"])
+            self.trainer.scheduler.load_state_dict(fresh["scheduler"])
         elif piece == "sample_gen":
-            self.sample_gen.set_state(fresh["sample_gen"])
+            self.state.sample_gen.set_state(fresh["sample_gen"])
         elif piece == "data_pos":
-            self.data_pos = 0
+            self.state.data_pos = 0
         elif piece == "python_rng":
             random.setstate(fresh["python_rng"])
         elif piece == "numpy_rng":
@@ -119,7 +119,7 @@ def test_resumed_run_equals_the_uninterrupted_one_and_every_step_moves_the_weigh
     "piece", ["optimizer", "scheduler", "sample_gen", "data_pos", "python_rng", "numpy_rng", "torch_rng"]
 )
 def test_resume_that_forgets_a_piece_of_state_is_caught(sync_runs, monkeypatch, piece):
-    monkeypatch.setattr(Run, "_restore", _forget(piece))
+    monkeypatch.setattr(Run, "restore", _forget(piece))
     assert not _equal(sync_runs.resume(), sync_runs.straight), f"resume without {piece} went unnoticed"
 
 
@@ -127,7 +127,7 @@ def test_async_resume_is_exact_and_needs_the_batches_in_flight(async_runs, monke
     """Stopped at step 3 with two batches in flight (sampled from versions 1 and 2, which no checkpoint
     holds): the resumed run equals the uninterrupted one only with those batches restored."""
     assert _equal(async_runs.resume(), async_runs.straight)
-    from gspo.train import run as run_mod
+    from gspo import launch as run_mod
 
     make = run_mod.make_sampler
 

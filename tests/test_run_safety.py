@@ -20,8 +20,8 @@ from cli_helpers import popen as _popen
 
 from gspo.config import Config
 from gspo.errors import GspoError
+from gspo.launch import claim_run_dir
 from gspo.train import checkpoint as ckpt
-from gspo.train.run import _claim_run_dir
 
 
 def _lines(text: str) -> list[str]:
@@ -45,7 +45,7 @@ def _copy(base_run: Path, tmp_path: Path) -> Path:
 
 def _claim(run: Path, **kw):
     cfg = Config(output_dir=str(run.parent), name=run.name, **kw)
-    lock, path, state, note = _claim_run_dir(cfg)
+    lock, path, state, note = claim_run_dir(cfg)
     ckpt.unlock_run_dir(lock)
     return path, state, note
 

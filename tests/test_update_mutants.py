@@ -13,7 +13,7 @@ from gspo.config import Config
 from gspo.data import TrainBatch, left_pad
 from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
-from gspo.resolve import plan_update
+from gspo.resolve import dist_plan, plan_update
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.train.update import policy_update
 
@@ -97,8 +97,8 @@ def test_adamw_uses_the_configs_betas_fresh_and_after_resume(tmp_path):
     step are m = (1 - b1) g and v = (1 - b2) g^2 (so m^2 / v = (1 - b1)^2 / (1 - b2) wherever g != 0:
     the betas the step used, whatever g was); the optimizer a resumed run builds has them too."""
     from gspo import train
+    from gspo.launch import open_run
     from gspo.train import checkpoint as ckpt
-    from gspo.train.run import Run
 
     reward = f"{ROOT / 'tests' / 'fixture_rewards.py'}:noisy"  # every sample scores differently
     cfg = dict(name="betas", output_dir=str(tmp_path), sft_steps=0, steps=1, num_minibatches=1, eval_size=4,
@@ -115,10 +115,10 @@ def test_adamw_uses_the_configs_betas_fresh_and_after_resume(tmp_path):
     assert int(used.sum()) > 1000  # the step had a gradient
     want = (1 - BETAS[0]) ** 2 / (1 - BETAS[1])
     torch.testing.assert_close((m[used] ** 2 / v[used]).median(), torch.tensor(want), rtol=1e-3, atol=0)
-    run = Run.open(Config(**{**cfg, "steps": 2, "resume": True}))
+    run = open_run(Config(**{**cfg, "steps": 2, "resume": True}))
     try:
-        assert run.step == 1
-        got = [tuple(g["betas"]) for g in run.optimizer.param_groups]
+        assert run.state.step == 1
+        got = [tuple(g["betas"]) for g in run.trainer.optimizer.param_groups]
         assert got and all(b == BETAS for b in got), got
     finally:
         run.close()
@@ -153,7 +153,7 @@ def _fsdp_bf16_worker(rank: int, folder: str) -> None:
         vocab = len(build_char_tokenizer())
         policy = D.wrap(
             PolicyLogprobs(build_tiny_moe(vocab, seed=0)),
-            cfg,
+            dist_plan(cfg),
             D.DistContext(rank, 2, rank, torch.device("cpu")),
         )
     finally:

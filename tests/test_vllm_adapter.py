@@ -147,7 +147,7 @@ def test_selecting_vllm_without_it_installed_is_one_line_error(tiny_moe):
     except ImportError:
         pass
     from gspo.config import Config
-    from gspo.train.run import make_engine
+    from gspo.rollout.factory import make_engine
 
     model, tok = tiny_moe
     with pytest.raises(GspoError, match=r"pip install \"gspo\[vllm\]\".*\.ci/vllm_env\.sh") as e:

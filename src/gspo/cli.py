@@ -260,7 +260,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         check_local_ranks(cfg.nproc)
         return _launch_torchrun(cfg.nproc)
-    from gspo.train.loop import train
+    from gspo.launch import train
 
     res = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:

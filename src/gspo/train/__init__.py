@@ -14,7 +14,7 @@ from typing import Any
 class _CallablePackage(types.ModuleType):
     def __call__(self, cfg: Any) -> Any:
         """Run RL post-training as configured; returns a :class:`gspo.train.loop.TrainResult`."""
-        from gspo.train.loop import train
+        from gspo.launch import train  # the entry above the package: where the config is resolved
 
         return train(cfg)
 

@@ -36,10 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from gspo.compat import transformers_model
-from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import POLICY_PREFIX, reshard, unwrap
+from gspo.plans import DistPlan
+from gspo.procs import die_with_parent
 
 
 @dataclass
@@ -50,48 +51,36 @@ class DistContext:
     device: torch.device
 
 
-def _device(cfg: Config, local_rank: int) -> torch.device:
-    if cfg.device == "auto":
+def _device(plan: DistPlan, local_rank: int) -> torch.device:
+    if plan.device == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        dev = torch.device(cfg.device)
+        dev = torch.device(plan.device)
     except RuntimeError:
-        raise GspoError(f"config field 'device': not a torch device: {cfg.device!r}") from None
+        raise GspoError(f"config field 'device': not a torch device: {plan.device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GspoError("config field 'device': CUDA is not available on this machine (use 'auto' or 'cpu')")
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise GspoError(
-            f"config field 'device': {cfg.device} does not exist ({torch.cuda.device_count()} GPUs)"
+            f"config field 'device': {plan.device} does not exist ({torch.cuda.device_count()} GPUs)"
         )
     return dev
-
-
-def die_with_parent() -> None:
-    """Linux: get SIGTERM when the parent process dies (a ``kill -9``-ed launcher must not leave
-    ranks training on): the loop's handler then checkpoints the finished step and stops."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _distributed(ctx: DistContext) -> bool:
     return ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def setup(cfg: Config) -> DistContext:
+def setup(plan: DistPlan) -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(cfg, local_rank)
+    device = _device(plan, local_rank)
     if world > 1:
-        die_with_parent()  # the torchrun agent
+        die_with_parent()  # SIGTERM when the torchrun agent dies: a kill -9-ed launcher leaves no rank on
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        elif cfg.threads == 0:
+        elif plan.threads == 0:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         if not dist.is_initialized():
             if device.type == "cuda":
@@ -116,11 +105,11 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
         dist.broadcast(t.data, src=0)
 
 
-def builds_sharded(cfg: Config, world_size: int, warm_start: bool) -> bool:
+def builds_sharded(plan: DistPlan, world_size: int, warm_start: bool) -> bool:
     """True when each rank builds the model on the meta device and only ever materialises its shard:
     FSDP2 over several ranks, no LoRA (PEFT wraps a model with real weights) and no supervised warm
     start to run first (it trains the whole model on every rank before sharding)."""
-    return world_size > 1 and cfg.parallel == "fsdp" and not cfg.lora_rank and not warm_start
+    return world_size > 1 and plan.parallel == "fsdp" and not plan.lora and not warm_start
 
 
 def share_probes(model: nn.Module, source: nn.Module | None) -> None:
@@ -139,7 +128,9 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext, source: nn.Module | None = None) -> nn.Module:
+def wrap(
+    policy: PolicyLogprobs, plan: DistPlan, ctx: DistContext, source: nn.Module | None = None
+) -> nn.Module:
     """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself.
     A ``policy`` on the meta device (:func:`builds_sharded`) is sharded first, then filled from
     ``source``, the full model on rank 0's CPU (None on the other ranks)."""
@@ -151,7 +142,7 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext, source: nn.Modul
     if not meta:  # (a model on the meta device took rank 0's answers: share_probes)
         probe(unwrap(policy, "hf"))  # the probes' plain forwards cannot run on sharded weights
         _broadcast_from_rank0(policy)  # identical replicas whatever happened before (init, warm start)
-    if cfg.parallel == "ddp":
+    if plan.parallel == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # buffers (rotary tables) never change; syncing them is a collective inside every forward
         return nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
@@ -160,7 +151,7 @@ def wrap(policy: PolicyLogprobs, cfg: Config, ctx: DistContext, source: nn.Modul
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     mp = MixedPrecisionPolicy()  # the parameters' own dtype throughout
-    if cfg.mixed_precision == "bf16":  # compute in bf16; float32 master weights and gradient reduction
+    if plan.mixed_precision == "bf16":  # compute in bf16; float32 master weights and gradient reduction
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in _decoder_layers(policy.model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)

@@ -1,4 +1,4 @@
-"""The training loop: ``train(cfg)`` repeats ``rl_step`` -- the GSPO paper's algorithm, one step:
+"""The training loop: ``run_loop`` repeats ``rl_step`` -- the GSPO paper's algorithm, one step:
 
     prompts -> G responses each (old policy) -> rewards -> group advantages -> policy update -> sync
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo.config import Config
 from gspo.data import TrainBatch
 from gspo.errors import GspoError
 from gspo.memory import phase_peak
 from gspo.model.export import save_streamed
+from gspo.plans import LoopPlan
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
 from gspo.train import distributed as dist_utils
@@ -61,73 +61,72 @@ class TrainResult:
     plot: Path | None = None
 
 
-def train(cfg: Config) -> TrainResult:
-    """Run RL post-training as configured (the same as ``gspo train``)."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
-    transformers.utils.logging.set_verbosity_error()
-    cfg = cfg.validate()
-    with _deferred_signals() as stop, _closing(Run.open(cfg, should_stop=lambda: stop.requested)) as run:
-        stop.busy = lambda: run.updating or run.saving
-        bar = Progress(cfg.steps, cfg.algo, enabled=cfg.progress and run.rank == 0, initial=run.step)
-        skipped = 0
-        while run.step < cfg.steps:
-            if dist_utils.any_rank(stop.requested, run.dctx):
-                stop.busy = lambda: True  # only the checkpoint of the finished step is left: let it be
-                if run.last_saved < run.step:
-                    run.save()
-                raise KeyboardInterrupt(f"progress is saved at step {run.step}; continue with --resume")
-            metrics = _guarded_step(run)
-            skipped = skipped + 1 if metrics["loss/skipped_updates"] == cfg.num_minibatches else 0
-            if skipped >= MAX_SKIPPED_STEPS:
-                raise GspoError(
-                    f"every update of the last {skipped} steps had a non-finite gradient norm (diverged; "
-                    f"lower 'lr'); the last good checkpoint is step {run.last_saved}"
-                )
-            run.log(run.step, metrics)
-            bar.update(run.step, _status(metrics, run))
-            run.maybe_save()
-        bar.close()
-        return _finish(run)
+def run_loop(run: Run, plan: LoopPlan, stop: _StopFlag) -> TrainResult:
+    """RL steps from the run's last finished one to ``plan.steps``, each logged and checkpointed."""
+    stop.busy = lambda: run.updating or run.saving
+    bar = Progress(plan.steps, plan.algo, enabled=plan.progress and run.rank == 0, initial=run.state.step)
+    skipped = 0
+    while run.state.step < plan.steps:
+        if dist_utils.any_rank(stop.requested, run.dctx):
+            stop.busy = lambda: True  # only the checkpoint of the finished step is left: let it be
+            if run.state.last_saved < run.state.step:
+                run.save()
+            raise KeyboardInterrupt(f"progress is saved at step {run.state.step}; continue with --resume")
+        metrics = _guarded_step(run, plan)
+        skipped = skipped + 1 if metrics["loss/skipped_updates"] == plan.num_minibatches else 0
+        if skipped >= MAX_SKIPPED_STEPS:
+            raise GspoError(
+                f"every update of the last {skipped} steps had a non-finite gradient norm (diverged; "
+                f"lower 'lr'); the last good checkpoint is step {run.state.last_saved}"
+            )
+        run.log(run.state.step, metrics)
+        bar.update(run.state.step, _status(metrics))
+        step, every = run.state.step, plan.save_every
+        if step == plan.steps or (every and step % every == 0):
+            run.save()
+    bar.close()
+    return _finish(run, plan)
 
 
-def rl_step(run: Run) -> dict[str, float]:
-    """One RL step on this rank: sample, score, update, sync the sampler. Returns its metrics."""
-    t0, peaks, device = time.time(), {}, run.dctx.device
-    with run.sampling(), phase_peak("rollout", peaks, device):
-        data, metrics = sample_batch(run)  # prompts -> G responses each -> rewards -> group advantages
+def rl_step(run: Run, plan: LoopPlan) -> dict[str, float]:
+    """One RL step on this rank: the GSPO paper's algorithm. Returns its metrics."""
+    t0, peaks, device, t, s = time.time(), {}, run.dctx.device, run.trainer, run.sampler
+    with s.sampling(t.policy), phase_peak("rollout", peaks, device):
+        data, metrics = sample_batch(run, plan)  # prompts -> G responses each -> rewards -> advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
-    run.engine.sleep()  # vLLM on a GPU gives its memory to the update
+    s.engine.sleep()  # vLLM on a GPU gives its memory to the update
     with phase_peak("update", peaks, device):
-        metrics |= policy_update(
-            run.policy, run.optimizer, run.scheduler, data.to(device), run.plan, run.world
-        )
+        metrics |= policy_update(t.policy, t.optimizer, t.scheduler, data.to(device), t.plan, run.world)
     with phase_peak("sync", peaks, device):
-        run.sync_sampler(version=run.step + 1)
+        s.sampler.sync(run.state.step + 1)  # the sampler's weights become the trainer's
     metrics |= peaks
     if "async/queue_wait_s" in metrics:  # a sampler running ahead: how long the trainer waited for it
         metrics["async/trainer_idle_frac"] = metrics["async/queue_wait_s"] / max(time.time() - t0, 1e-9)
     run.updating = False
     metrics["time/update_s"], metrics["time/step_s"] = time.time() - t1, time.time() - t0
-    metrics["lr"] = run.scheduler.get_last_lr()[0]
+    metrics["lr"] = t.scheduler.get_last_lr()[0]
     return metrics
 
 
-def sample_batch(run: Run) -> tuple[TrainBatch, dict[str, float]]:
+def sample_batch(run: Run, plan: LoopPlan) -> tuple[TrainBatch, dict[str, float]]:
     """The next prompts, G responses each, their rewards and group advantages.
 
     With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no gradient: they are
     dropped and more prompts drawn, every rank the same number of rounds (so all consume the same
     prompts and resume stays exact); a batch still short after the last round is filled with dropped
     groups (zero advantage)."""
-    cfg, step = run.cfg, run.step + 1
-    examples, prompt_ids = next_prompts(run)
-    data, metrics = collect_rollout(run.sampler, run.tokenizer, run.task, examples, prompt_ids, cfg, step)
-    if not cfg.dynamic_sampling:
+    step = run.state.step + 1
+
+    def sample_and_score() -> tuple[TrainBatch, dict[str, float]]:
+        examples, prompt_ids = next_prompts(run, plan)
+        sampler = run.sampler.sampler
+        return collect_rollout(sampler, run.tokenizer, run.task, examples, prompt_ids, run.score, step)
+
+    data, metrics = sample_and_score()
+    if not plan.dynamic_sampling:
         return data, metrics
-    G, want = cfg.group_size, len(examples)
+    G, want = plan.group_size, len(data) // plan.group_size
     kept: list[TrainBatch] = []
     dropped: list[TrainBatch] = []
     rounds, n_dropped = 1, 0
@@ -137,13 +136,12 @@ def sample_batch(run: Run) -> tuple[TrainBatch, dict[str, float]]:
             (kept if ok else dropped).append(data.rows(slice(g * G, (g + 1) * G)))
         n_dropped += int((~informative_N).sum())
         short = len(kept) < want
-        if not dist_utils.any_rank(short, run.dctx) or rounds > cfg.dynamic_sampling_max_rounds:
+        if not dist_utils.any_rank(short, run.dctx) or rounds > plan.dynamic_sampling_max_rounds:
             break
         if dist_utils.any_rank(run.should_stop(), run.dctx):  # a Ctrl-C need not wait for the last round
             raise _StepAbandoned
         rounds += 1
-        examples, prompt_ids = next_prompts(run)
-        data, more = collect_rollout(run.sampler, run.tokenizer, run.task, examples, prompt_ids, cfg, step)
+        data, more = sample_and_score()
         metrics["time/generate_s"] += more["time/generate_s"]
     metrics["rollout/filtered_groups"] = float(n_dropped)
     metrics["rollout/filled_groups"] = float(max(0, want - len(kept)))
@@ -151,54 +149,54 @@ def sample_batch(run: Run) -> tuple[TrainBatch, dict[str, float]]:
     return TrainBatch.cat((kept + dropped)[:want]), metrics
 
 
-def next_prompts(run: Run) -> tuple[list[Example], list[list[int]]]:
+def next_prompts(run: Run, plan: LoopPlan) -> tuple[list[Example], list[list[int]]]:
     """This rank's share of the next ``prompts_per_step`` prompts of an epoch-wise shuffled order."""
-    n, local = run.cfg.prompts_per_step, run.cfg.prompts_per_step // run.world
-    idx = prompt_order(len(run.task.train), run.data_pos, n, run.cfg.seed)
+    n, local = plan.prompts_per_step, plan.prompts_per_step // run.world
+    idx = prompt_order(len(run.task.train), run.state.data_pos, n, plan.seed)
     idx = idx[run.rank * local : (run.rank + 1) * local]
-    run.data_pos += n
+    run.state.data_pos += n
     return [run.task.train[i] for i in idx], [run.train_ids[i] for i in idx]
 
 
-def _guarded_step(run: Run) -> dict[str, float]:
+def _guarded_step(run: Run, plan: LoopPlan) -> dict[str, float]:
     """``rl_step`` + held-out eval. A failure before the update (a reward error, a second Ctrl-C)
     leaves the weights untouched: the step is rewound and the last finished one checkpointed."""
-    gen_state, data_pos = run.sample_gen.get_state(), run.data_pos
+    state = run.state
+    gen_state, data_pos = state.sample_gen.get_state(), state.data_pos
     try:
-        metrics = rl_step(run)
+        metrics = rl_step(run, plan)
     except (GspoError, KeyboardInterrupt, _StepAbandoned) as e:
         untouched = not run.updating
         if untouched:
-            run.sample_gen.set_state(gen_state)
-            run.data_pos = data_pos
+            state.sample_gen.set_state(gen_state)
+            state.data_pos = data_pos
             # a collective save needs every rank here: one process, or all agreed to stop
-            if run.last_saved < run.step and (run.world == 1 or isinstance(e, _StepAbandoned)):
+            if state.last_saved < state.step and (run.world == 1 or isinstance(e, _StepAbandoned)):
                 run.save()
-        where = f"the last checkpoint is step {run.last_saved}; continue with --resume"
+        where = f"the last checkpoint is step {state.last_saved}; continue with --resume"
         if untouched:
-            where = f"progress is saved at step {run.step}; continue with --resume"
+            where = f"progress is saved at step {state.step}; continue with --resume"
         if isinstance(e, KeyboardInterrupt | _StepAbandoned):
             raise KeyboardInterrupt(where) from None
         raise GspoError(f"{e} ({where})") from None
-    run.step += 1
+    state.step += 1
     metrics = dist_utils.mean_metrics(metrics, run.dctx)
-    every = run.cfg.eval_every
-    if run.step == run.cfg.steps or (every and run.step % every == 0):
+    if state.step == plan.steps or (plan.eval_every and state.step % plan.eval_every == 0):
         try:
             metrics.update(run.evaluate())
         except KeyboardInterrupt:  # the step itself is done: keep it, without its held-out score
             if run.world > 1:
                 raise
-            run.log(run.step, metrics)
+            run.log(state.step, metrics)
             run.save()
             raise KeyboardInterrupt(
-                f"progress is saved at step {run.step} (its held-out evaluation was cut short); "
+                f"progress is saved at step {state.step} (its held-out evaluation was cut short); "
                 "continue with --resume"
             ) from None
     return metrics
 
 
-def _status(metrics: dict[str, float], run: Run) -> str:
+def _status(metrics: dict[str, float]) -> str:
     acc = metrics.get("eval/accuracy")
     return (
         f"reward {metrics['rollout/reward_mean']:.3f}"
@@ -207,34 +205,34 @@ def _status(metrics: dict[str, float], run: Run) -> str:
     )
 
 
-def _finish(run: Run) -> TrainResult:
+def _finish(run: Run, plan: LoopPlan) -> TrainResult:
     """Final HF folder, curves and summary."""
-    cfg = run.cfg
-    result = TrainResult(cfg.run_dir, run.hf)
-    final_dir = cfg.run_dir / "final"
-    if run.sharded_checkpoints:  # gathered and written one decoder layer at a time (collective)
-        dist_utils.reshard(run.policy)
-        save_streamed(run.hf, run.tokenizer, final_dir if run.rank == 0 else None)
+    hf = run.trainer.hf
+    result = TrainResult(plan.run_dir, hf)
+    final_dir = plan.run_dir / "final"
+    if run.folder.sharded:  # gathered and written one decoder layer at a time (collective)
+        dist_utils.reshard(run.trainer.policy)
+        save_streamed(hf, run.tokenizer, final_dir if run.rank == 0 else None)
     else:
         model, final_sd = run.savable()  # collective
         if run.rank == 0:
             save_hf(model, run.tokenizer, final_dir, final_sd)
     if run.rank == 0:
         result.final_dir = final_dir
-        rows = read_metrics(cfg.run_dir / "metrics.jsonl")
-        result.plot = cfg.run_dir / "curves.png"
-        plot_metrics(rows, result.plot, title=f"{cfg.algo} on {cfg.task} ({cfg.model})")
+        rows = read_metrics(plan.run_dir / "metrics.jsonl")
+        result.plot = plan.run_dir / "curves.png"
+        plot_metrics(rows, result.plot, title=plan.title)
         evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-        result.initial_accuracy = run.initial.get("eval/accuracy")
+        result.initial_accuracy = run.state.initial.get("eval/accuracy")
         result.final_accuracy = evals[-1] if evals else None
-        run.logger.close()
-    run.engine.close()  # vLLM's groups live on the trainer's process group: end them first
+        run.folder.logger.close()
+    run.sampler.engine.close()  # vLLM's groups live on the trainer's process group: end them first
     dist_utils.cleanup(run.dctx)
     return result
 
 
 @contextmanager
-def _closing(run: Run):  # noqa: ANN202
+def closing(run: Run):  # noqa: ANN202
     try:
         yield run
     finally:
@@ -255,7 +253,7 @@ class _StopFlag:
 
 
 @contextmanager
-def _deferred_signals():  # noqa: ANN202
+def deferred_signals():  # noqa: ANN202
     """SIGINT/SIGTERM set a flag the loop checks between steps and start the grace period, after which
     the main thread is interrupted; a second one raises at once."""
     flag = _StopFlag()

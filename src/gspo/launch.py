@@ -1,0 +1,295 @@
+"""``gspo.train(cfg)``: the config resolved into plans (:mod:`gspo.resolve`), the run opened fresh or
+resumed (:func:`open_run`), and the loop run (:func:`gspo.train.loop.run_loop`).
+
+:func:`open_run` loads the model, tokenizer and task, resumes from the newest checkpoint or warm-starts,
+applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engine and the logger. This
+is the last place the config is read: everything it builds takes plans.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gspo import resolve
+from gspo.config import Config, save_yaml
+from gspo.errors import GspoError
+from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
+from gspo.model.load import enable_activation_checkpointing, save_pretrained
+from gspo.model.logprobs import PolicyLogprobs
+from gspo.model.unwrap import unwrap
+from gspo.rollout.factory import make_engine, make_sampler
+from gspo.train import checkpoint as ckpt
+from gspo.train import distributed as dist_utils
+from gspo.train import sharded as sharded_ckpt
+from gspo.train.logger import MetricsLogger, read_metrics
+from gspo.train.loop import TrainResult, closing, deferred_signals, run_loop
+from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_optimizer
+
+# fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
+# may be moved or renamed and still resumed)
+RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
+RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name"}
+
+
+def train(cfg: Config) -> TrainResult:
+    """Run RL post-training as configured (the same as ``gspo train``)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
+    transformers.utils.logging.set_verbosity_error()
+    cfg = cfg.validate()
+    with deferred_signals() as stop, closing(open_run(cfg, should_stop=lambda: stop.requested)) as run:
+        return run_loop(run, resolve.loop_plan(cfg), stop)
+
+
+def open_run(cfg: Config, should_stop: Callable[[], bool] = lambda: False) -> Run:
+    """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest complete
+    checkpoint, holding the run folder's lock until :meth:`Run.close`. ``should_stop`` is polled by
+    the warm start (Ctrl-C / SIGTERM)."""
+    dctx = dist_utils.setup(resolve.dist_plan(cfg))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    resume_from, state, lock = check_run_dir(cfg, dctx)
+    try:
+        run = _build(cfg, dctx, resume_from, state, should_stop)
+    except BaseException as e:
+        if state is None and dctx.rank == 0:  # a new run that never finished step 0: leave no trace,
+            ckpt.remove_traces(cfg.run_dir)  # so the same command can simply be run again
+        ckpt.unlock_run_dir(lock)
+        if state is None and isinstance(e, KeyboardInterrupt) and not str(e):
+            raise KeyboardInterrupt(
+                "stopped before step 0 was saved, so nothing was kept: run the same command again"
+            ) from None
+        raise
+    run.folder.lock, run.should_stop = lock, should_stop
+    return run
+
+
+def _build(
+    cfg: Config,
+    dctx: dist_utils.DistContext,
+    resume_from: Path | None,
+    state: dict[str, Any] | None,
+    should_stop: Callable[[], bool],
+) -> Run:
+    from gspo.model.routing import is_moe
+    from gspo.train.sft import load_source, load_start, warm_start_run
+
+    # FSDP2 from weights on disk: every rank builds the model on the meta device, rank 0 alone
+    # reads the weights (CPU) and wrap() hands each rank its shard
+    dist_plan = resolve.dist_plan(cfg)
+    sharded = dist_utils.builds_sharded(dist_plan, dctx.world_size, resume_from is None and cfg.sft_steps > 0)
+    check_plan_fits(cfg, dctx.world_size, gpu_total_memory(dctx.device))  # before any weight is read
+    # seeds, model (dropout off), task (reward limits included), context and env checks: the same
+    # code gspo compare's shared warm starts begin with
+    load = resolve.load_plan(cfg)
+    start = load_start(load, dctx.device, meta=sharded)
+    source = load_source(load) if sharded and dctx.rank == 0 else None
+    if sharded:
+        dist_utils.share_probes(start.model, source)
+    model, tokenizer = start.model, start.tokenizer
+    moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
+    if cfg.routing_replay and not moe:
+        raise GspoError(
+            f"config field 'routing_replay': {cfg.model} is not a MoE model (no routers to replay)"
+        )
+    plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)  # a layout the model cannot take fails now
+    check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
+    progress = cfg.progress and dctx.rank == 0
+    from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
+    if resume_from is not None and not from_shards and not (sharded and source is None):
+        _load_weights(source if sharded else model, cfg, resume_from)
+    elif cfg.sft_steps:
+        warm_start_run(start, resolve.sft_plan(cfg), dctx.device, progress, should_stop)
+    model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    copy_dtype = resolve.model_plan(cfg).rollout_copy_dtype
+    rollout_copy = None
+    if copy_dtype is not None:
+        # a copy in the sampler's precision (made before sharding; on the meta device its memory
+        # is allocated here and filled by the first sync); sync_sampler copies and casts the weights
+        rollout_copy = copy.deepcopy(model).requires_grad_(False).to(getattr(torch, copy_dtype))
+        if sharded:
+            rollout_copy.to_empty(device=dctx.device)
+    policy = dist_utils.wrap(PolicyLogprobs(model), dist_plan, dctx, source)
+    del source
+    optimizer, scheduler = make_optimizer(policy, resolve.optim_plan(cfg))
+    if from_shards:  # before the sampler takes the weights
+        sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
+    run_state = RunState(torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank))
+    sampler_side = _sampler_side(cfg, rollout_copy, policy, start, run_state.sample_gen, state)
+    run = Run(
+        dctx, run_state, Trainer(policy, optimizer, scheduler, plan, moe), sampler_side,
+        RunFolder(cfg.run_dir, cfg.to_dict(), sharded_ckpt.uses_sharded_checkpoints(policy, bool(cfg.lora_rank))),
+        tokenizer, start.task, start.train_ids, start.eval_ids, resolve.score_plan(cfg),
+    )  # fmt: skip
+    if state is not None:
+        run.restore(state)
+    if dctx.rank == 0:
+        run.folder.logger = MetricsLogger(
+            cfg.run_dir, run_state.step if state else None, cfg.wandb, cfg.to_dict()
+        )
+    if state is None:
+        run_state.initial = run.evaluate()
+        run.log(0, run_state.initial)
+        run.save()
+    elif dctx.rank == 0:
+        run_state.initial = state.get("initial") or read_metrics(cfg.run_dir / "metrics.jsonl")[0]
+    return run
+
+
+def _sampler_side(
+    cfg: Config,
+    rollout_copy: nn.Module | None,
+    policy: nn.Module,
+    start: Any,
+    sample_gen: torch.Generator,
+    state: dict[str, Any] | None,
+) -> SamplerSide:
+    """The engine over the module it samples (a copy in the sampler's precision, or the trainer's
+    own), and the sampler of each RL step."""
+    module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
+    engine = make_engine(resolve.engine_plan(cfg), module, start.tokenizer, sample_gen, trainer=policy)
+    sampler = make_sampler(
+        resolve.sample_plan(cfg), engine, start.tokenizer, start.task, model=unwrap(policy, "model"),
+        train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
+    )  # fmt: skip
+    gathers = cfg.rollout_engine == "hf" and module is unwrap(policy, "model")
+    # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
+    tp = cfg.vllm_tensor_parallel_size if getattr(engine, "tp_group", None) else 1
+    return SamplerSide(engine, module, sampler, gathers, tp)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run folder: claimed, checked against the run being resumed
+def check_run_dir(
+    cfg: Config, dctx: dist_utils.DistContext
+) -> tuple[Path | None, dict[str, Any] | None, int | None]:
+    """The checkpoint to resume from, its state (None, None for a new run) and the run folder's lock
+    (rank 0). Rank 0 claims the folder (see :func:`claim_run_dir`); every rank then resumes from the
+    checkpoint it chose, or fails with its error. Refuses a resume that would change what the run
+    trains."""
+    lock, path, state, note, error = None, None, None, "", None
+    if dctx.rank == 0:
+        try:
+            lock, path, state, note = claim_run_dir(cfg)
+        except GspoError as e:
+            error = str(e)
+    error, path = dist_utils.gather_objects((error, path), dctx)[0]
+    if error is not None:
+        raise GspoError(error)
+    try:
+        if path is not None and state is None:  # the other ranks read what rank 0 verified
+            state = ckpt.load_trainer_state(path)
+        if state is not None:
+            saved = state["config"]
+            changed = [
+                k
+                for k, v in cfg.to_dict().items()
+                if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+            ]
+            if changed:
+                k = changed[0]
+                raise GspoError(
+                    f"--resume: config field '{k}' differs from the run being resumed ({saved[k]!r} -> "
+                    f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
+                    "a new run with --name"
+                )
+            if cfg.steps < state["step"]:  # before config.yaml or final/ is touched
+                raise GspoError(
+                    f"--resume: --steps {cfg.steps} is below the step of the checkpoint being resumed "
+                    f"({path.name}: step {state['step']}); pass --steps {state['step']} or more"
+                )
+        if dctx.rank == 0:
+            if note:
+                print(f"gspo: {note}", file=sys.stderr, flush=True)
+            save_yaml(cfg, cfg.run_dir / "config.yaml")  # after a resume only RESUMABLE_CHANGES can differ
+    except BaseException:
+        ckpt.unlock_run_dir(lock)
+        raise
+    return path, state, lock
+
+
+def claim_run_dir(cfg: Config) -> tuple[int, Path | None, dict[str, Any] | None, str]:
+    """Rank 0: lock the run folder (one writer), then pick the newest complete checkpoint to resume
+    (``--resume``) or make sure the folder holds no earlier run (``--overwrite`` deletes it). Returns
+    the lock, the checkpoint and its state (None for a new run) and the line to show about it."""
+    run_dir = cfg.run_dir
+    if cfg.resume and cfg.overwrite:
+        raise GspoError("--resume and --overwrite exclude each other: continue the run, or start it over")
+    if cfg.resume and not run_dir.is_dir():
+        raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints (no such run folder)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GspoError(f"config field 'output_dir': cannot create {run_dir}: {e.strerror}") from None
+    lock = ckpt.lock_run_dir(run_dir)
+    try:
+        if cfg.resume:
+            path, state, skipped = ckpt.newest_complete(run_dir)
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            if path is None:
+                raise GspoError(
+                    f"--resume: no complete checkpoint found under {run_dir}/checkpoints{why}; pass "
+                    "--overwrite instead of --resume to start the run over"
+                )
+            note = f"resuming from {path}" + (f"; skipped newer damaged checkpoints{why}" if skipped else "")
+            return lock, path, state, note
+        traces = ckpt.run_traces(run_dir)
+        if traces and not cfg.overwrite:
+            if not ckpt.step_folders(run_dir):  # stopped before step 0 was saved: nothing to resume
+                raise GspoError(
+                    f"run folder {run_dir} already holds a run ({', '.join(traces)}) that saved no "
+                    "checkpoint (it stopped before step 0), so --resume cannot continue it; pass "
+                    "--overwrite to delete it and start over, or --name to start a new run"
+                )
+            raise GspoError(
+                f"run folder {run_dir} already holds checkpoints; pass --resume to continue it, --overwrite "
+                "to delete it and start over, or --name to start a new run"
+            )
+        ckpt.remove_traces(run_dir)  # --overwrite (nothing to remove otherwise)
+        return lock, None, None, ""
+    except BaseException:
+        ckpt.unlock_run_dir(lock)
+        raise
+
+
+def _load_weights(model: nn.Module, cfg: Config, resume_from: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
+    weights_dir = cfg.run_dir / "checkpoints" / "lora-base" if cfg.lora_rank else resume_from
+    why = ckpt.check_manifest(weights_dir) if cfg.lora_rank else ""
+    if why:  # the frozen base every checkpoint's adapters apply to: no other copy to fall back on
+        raise GspoError(f"--resume: {weights_dir}: {why}; start the run over with --overwrite")
+    saved = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(saved.state_dict())
+
+
+def _apply_lora(
+    model: nn.Module, tokenizer: Any, cfg: Config, dctx: dist_utils.DistContext, resume_from: Path | None
+) -> nn.Module:
+    if not cfg.lora_rank:
+        return model
+    from gspo.model.lora import apply_lora
+
+    if resume_from is None and dctx.rank == 0:  # the frozen base, saved once; checkpoints then hold adapters
+        save_pretrained(model, tokenizer, cfg.run_dir / "checkpoints" / "lora-base")
+        ckpt.write_manifest(cfg.run_dir / "checkpoints" / "lora-base")
+    model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    if resume_from is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(
+            model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors"))
+        )
+    return model
