@@ -22,6 +22,7 @@ from gspo.cli import main as gspo_main
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.launch import check_run_dir, claim_run_dir
+from gspo.model.export import read_index
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
 from gspo.train import checkpoint as ckpt
 from gspo.train import sharded
@@ -96,7 +97,7 @@ def _dcp_model(step: Path) -> dict[str, torch.Tensor]:
     """The trainer's weights as its ranks saved them (DCP), by HF parameter name."""
     import torch.distributed.checkpoint as dcp
 
-    index = sharded.read_index(step).state_dict_metadata
+    index = read_index(step).state_dict_metadata
     prefix = "model.model."
     sd = {
         k.removeprefix("model."): torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -197,7 +198,7 @@ def _unknown_model_type(step: Path) -> None:
 def _torn_tensor(step: Path) -> None:
     """The bytes of rank 1's piece of the LM head zeroed: the index still fits, the tensor is unreadable,
     and the failure comes after the output folder was begun (the LM head is written last)."""
-    index = sharded.read_index(step)
+    index = read_index(step)
     (info,) = [
         info
         for key, info in index.storage_data.items()

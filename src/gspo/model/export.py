@@ -165,6 +165,53 @@ def _read_tokenizer(step_dir: Path, required: bool) -> Any:
         raise GspoError(f"{step_dir}: its tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
 
 
+# ------------------------------------------------------------------------------------------------
+# reading a sharded checkpoint (gspo.train.sharded writes them)
+
+
+def failure(e: BaseException) -> str:
+    """One line for a failed DCP load: the first rank's own error (not torch's traceback dump)."""
+    import torch.distributed.checkpoint as dcp
+
+    if isinstance(e, dcp.api.CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def read_index(step_dir: Path) -> Any:
+    """The DCP index (``Metadata``) of the sharded checkpoint ``step_dir``; :class:`GspoError` naming
+    the file when it cannot be read safely."""
+    from gspo.compat.torch_dcp import SafeReader
+
+    try:
+        return SafeReader(step_dir / DCP_DIR).read_metadata()
+    except Exception as e:  # noqa: BLE001 (garbage, a truncated file or a planted callable: damaged)
+        raise GspoError(f"{step_dir}/{DCP_DIR}/.metadata cannot be read safely ({failure(e)})") from None
+
+
+def check_dcp(step_dir: Path) -> str:
+    """Why the shards of ``step_dir`` cannot be loaded ("" when every piece its index names is on disk):
+    the index unreadable, a rank's shard missing or shorter than the index says."""
+    try:
+        index = read_index(step_dir)
+    except GspoError as e:
+        return str(e).removeprefix(f"{step_dir}/")
+    need: dict[str, int] = {}
+    try:
+        for info in index.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    except (AttributeError, TypeError) as e:
+        return f"{DCP_DIR}/.metadata is no DCP index of shards ({type(e).__name__})"
+    for name, size in sorted(need.items()):
+        f = step_dir / DCP_DIR / name
+        if not f.is_file():
+            return f"{DCP_DIR}/{name} is missing (a rank's shard)"
+        if f.stat().st_size < size:
+            return f"{DCP_DIR}/{name} has {f.stat().st_size} bytes, its index needs {size} (truncated?)"
+    return ""
+
+
 def export_dcp(step_dir: Path, out: Path, tokenizer: bool = True) -> list[Path]:
     """Turn a sharded checkpoint (``step_dir/dcp``, any world size) into an HF folder at ``out``, in
     this process, reading one decoder layer's tensors at a time. Written into a sibling folder renamed
@@ -173,7 +220,6 @@ def export_dcp(step_dir: Path, out: Path, tokenizer: bool = True) -> list[Path]:
     from transformers import AutoModelForCausalLM
 
     from gspo.compat.torch_dcp import SafePlanner, SafeReader
-    from gspo.train.sharded import check_dcp, failure, read_index
 
     why = check_dcp(step_dir)
     if why:

@@ -12,7 +12,7 @@ another one, one process included (the same numbers, up to the order of reductio
 Nothing in a sharded checkpoint is executed either: torch's reader unpickles ``.metadata`` and its
 non-tensor entries with plain ``pickle``; :func:`reader` and :func:`planner` read the index through an
 allowlist of DCP's own record types and those entries with ``torch.load(weights_only=True)``.
-:func:`check_dcp` finds a damaged shard folder whose manifest was rewritten to match (a shard missing
+:func:`gspo.model.export.check_dcp` finds a damaged shard folder whose manifest was rewritten to match (a shard missing
 or shorter than the index says, an index that is no DCP index).
 """
 
@@ -27,48 +27,9 @@ from torch import nn
 
 from gspo.compat.torch_dcp import SafePlanner, SafeReader
 from gspo.errors import GspoError
-from gspo.model.export import DCP_DIR, DCP_MODEL_KEY
+from gspo.model.export import DCP_DIR, DCP_MODEL_KEY, failure
 
 OPTIMIZER_KEY = "optimizer"
-
-
-def failure(e: BaseException) -> str:
-    """One line for a failed DCP load: the first rank's own error (not torch's traceback dump)."""
-    if isinstance(e, dcp.api.CheckpointException) and e.failures:
-        e = next(iter(e.failures.values()))[0]
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def read_index(step_dir: Path) -> Any:
-    """The DCP index (``Metadata``) of the sharded checkpoint ``step_dir``; :class:`GspoError` naming
-    the file when it cannot be read safely."""
-    try:
-        return SafeReader(step_dir / DCP_DIR).read_metadata()
-    except Exception as e:  # noqa: BLE001 (garbage, a truncated file or a planted callable: damaged)
-        raise GspoError(f"{step_dir}/{DCP_DIR}/.metadata cannot be read safely ({failure(e)})") from None
-
-
-def check_dcp(step_dir: Path) -> str:
-    """Why the shards of ``step_dir`` cannot be loaded ("" when every piece its index names is on disk):
-    the index unreadable, a rank's shard missing or shorter than the index says."""
-    try:
-        index = read_index(step_dir)
-    except GspoError as e:
-        return str(e).removeprefix(f"{step_dir}/")
-    need: dict[str, int] = {}
-    try:
-        for info in index.storage_data.values():
-            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    except (AttributeError, TypeError) as e:
-        return f"{DCP_DIR}/.metadata is no DCP index of shards ({type(e).__name__})"
-    for name, size in sorted(need.items()):
-        f = step_dir / DCP_DIR / name
-        if not f.is_file():
-            return f"{DCP_DIR}/{name} is missing (a rank's shard)"
-        if f.stat().st_size < size:
-            return f"{DCP_DIR}/{name} has {f.stat().st_size} bytes, its index needs {size} (truncated?)"
-    return ""
 
 
 def uses_sharded_checkpoints(policy: nn.Module, lora: bool) -> bool:
