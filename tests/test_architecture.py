@@ -1,0 +1,93 @@
+"""The layout the README describes, checked on the source: the config stops at the top (below it,
+stages take plans) and no module imports from a layer above its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
+
+# low -> high; a module may import its own layer and the ones below (README: "Layout")
+LAYERS = [
+    {"errors", "plans", "data", "procs", "compat", "memory"},  # the ground floor
+    {"advantages", "loss_inputs", "losses", "correction"},  # the algorithm: pure tensor functions
+    {"model", "tasks"},
+    {"capacity", "limits"},  # what fits: read by the config's checks and the engines
+    {"envs"},
+    {"rollout"},
+    {"train"},
+    {"config", "resolve", "launch", "cli", "compare", "evaluate", "study", "__init__", "__main__"},
+]
+BELOW_THE_CONFIG = ("train", "rollout", "envs", "model")
+# gspo.train is callable (gspo.train(cfg)): its __call__ reaches up to the entry that resolves the config
+ALLOWED_UP = {("train/__init__.py", "launch")}
+ENTRY = {("train/__init__.py", "__call__")}  # gspo.train(cfg) itself: it hands the config to gspo.launch
+
+
+def _layer(name: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if name in layer)
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _gspo_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, gspo module) of every import, function-level ones included."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gspo":
+            names = [f"gspo.{a.name}" for a in node.names] if node.module == "gspo" else [node.module]
+            out += [(node.lineno, n) for n in names]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("gspo.")]
+    return out
+
+
+def _modules() -> list[tuple[str, Path, ast.AST]]:
+    return [
+        (str(p.relative_to(SRC)), p, ast.parse(p.read_text(), str(p)))
+        for p in sorted(SRC.rglob("*.py"))
+    ]
+
+
+def test_every_package_has_a_layer():
+    names = {p.relative_to(SRC).parts[0].removesuffix(".py") for p in SRC.rglob("*.py")}
+    assert not {n for n in names if not any(n in layer for layer in LAYERS)}, "place it in LAYERS"
+
+
+def test_no_import_reaches_a_higher_layer():
+    bad = []
+    for rel, _, tree in _modules():
+        own = _layer(rel.split("/")[0].removesuffix(".py"))
+        for line, module in _gspo_imports(tree):
+            target = _package(module)
+            if target in {"__version__"} or (rel, target) in ALLOWED_UP:
+                continue
+            if _layer(target) > own:
+                bad.append(f"{rel}:{line} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", BELOW_THE_CONFIG)
+def test_the_config_stops_at_the_top(package):
+    """Below ``gspo.train(cfg)`` / the CLI, no module imports the config or takes a ``cfg``: each
+    stage takes its plan (gspo.plans), resolved once (gspo.resolve)."""
+    bad = []
+    for rel, _, tree in _modules():
+        if not rel.startswith(package + "/"):
+            continue
+        for line, module in _gspo_imports(tree):
+            if module == "gspo.config" or module.startswith("gspo.config."):
+                bad.append(f"{rel}:{line} imports {module}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                if "cfg" in names and (rel, node.name) not in ENTRY:
+                    bad.append(f"{rel}:{node.lineno} {node.name}() takes cfg")
+    assert not bad, "\n".join(bad)
