@@ -35,7 +35,7 @@ from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
 # may be moved or renamed and still resumed)
 RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
-RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name"}
+RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name", "save_dtype"}
 
 
 def train(cfg: Config) -> TrainResult:

@@ -183,6 +183,7 @@ class LoopPlan:
     run_dir: Path
     title: str  # the curves' title: "<algo> on <task> (<model>)"
     algo: str
+    save_dtype: str | None = None  # final/'s weights in this dtype (None: as trained)
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,6 @@ class UpdatePlan:
     decisions; :func:`gspo.train.update.policy_update` runs it, testing no config field)."""
 
     algo: str  # key of gspo.losses.LOSSES
-    eps_low: float
-    eps_high: float
     aggregation: str | None  # for the losses that take one (None: the loss takes no aggregation)
     num_minibatches: int  # optimizer steps per rollout batch
     micro_batch_size: int  # rows per forward/backward (0: the whole minibatch)
@@ -212,7 +211,9 @@ class UpdatePlan:
     mismatch_high: float
     mismatch_cap: float
     opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
-    loss_options: tuple[tuple[str, float], ...] = ()  # the loss's own keywords (VESPO's kernel)
+    #: the loss's own parameters, resolved (its defaults and the config's): a clip range, SAPO's
+    #: temperatures, VESPO's kernel (gspo.losses.LossSpec.params)
+    loss_params: tuple[tuple[str, float], ...] = ()
 
     @property
     def token_normalizer(self) -> bool:
@@ -222,4 +223,30 @@ class UpdatePlan:
     def own_routing(self, i: int) -> bool:
         """Whether minibatch ``i`` needs pi_old's own choice of experts (R2 forces it in minibatches
         1..; volatility compares with it)."""
-        return i == self.volatility_minibatch or (self.replay == "R2" and i > 0)
+        return i == self.volatility_minibatch or (self.replays_pi_old and i > 0)
+
+    # the string fields, each read once here (the update tests these)
+    @property
+    def sampler_pi_old(self) -> bool:
+        """The loss's pi_old is the sampler's log-probs (else the trainer's own)."""
+        return self.pi_old == "rollout"
+
+    @property
+    def replays_sampler(self) -> bool:
+        """R3: the sampler's experts are forced in every forward of the rows."""
+        return self.replay == "R3"
+
+    @property
+    def replays_pi_old(self) -> bool:
+        """R2: pi_old's experts are forced in the training forwards of minibatches 1.."""
+        return self.replay == "R2"
+
+    @property
+    def volatility_free(self) -> bool:
+        """Volatility is read off the training forwards of its minibatch (no extra forward)."""
+        return self.volatility == "free"
+
+    @property
+    def volatility_forward(self) -> bool:
+        """Volatility costs one no-grad forward of its minibatch after the first optimizer step."""
+        return self.volatility == "forward"

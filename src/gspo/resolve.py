@@ -7,13 +7,12 @@ the study runner resolve here, and hand each stage its plan.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, TypeVar
 
 from torch import nn
 
 from gspo.config import Config
-from gspo.config.algorithm import loss_options
+from gspo.config.algorithm import loss_params
 from gspo.errors import GspoError
 from gspo.losses import LOSSES
 from gspo.model.logprobs import attn_implementation, lm_head_is_plain, shared_prefix_is_exact
@@ -97,7 +96,11 @@ def optim_plan(cfg: Config) -> OptimPlan:
 
 
 def loop_plan(cfg: Config) -> LoopPlan:
-    return _take(LoopPlan, cfg, run_dir=cfg.run_dir, title=f"{cfg.algo} on {cfg.task} ({cfg.model})")
+    from gspo.model.load import stored_dtype
+
+    save = stored_dtype(cfg.model) if cfg.save_dtype == "auto" else cfg.save_dtype
+    title = f"{cfg.algo} on {cfg.task} ({cfg.model})"
+    return _take(LoopPlan, cfg, run_dir=cfg.run_dir, title=title, save_dtype=save)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,9 +109,8 @@ def loop_plan(cfg: Config) -> LoopPlan:
 
 def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
     """The plan of every update of this run (probing ``policy`` once for its layout)."""
-    eps_low, eps_high = cfg.clip_range()
-    params = inspect.signature(LOSSES[cfg.algo][0]).parameters
-    aggregation = (cfg.aggregation or params["aggregation"].default) if "aggregation" in params else None
+    default_aggregation = LOSSES[cfg.algo].aggregation  # None: the loss takes none
+    aggregation = (cfg.aggregation or default_aggregation) if default_aggregation else None
     replay = None
     if is_moe and cfg.routing_replay:
         replay = "R3" if cfg.routing_replay_source == "rollout" else "R2"
@@ -119,8 +121,6 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
     pi_old = pi_old_source(cfg)
     return UpdatePlan(
         algo=cfg.algo,
-        eps_low=eps_low,
-        eps_high=eps_high,
         aggregation=aggregation,
         num_minibatches=cfg.num_minibatches,
         micro_batch_size=cfg.micro_batch_size,
@@ -140,7 +140,7 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
         mismatch_high=cfg.mismatch_high_resolved(),
         mismatch_cap=cfg.mismatch_cap,
         opsm_threshold=cfg.opsm_threshold,
-        loss_options=tuple(loss_options(cfg).items()),
+        loss_params=tuple(loss_params(cfg).items()),
     )
 
 

@@ -25,6 +25,10 @@ class Run(Group):
     """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: Annotated[str, OneOf(DTYPES)] = "float32"
     """Parameter dtype: float32, bfloat16 or float16. Log-probs and losses are always float32."""
+    save_dtype: Annotated[str, OneOf(("auto", *DTYPES))] = "auto"
+    """dtype of the weights in ``final/``: ``auto`` is the dtype the model was stored in (its
+    config.json; embedded models: ``dtype``), whatever ``dtype`` it trained in; checkpoints keep the
+    trained dtype for exact resume."""
     threads: Annotated[int, AtLeast(0)] = 0
     """torch CPU threads per process (0: leave torch's default)."""
     resume: bool = False

@@ -111,27 +111,37 @@ def write_safetensors(
     return names
 
 
-def save_config_and_tokenizer(model: Any, tokenizer: Any, folder: Path) -> None:
+def save_config_and_tokenizer(
+    model: Any, tokenizer: Any, folder: Path, dtype: torch.dtype | None = None
+) -> None:
     """Everything of an HF folder but the weights (config, generation config, tokenizer files unless
-    ``tokenizer`` is None)."""
+    ``tokenizer`` is None); ``dtype``: the weights' dtype the config records (default: the model's)."""
     folder.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(folder)
+    trained = model.config.dtype
+    model.config.dtype = dtype or trained
+    try:
+        model.config.save_pretrained(folder)
+    finally:
+        model.config.dtype = trained
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
 
-def save_streamed(model: Any, tokenizer: Any, folder: Path | None) -> None:
+def save_streamed(model: Any, tokenizer: Any, folder: Path | None, dtype: torch.dtype | None = None) -> None:
     """A ``from_pretrained``-loadable folder of ``model`` (FSDP2 shards or a whole module), gathered
     and written one decoder layer at a time (collective: every rank calls it; the rank passing a
-    ``folder`` writes, the others only take part in the gathers)."""
+    ``folder`` writes, the others only take part in the gathers); floating weights cast to ``dtype``
+    one tensor at a time (default: as they are)."""
     weights = hf_checkpoint_weights(model)
     if folder is None:
         for _ in weights:
             pass
         return
-    save_config_and_tokenizer(model, tokenizer, folder)
+    if dtype is not None:
+        weights = ((k, v.to(dtype) if v.is_floating_point() else v) for k, v in weights)
+    save_config_and_tokenizer(model, tokenizer, folder, dtype)
     write_safetensors(weights, folder)
 
 

@@ -206,6 +206,21 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+def stored_dtype(spec: str) -> str | None:
+    """The dtype ``spec``'s weights are stored in (its config.json's ``dtype``), None when it says none
+    (or is an embedded model, built in the run's own ``dtype``)."""
+    if spec.startswith(EMBEDDED_PREFIX):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        dtype = getattr(AutoConfig.from_pretrained(spec), "dtype", None)
+    except Exception:  # noqa: BLE001 (loading the model itself reports what is wrong, in one line)
+        return None
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return name if name in ("float32", "bfloat16", "float16") else None
+
+
 def _first(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__

@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gspo.data import TrainBatch
 from gspo.errors import GspoError
 from gspo.memory import phase_peak
 from gspo.model.export import save_streamed
+from gspo.model.unwrap import is_peft
 from gspo.plans import LoopPlan
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
@@ -210,13 +213,17 @@ def _finish(run: Run, plan: LoopPlan) -> TrainResult:
     hf = run.trainer.hf
     result = TrainResult(plan.run_dir, hf)
     final_dir = plan.run_dir / "final"
-    if run.folder.sharded:  # gathered and written one decoder layer at a time (collective)
+    dtype = getattr(torch, plan.save_dtype) if plan.save_dtype else None
+    if dtype == next(hf.parameters()).dtype:
+        dtype = None  # saved as trained
+    if run.folder.sharded or (dtype is not None and not is_peft(hf)):
+        # gathered, cast and written one decoder layer at a time (collective)
         dist_utils.reshard(run.trainer.policy)
-        save_streamed(hf, run.tokenizer, final_dir if run.rank == 0 else None)
+        save_streamed(hf, run.tokenizer, final_dir if run.rank == 0 else None, dtype)
     else:
         model, final_sd = run.savable()  # collective
         if run.rank == 0:
-            save_hf(model, run.tokenizer, final_dir, final_sd)
+            save_hf(model, run.tokenizer, final_dir, final_sd, dtype)
     if run.rank == 0:
         result.final_dir = final_dir
         rows = read_metrics(plan.run_dir / "metrics.jsonl")

@@ -244,14 +244,20 @@ def _check_finite(policy: nn.Module, step: int, last_saved: int) -> None:
 
 
 def save_hf(
-    model: Any, tokenizer: Any, path: Path, state_dict: dict[str, torch.Tensor] | None = None
+    model: Any,
+    tokenizer: Any,
+    path: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """HF folder loadable by ``from_pretrained``; with LoRA the adapters are merged in and also kept
-    on their own under ``adapter/`` (for resuming and for PEFT users)."""
+    """HF folder loadable by ``from_pretrained``; with LoRA the adapters are merged in (the merged
+    copy cast to ``dtype``, if given) and also kept on their own under ``adapter/`` (for resuming
+    and for PEFT users)."""
     from gspo.model.lora import is_peft, merged_copy
 
     if is_peft(model):
-        save_pretrained(merged_copy(model), tokenizer, path)
+        merged = merged_copy(model)
+        save_pretrained(merged if dtype is None else merged.to(dtype), tokenizer, path)
         model.save_pretrained(Path(path) / "adapter")
         return
     if state_dict is not None:
