@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gspo import compat
-from gspo.compat import torch_dcp, transformers_model, transformers_moe
+from gspo.compat import process_pool, torch_dcp, transformers_model, transformers_moe
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
 
@@ -88,6 +88,35 @@ def test_transformers_moe_guard_follows_the_installed_version():
 
 
 # ------------------------------------------------------------------------------------------------
+# concurrent.futures
+
+
+def _sleep_forever() -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_process_pool_workers_are_found_and_killed():
+    """kill_workers reaches a live executor's worker processes through ``_processes`` (a renamed table
+    finds none and fails here): a worker busy with a job is killed at once."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    assert process_pool.applies()
+    ex = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+    try:
+        fut = ex.submit(_sleep_forever)
+        assert len(getattr(ex, process_pool.UPSTREAM_ATTR)) == 1
+        assert process_pool.kill_workers(ex) == 1
+        with pytest.raises(BrokenProcessPool):  # its worker died: the job fails at once, not in 600 s
+            fut.result(timeout=60)
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------------------
 # vLLM (skipped unless vLLM imports)
 
 
@@ -135,6 +164,8 @@ FOREIGN_PRIVATE = {
     "bind_routed_experts_capturer": "vllm_runner",
     "TopKRouter": "transformers_moe",
     "TopkRouter": "transformers_moe",
+    '"_processes"': "process_pool",  # quoted or as an attribute (num_processes is no match)
+    "._processes": "process_pool",
 }
 # uses outside gspo.compat still to be moved (by the files' owners), as "path: name"
 PENDING: set[str] = set()

@@ -18,132 +18,83 @@ V = 40
 B, L = 3, 9
 
 
-def _qwen3():
-    from gspo.model.load import build_tiny_moe
-
-    return build_tiny_moe(V, seed=0)
-
-
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(1)
-    return MixtralForCausalLM(cfg)
-
-
-def _olmoe():
-    from transformers import OlmoeConfig, OlmoeForCausalLM
-
-    cfg = OlmoeConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(2)
-    return OlmoeForCausalLM(cfg)
-
-
-def _qwen2moe():
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    cfg = Qwen2MoeConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(3)
-    return Qwen2MoeForCausalLM(cfg)
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = DeepseekV3Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=32,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        first_k_dense_replace=0,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=8,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(4)
-    return DeepseekV3ForCausalLM(cfg)
-
-
-def _granitemoe():
-    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
-
-    cfg = GraniteMoeConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(5)
-    return GraniteMoeForCausalLM(cfg)
-
-
-ARCHS = {
-    "qwen3_moe": _qwen3,
-    "mixtral": _mixtral,
-    "olmoe": _olmoe,
-    "qwen2_moe_no_norm": _qwen2moe,
-    "deepseek_v3": _deepseek_v3,
-    "granitemoe": _granitemoe,
+# the fields every tiny model shares; each architecture adds its own (experts, attention, norms)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
+# name: (transformers' <prefix>Config / <prefix>ForCausalLM, init seed, its own fields); qwen3_moe
+# is gspo's own tiny model (gspo.model.load)
+ARCHS: dict[str, tuple[str, int, dict]] = {
+    "qwen3_moe": ("Qwen3Moe", 0, {}),
+    "mixtral": (
+        "Mixtral",
+        1,
+        dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "olmoe": (
+        "Olmoe",
+        2,
+        dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    ),
+    "qwen2_moe_no_norm": (
+        "Qwen2Moe",
+        3,
+        dict(
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3",
+        4,
+        dict(
+            moe_intermediate_size=16,
+            first_k_dense_replace=0,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+        ),
+    ),
+    "granitemoe": (
+        "GraniteMoe",
+        5,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
+
+
+def make_moe(arch: str = "qwen3_moe") -> nn.Module:
+    """A fresh tiny random-init MoE of ``arch`` (two layers; the same weights on every call)."""
+    prefix, seed, own = ARCHS[arch]
+    if arch == "qwen3_moe":
+        from gspo.model.load import build_tiny_moe
+
+        return build_tiny_moe(V, seed=seed)
+    import transformers
+
+    cfg = getattr(transformers, f"{prefix}Config")(**COMMON, **own)
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{prefix}ForCausalLM")(cfg)
 
 
 def _batch(seed: int = 0, b: int = B, seq: int = L):
@@ -200,7 +151,7 @@ def test_find_routers_names_and_is_moe():
     capture on it raises GspoError."""
     from gspo.model.load import build_tiny_dense
 
-    m = _qwen3()
+    m = make_moe()
     routers = R.find_routers(m)
     assert list(routers) == ["layer0", "layer1"]
     assert all(type(r).__name__ == "Qwen3MoeTopKRouter" for r in routers.values())
@@ -280,7 +231,7 @@ def test_registered_score_fn_reproduces_router_scores_bitwise(cls, score_fn, dty
 def test_replay_unchanged_params_reproduces_logits_exactly(arch):
     """With unchanged params, replaying captured routing (padded batch) gives bit-identical logits, and
     capture inside replay returns the same indices; the recorder is a mapping of [B, T, k] LongTensors."""
-    model = ARCHS[arch]().eval()
+    model = make_moe(arch).eval()
     ids, mask = _batch()
     with torch.no_grad():
         with R.capture_routing(model) as rec:
@@ -300,7 +251,7 @@ def test_replay_unchanged_params_reproduces_logits_exactly(arch):
 def test_replay_after_perturbation_forces_recorded_indices(arch):
     """After perturbing routers, capture inside replay (either nesting) returns the recorded indices and
     logits differ from the free (non-replay) forward, whose routing did change."""
-    model = ARCHS[arch]().eval()
+    model = make_moe(arch).eval()
     ids, mask = _batch()
     with torch.no_grad():
         before, old = _capture(model, ids, mask)
@@ -322,7 +273,7 @@ def test_replay_after_perturbation_forces_recorded_indices(arch):
 def test_replay_router_grads_match_closed_form(arch):
     """Under replay every router.weight gets a nonzero grad equal to the closed-form softmax-gather
     (renormalised or not) gradient computed from the router input and d loss / d scores."""
-    model = ARCHS[arch]().train()
+    model = make_moe(arch).train()
     if hasattr(model.config, "router_jitter_noise"):
         assert model.config.router_jitter_noise == 0
     ids, mask = _batch()
@@ -373,7 +324,7 @@ def test_replay_router_grads_match_finite_differences(arch):
     """Under replay (routing fixed, so the loss is smooth in the router weights) every router.weight
     gets a nonzero grad whose directional derivative along a random direction matches a central finite
     difference (float64 model; routers and RMSNorm still compute in float32, hence eps=3e-3, 1%)."""
-    model = ARCHS[arch]().double().eval()
+    model = make_moe(arch).double().eval()
     model.set_experts_implementation("eager")  # the default grouped_mm kernel has no float64
     ids, mask = _batch()
     w = torch.randn(B, L, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -406,7 +357,7 @@ def test_replay_router_grads_match_finite_differences(arch):
 
 def test_replay_rejects_wrong_shapes_and_missing_layers():
     """Replay checks the exact [B, T] of every call (not just B*T) and that every router has routing."""
-    model = _qwen3().eval()
+    model = make_moe().eval()
     ids, mask = _batch()
     with torch.no_grad():
         _, routing = _capture(model, ids, mask)
@@ -423,7 +374,7 @@ def test_replay_under_activation_checkpointing_warns_and_backward_inside_is_exac
     """With activation checkpointing on (and grad enabled) replay warns that a recompute after exit would
     not be replayed; a backward inside the context gives the same router grads as without checkpointing.
     Without checkpointing there is no warning."""
-    model = _qwen3().train()
+    model = make_moe().train()
     ids, mask = _batch()
     with torch.no_grad():
         _, routing = _capture(model, ids, mask)
@@ -452,7 +403,7 @@ def test_replay_under_activation_checkpointing_warns_and_backward_inside_is_exac
 def test_hooks_removed_after_contexts_and_on_exception():
     """After capture/replay (normal exit, exception inside, shape error raised from a hook) no hooks are
     left (every module's hook dicts are empty) and outputs equal the baseline."""
-    model = _qwen3().eval()
+    model = make_moe().eval()
     ids, mask = _batch()
     with torch.no_grad():
         base = _logits(model, ids, mask)
@@ -481,7 +432,7 @@ def test_hooks_removed_after_contexts_and_on_exception():
 def test_replay_with_transformers_router_logits_recorder():
     """output_router_logits=True makes transformers install its own persistent router hooks: replay
     still reproduces logits and router_logits exactly, and on exit those hooks are left as they were."""
-    model = _qwen3().eval()
+    model = make_moe().eval()
     ids, mask = _batch()
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -504,7 +455,7 @@ def test_generate_unaffected_outside_contexts_and_capturable_inside():
     """Greedy KV-cached generate gives the same tokens before and after routing contexts were used (no
     context active); inside capture_routing it records each step, which dim=1 joins into the routing
     of every fed position, equal to one full forward over those tokens; dim=0 refuses (lengths differ)."""
-    model = _qwen3().eval()
+    model = make_moe().eval()
     ids = torch.randint(3, V, (2, 5), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     g0 = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
@@ -530,7 +481,7 @@ def test_generate_unaffected_outside_contexts_and_capturable_inside():
 def test_base_model_call_and_multi_forward_concatenation():
     """Calling the base model (as the training loop does) is captured; several forwards cat along B;
     slice/cat round-trip."""
-    model = _qwen3().eval()
+    model = make_moe().eval()
     ids, mask = _batch()
     base = getattr(model, model.base_model_prefix)
     with torch.no_grad():

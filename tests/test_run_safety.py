@@ -188,7 +188,7 @@ def test_a_run_folder_with_any_trace_is_refused_without_resume_or_overwrite(base
 
 HOLD_LOCK = (
     "import sys, time; from pathlib import Path; from gspo.train.checkpoint import lock_run_dir; "
-    "lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)"
+    "lock = lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)"
 )
 
 

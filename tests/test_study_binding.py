@@ -100,7 +100,7 @@ def test_compare_records_the_declaration_before_a_run_trains(tmp_path):
     import hashlib
 
     from gspo.study.presets import run_record
-    from gspo.study.runner import _Jobs, plan_run
+    from gspo.study.runner import Jobs, plan_run
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -110,7 +110,7 @@ def test_compare_records_the_declaration_before_a_run_trains(tmp_path):
     p = load_preset(str(preset))
     base = Config(**{**TINY, "sft_steps": 0})
     out = tmp_path / "out"
-    jobs = _Jobs(base, [0], ["gspo", "grpo"], out, None, tmp_path / "warm", record=run_record(p))
+    jobs = Jobs(base, [0], ["gspo", "grpo"], out, None, tmp_path / "warm", record=run_record(p))
     t0 = time.time()
     todo = jobs.warm_done(0, None, 0.0)
     assert [c.run_name for c in todo] == ["gspo-s0", "grpo-s0"]

@@ -101,7 +101,7 @@ def test_a_claim_inherits_a_verdict_only_from_the_same_hypothesis():
     """The declared endpoint is GSPO - GRPO+replay final accuracy > 0. The claims table's
     non-inferiority row (same arms, margin -0.02) and a claim with the arms reversed test other
     hypotheses: they stay exploratory (the old match on metric and arms gave both the declared verdict)."""
-    from gspo.study.report import _status
+    from gspo.study.report import claim_status
     from gspo.study.statistics import adjust_family, compare_paired
 
     a = {s: 0.6 + 0.01 * s for s in range(6)}
@@ -111,12 +111,12 @@ def test_a_claim_inherits_a_verdict_only_from_the_same_hypothesis():
     adjust_family([declared], 1)
     assert declared.verdict == "consistent"
     same = compare_paired("acc_final", "gspo", "grpo_replay", a, b, 0.0)
-    assert "pre-registered: **consistent**" in _status(same, [declared])
+    assert "pre-registered: **consistent**" in claim_status(same, [declared])
     non_inferiority = compare_paired("acc_final", "gspo", "grpo_replay", a, b, -0.02)
-    assert _status(non_inferiority, [declared]).startswith("exploratory")
+    assert claim_status(non_inferiority, [declared]).startswith("exploratory")
     reversed_arms = compare_paired("acc_final", "grpo_replay", "gspo", b, a, 0.0)
-    assert _status(reversed_arms, [declared]).startswith("exploratory")
-    assert _status(same, [declared], direction=None).startswith("exploratory")  # an equivalence claim
+    assert claim_status(reversed_arms, [declared]).startswith("exploratory")
+    assert claim_status(same, [declared], direction=None).startswith("exploratory")  # an equivalence claim
 
 
 def test_report_volatility_interval_clusters_the_variants_of_a_seed():

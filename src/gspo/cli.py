@@ -212,7 +212,7 @@ def _launch_torchrun(nproc: int) -> int:
         "gspo",
         *args,
     ]
-    from gspo.train.distributed import die_with_parent
+    from gspo.procs import die_with_parent
 
     env = dict(os.environ, GSPO_LAUNCHED="1")
     # own session: a terminal Ctrl-C reaches this launcher only, which passes one SIGTERM on (torchrun

@@ -10,6 +10,8 @@ dependency's source), one module per upstream API, each with a version guard:
 * :mod:`gspo.compat.vllm_cpu_reload`: vLLM's CPU weight repacking after ``reload_weights``.
 * :mod:`gspo.compat.torch_dcp`: a torch.distributed.checkpoint reader whose index and non-tensor
   entries are read without running pickled code (``FileSystemReader.read_metadata`` replaced).
+* :mod:`gspo.compat.process_pool`: ``ProcessPoolExecutor._processes`` (the worker processes a
+  stopped compare kills).
 
 Each module lists the upstream names it relies on in ``UPSTREAM`` (``(module, dotted attribute)``
 pairs, checked by tests/test_compat.py against the installed version) and says in ``applies()``

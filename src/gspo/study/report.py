@@ -109,7 +109,7 @@ def _declared(confirm: list[Comparison], c: Comparison, direction: str | None) -
     return next((d for d in confirm if (d.metric, d.a, d.b, d.margin, d.direction) == key), None)
 
 
-def _status(c: Comparison, confirm: list[Comparison], direction: str | None = "greater") -> str:
+def claim_status(c: Comparison, confirm: list[Comparison], direction: str | None = "greater") -> str:
     """A claim's last column: the pre-registered verdict when the claim is a declared endpoint,
     otherwise the raw p and no verdict."""
     d = _declared(confirm, c, direction)
@@ -148,7 +148,7 @@ def claims(per: PerSeed, ci: str, confirm: list[Comparison]) -> list[tuple[str, 
             continue
         c = compare_paired(key, a, b, column(per, a, key), column(per, b, key), margin)
         direction = "greater" if reading.startswith(("a - b >", "non-inferiority")) else None
-        status = _status(c, confirm, direction)
+        status = claim_status(c, confirm, direction)
         rows.append((claim, f"{a} - {b} {c.interval.fmt()}{_seeds_txt(c)}", reading, status))
     if "gspo" in per and "grpo" in per:
         logr = [

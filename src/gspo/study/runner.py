@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import time
 from collections.abc import Iterator
@@ -22,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo.compat.process_pool import kill_workers
 from gspo.config import Config, make_config
 from gspo.errors import GspoError
+from gspo.procs import die_with_parent
 from gspo.study.metrics import Criteria
 from gspo.study.presets import (
     RUN_RECORD,
@@ -301,7 +304,7 @@ def run_compare(
     warm_path = out_folder(warm_dir, "--warm-dir") if warm_dir else out.parent / "warm-starts"
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
-    jobs = _Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p))
+    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p))
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
     t_start = time.time()
     load = _LoadSampler()
@@ -344,7 +347,7 @@ def _base_config(p: Preset, config_path: str | None, overrides: dict[str, Any], 
 
 
 @dataclass
-class _Jobs:
+class Jobs:
     """What a compare runs, and what it has run (seconds per job, warm-start folder per seed)."""
 
     base: Config
@@ -460,7 +463,7 @@ class _LoadSampler:
         return statistics.fmean(self.samples) if self.samples else None
 
 
-def _run_serial(jobs: _Jobs) -> None:
+def _run_serial(jobs: Jobs) -> None:
     """One seed after the other in this process: its warm start, then its runs."""
     for seed in jobs.seeds:
         _, warm, dt = warm_start_job(jobs.base, seed, jobs.out, jobs.target, jobs.warm_dir)
@@ -470,7 +473,7 @@ def _run_serial(jobs: _Jobs) -> None:
             jobs.timing[name] = dt
 
 
-def _run_pool(jobs: _Jobs, workers: int) -> None:
+def _run_pool(jobs: Jobs, workers: int) -> None:
     """Warm starts first, then each seed's runs as soon as its warm start is there; ``workers``
     processes (spawned: a clean torch in each)."""
     import multiprocessing as mp
@@ -480,8 +483,8 @@ def _run_pool(jobs: _Jobs, workers: int) -> None:
     ex = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=mp.get_context("spawn"),
-        initializer=_die_with,
-        initargs=(os.getpid(),),
+        initializer=die_with_parent,  # a worker is killed when the compare dies, even by kill -9
+        initargs=(signal.SIGKILL, os.getpid()),
     )
     warm_args = (jobs.out, jobs.target, jobs.warm_dir)
     try:
@@ -505,29 +508,15 @@ def _run_pool(jobs: _Jobs, workers: int) -> None:
     except BaseException:
         # a Ctrl-C, SIGTERM or a failed run: end the workers now (an unfinished run continues from its
         # last checkpoint next time); the resource tracker exits once they are gone
-        for proc in list((getattr(ex, "_processes", None) or {}).values()):
-            proc.kill()
+        kill_workers(ex)
         ex.shutdown(wait=False, cancel_futures=True)
         raise
     ex.shutdown(wait=True)
 
 
-def _die_with(parent: int) -> None:
-    """A compare worker: killed when the compare process dies, even by kill -9 (Linux)."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the line above
-        os._exit(1)
-
-
 @contextmanager
 def _continue_hint(command: str) -> Iterator[None]:
     """SIGTERM stops the compare like Ctrl-C; either way the message names the command that continues it."""
-    import signal
     import threading
 
     def on_term(signum: int, frame: Any) -> None:

@@ -21,6 +21,7 @@ checkpoint whose files match its manifest and whose state has every entry a resu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from filelock import Timeout, UnixFileLock
 
 from gspo.model.export import DCP_DIR
 
@@ -258,42 +260,60 @@ LOCK = ".gspo.lock"
 TRACES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "tensorboard", "curves.png")
 
 
-def lock_run_dir(run_dir: Path) -> int:
-    """Take the run folder's lock (``flock`` on ``.gspo.lock``; the OS drops it when the process ends,
-    kill -9 included) and record our PID in it. Returns the descriptor that holds it."""
-    import fcntl
-
+def lock_run_dir(run_dir: Path) -> UnixFileLock:
+    """Take the run folder's lock (``flock`` on ``.gspo.lock`` through filelock; the OS drops it when
+    the process ends, kill -9 included) and record our PID in it. Returns the lock: hold a reference
+    until :func:`unlock_run_dir` (a collected lock is released)."""
     from gspo.errors import GspoError
 
     path = run_dir / LOCK
-    try:  # never through a symlink (it would truncate the file it points to), never a folder or a FIFO
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
+    # never soft (a marker file a crash would leave behind), one holder for every thread; the file
+    # is opened without following a symlink (it would truncate the file it points to)
+    own = functools.partial(_own_lock, run_dir)
+    lock = UnixFileLock(
+        path, mode=0o644, thread_local=False, blocking=False, fallback_to_soft=False, on_acquired=own
+    )
+    try:
+        lock.acquire()
+    except Timeout:
+        raise GspoError(
+            f"run folder {run_dir} is in use by another gspo process (PID {_lock_holder(path)}); wait for "
+            "it to end or stop it, or pick another --name"
+        ) from None
+    except OSError as e:  # a folder, a symlink, a filesystem without flock
         raise GspoError(
             f"run folder {run_dir}: cannot use {LOCK} as its lock file ({e.strerror}); it must be a plain "
             "file: remove it"
         ) from None
+    return lock
+
+
+def _own_lock(run_dir: Path, fd: int) -> None:
+    """filelock's ``on_acquired``: refuse a FIFO or a device (raising releases the lock), then write
+    our PID for the next run's message."""
+    from gspo.errors import GspoError
+
     if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
         raise GspoError(f"run folder {run_dir}: {LOCK} is not a plain file; remove it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise GspoError(
-            f"run folder {run_dir} is in use by another gspo process (PID {holder}); wait for it to end "
-            "or stop it, or pick another --name"
-        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
-def unlock_run_dir(fd: int | None) -> None:
-    if fd is not None:
+def _lock_holder(path: Path) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return "unknown"
+    try:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
+def unlock_run_dir(lock: UnixFileLock | None) -> None:
+    if lock is not None:
         try:
-            os.close(fd)  # releases the flock
+            lock.release()
         except OSError:
             pass
 

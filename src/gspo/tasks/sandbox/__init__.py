@@ -225,6 +225,22 @@ def _check_child_files() -> None:
             )
 
 
+def _check_limits(timeout_s: float, memory_mb: int, max_disk_mb: int, max_files: int) -> None:
+    if timeout_s <= 0 or memory_mb <= 0 or max_disk_mb <= 0 or max_files <= 0:
+        raise ValueError(
+            f"timeout_s, memory_mb, max_disk_mb and max_files must be positive, got {timeout_s}, "
+            f"{memory_mb}, {max_disk_mb}, {max_files}"
+        )
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def run_untrusted(
     code: str,
     timeout_s: float = 5.0,
@@ -251,11 +267,7 @@ def run_untrusted(
     RLIMIT_NPROC. ``require_fs_isolation`` (default :data:`REQUIRE_FS_ISOLATION`): raise
     :class:`SandboxUnavailable` when Landlock is unavailable instead of running unconfined.
     """
-    if timeout_s <= 0 or memory_mb <= 0 or max_disk_mb <= 0 or max_files <= 0:
-        raise ValueError(
-            f"timeout_s, memory_mb, max_disk_mb and max_files must be positive, got {timeout_s}, "
-            f"{memory_mb}, {max_disk_mb}, {max_files}"
-        )
+    _check_limits(timeout_s, memory_mb, max_disk_mb, max_files)
     require = REQUIRE_FS_ISOLATION if require_fs_isolation is None else bool(require_fs_isolation)
     fs = fs_available()
     if not fs:
@@ -302,11 +314,7 @@ def run_untrusted(
         proc = process.spawn(cfg, [status_w, code_fd, *child_fds], to_close)
         return _collect(proc, status_r, verdict_r, nonce, max_output_bytes, timeout_s, cfg["cpu_s"])
     finally:
-        for fd in to_close:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_all(to_close)
         shutil.rmtree(workdir, ignore_errors=True)  # only exists on the host without a private tmpfs
         host.remove_cgroup(cgroup)
 

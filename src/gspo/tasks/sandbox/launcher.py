@@ -29,17 +29,18 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 
 
 def main(argv: list[str], payload: tuple) -> None:
-    """Entry point (from boot.py): argv[1] the JSON config, payload[1] the code of confine.py."""
+    """Entry point (from boot.py): argv[1] the JSON config, payload[1] the code of confine.py,
+    payload[2] that of gspo.procs."""
     cfg = json.loads(argv[1])
     confine = type(sys)("gspo_sandbox_confine")
     exec(payload[1], confine.__dict__)
-    die_with_parent(confine, cfg["parent"])
+    procs = type(sys)("gspo_procs")
+    exec(payload[2], procs.__dict__)
+    procs.die_with_parent(signal.SIGKILL, cfg["parent"], 125)  # the trainer may have died already
     in_cgroup = join_cgroup(cfg["cgroup"])
     flags = unshare(confine) if cfg["namespaces"] and confine.libc is not None else 0
-    if flags:
-        die_with_parent(
-            confine, cfg["parent"]
-        )  # again: a credential change (new user namespace) may clear it
+    if flags:  # again: a credential change (new user namespace) may clear it
+        procs.die_with_parent(signal.SIGKILL, cfg["parent"], 125)
     tmpfs = bool(flags & NEWNS) and private_tmpfs(confine, cfg)
     enter_workdir(cfg)
     set_limits(cfg)
@@ -47,13 +48,6 @@ def main(argv: list[str], payload: tuple) -> None:
     parts = [net + ("+pid" if flags & NEWPID else "")] + (["tmpfs"] if tmpfs else [])
     parts += ["cgroup"] if in_cgroup else []
     fork_and_wait(cfg, confine, net, parts)
-
-
-def die_with_parent(confine: "ModuleType", parent: int) -> None:
-    if confine.libc is not None:
-        confine.prctl(confine.PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before that: no signal will come
-        os._exit(125)
 
 
 def join_cgroup(cgroup: str | None) -> bool:

@@ -11,21 +11,24 @@ import os
 import sys
 from types import CodeType
 
+from gspo import procs
 from gspo.tasks.sandbox import host
 
 
 @functools.cache
-def module_code(name: str) -> CodeType:
-    """The code of this package's module ``name`` (launcher, confine, harness, protected, shim), named
-    after its file so that tracebacks point at it."""
-    path = os.path.join(host.PACKAGE_DIR, f"{name}.py")
+def module_code(name: str, path: str | None = None) -> CodeType:
+    """The code of this package's module ``name`` (launcher, confine, harness, protected, shim), or of
+    the file ``path``, named after its file so that tracebacks point at it."""
+    path = path or os.path.join(host.PACKAGE_DIR, f"{name}.py")
     with open(path, encoding="utf-8") as f:
         return compile(f.read(), path, "exec", dont_inherit=True)
 
 
 @functools.lru_cache(maxsize=1)
 def launcher_payload() -> bytes:
-    return marshal.dumps((module_code("launcher"), module_code("confine")))
+    """The launcher's code, then what it runs: confine.py, and gspo.procs (the parent-death signal)."""
+    procs_code = module_code("procs", procs.__file__)
+    return marshal.dumps((module_code("launcher"), module_code("confine"), procs_code))
 
 
 _CMP_OPS = {
