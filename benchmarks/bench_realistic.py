@@ -266,7 +266,7 @@ class GspoContender:
     def __init__(self, inp: Inputs, engine: str = "hf", **cfg_kw: Any) -> None:
         import torch
 
-        from gspo.resolve import optim_plan, plan_update
+        from gspo.resolve import engine_plan, optim_plan, plan_update, sample_plan, score_plan
         from gspo.rollout.hf import HFRolloutEngine
         from gspo.rollout.sampler import SyncSampler
         from gspo.train import run as RN
@@ -279,7 +279,7 @@ class GspoContender:
         if engine == "vllm":
             from gspo.rollout.vllm import VLLMRolloutEngine
 
-            self.engine = VLLMRolloutEngine.from_trainer(self.cfg, self.model, inp.tok)
+            self.engine = VLLMRolloutEngine.from_trainer(engine_plan(self.cfg), self.model, inp.tok)
             self.vllm = True
         else:  # eos -1: never sampled, every response has new_tokens tokens
             self.engine = HFRolloutEngine(
@@ -288,8 +288,9 @@ class GspoContender:
             self.vllm = False
         self.gen = _TimedGenerate(self.engine.generate)
         self.engine.generate = self.gen
-        self.sampler = SyncSampler(self.engine, inp.tok, inp.task, self.cfg)
+        self.sampler = SyncSampler(self.engine, inp.tok, inp.task, sample_plan(self.cfg))
         self.plan = plan_update(self.cfg, self.model, sh.kind == "moe")
+        self.score = score_plan(self.cfg)
 
     def step(self, r: int) -> dict[str, Any]:
         from gspo.train import scoring as RO
@@ -298,7 +299,7 @@ class GspoContender:
         ex, ids = self.inp.batch(r)
         t0 = _now()
         with _vllm_ignore_eos() if self.vllm else contextlib.nullcontext():
-            data, _ = RO.collect_rollout(self.sampler, self.inp.tok, self.inp.task, ex, ids, self.cfg)
+            data, _ = RO.collect_rollout(self.sampler, self.inp.tok, self.inp.task, ex, ids, self.score)
         self.engine.sleep()
         U.policy_update(self.model, self.opt, self.sched, data, self.plan, 1)
         self.engine.sync_weights()

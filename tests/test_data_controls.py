@@ -66,6 +66,7 @@ def test_dynamic_sampling_drops_uninformative_groups_and_resumes_exactly(tmp_pat
 def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
     """The soft penalty enters the rewards (so cut-off responses get advantages of their own), and the
     filter then gives every cut-off response (no EOS) advantage 0 while the others keep theirs."""
+    from gspo.resolve import prompt_plan, sample_plan, score_plan
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
@@ -80,8 +81,9 @@ def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
         eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
         ex = task.train[:8]
         data, m = collect_rollout(
-            SyncSampler(eng, tok, task, cfg), tok, task, ex, encode_prompts(tok, ex, cfg), cfg
-        )
+            SyncSampler(eng, tok, task, sample_plan(cfg)), tok, task, ex,
+            encode_prompts(tok, ex, prompt_plan(cfg)), score_plan(cfg),
+        )  # fmt: skip
         cut_B = ~(data.response_ids_BT == tok.eos_token_id).any(-1)
         out[filt] = (data, cut_B, m)
     data, cut_B, m = out[False]
@@ -115,6 +117,7 @@ def test_chat_prompts_are_templated_and_rewards_see_the_user_text():
     """A prompt given as messages goes through the tokenizer's chat template even without
     --chat-template, and the reward gets the last user message as text."""
     from gspo.model.load import build_char_tokenizer
+    from gspo.resolve import prompt_plan
     from gspo.tasks.datasets import Example, prompt_text
     from gspo.tasks.prompts import encode_prompts
 
@@ -123,5 +126,7 @@ def test_chat_prompts_are_templated_and_rewards_see_the_user_text():
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
     )
     chat = Example([{"role": "user", "content": "rev:12"}], "21")
-    assert encode_prompts(tok, [chat], Config()) == [tok("rev:12=", add_special_tokens=False).input_ids]
+    assert encode_prompts(tok, [chat], prompt_plan(Config())) == [
+        tok("rev:12=", add_special_tokens=False).input_ids
+    ]
     assert prompt_text(chat.prompt) == "rev:12"

@@ -22,6 +22,7 @@ from gspo.envs.load import env_spec
 from gspo.envs.rollout import encoder, run_episodes
 from gspo.envs.tools import ToolError, calculator
 from gspo.errors import GspoError
+from gspo.resolve import env_plan
 from gspo.tasks.datasets import Example
 
 FAST = [
@@ -212,7 +213,7 @@ def test_environment_constructor_is_bounded_by_the_time_limit(tmp_path):
 
 def test_huge_prompt_from_reset_is_refused_before_tokenizing_and_names_the_env(tmp_path, tiny_moe):
     _, tok = tiny_moe
-    cfg = Config(max_prompt_tokens=16).validate()
+    plan = env_plan(Config(env="task", max_prompt_tokens=16).validate())  # encoder() reads its prompt limits
     f = _write(
         tmp_path, "huge.py",
         "class Env:\n    def reset(self, ex):\n        return ex.answer\n    def step(self, t):\n        return None, 0.0\n",
@@ -232,7 +233,7 @@ def test_huge_prompt_from_reset_is_refused_before_tokenizing_and_names_the_env(t
         with pytest.raises(
             GspoError, match=re.escape(f"environment {f}:Env: reset() returned a prompt of 10,000,000 ")
         ):
-            run_episodes(eng, tok, spec, ex, [[5]], lim, 1.0, encode=encoder(tok, cfg))
+            run_episodes(eng, tok, spec, ex, [[5]], lim, 1.0, encode=encoder(tok, plan))
     assert not calls, "the 10 MB prompt was tokenized"
     # one just over the token limit is tokenized and refused by its tokens, naming the environment too
     with pytest.raises(
@@ -240,7 +241,7 @@ def test_huge_prompt_from_reset_is_refused_before_tokenizing_and_names_the_env(t
         match=re.escape(f"environment {f}:Env: reset() prompt has ") + r"\d+ tokens > max_prompt_tokens=16",
     ):
         run_episodes(
-            eng, tok, spec, [Example("rev:12=", "1" * 20)], [[5]], lim, 1.0, encode=encoder(tok, cfg)
+            eng, tok, spec, [Example("rev:12=", "1" * 20)], [[5]], lim, 1.0, encode=encoder(tok, plan)
         )
 
 

@@ -164,14 +164,16 @@ def test_prompts_the_tokenizer_cannot_read_warn_or_refuse(capsys):
     from gspo.config import Config
     from gspo.errors import GspoError
     from gspo.model.load import build_char_tokenizer
+    from gspo.resolve import prompt_plan
     from gspo.tasks.datasets import Example
     from gspo.tasks.prompts import encode_prompts
 
     tok = build_char_tokenizer()
-    encode_prompts(tok, [Example("rev:12=", "21"), Example("rev:\u00c4\u00d6=", "x")], Config())
+    plan = prompt_plan(Config())
+    encode_prompts(tok, [Example("rev:12=", "21"), Example("rev:\u00c4\u00d6=", "x")], plan)
     assert (
         "gspo: warning: 1 of 2 prompts hold characters the tokenizer maps to its unknown"
         in capsys.readouterr().err
     )
     with pytest.raises(GspoError, match="only unknown tokens"):
-        encode_prompts(tok, [Example("\u00c4\u00d6", "x")], Config())
+        encode_prompts(tok, [Example("\u00c4\u00d6", "x")], plan)

@@ -1,11 +1,12 @@
-"""Multi-turn rollouts with any :class:`~gspo.rollout.base.RolloutEngine` (HF, vLLM).
+"""Multi-turn rollouts with any :class:`~gspo.data.RolloutEngine` (HF, vLLM).
 
 Each trajectory is one token sequence after its prompt: model turn, observation, model turn, ...
 ``response_mask_BT`` marks the model's tokens (each turn's final EOS included), ``obs_mask_BT`` the
 observation tokens; the sampler's log-probs are there on the model's tokens only. Every turn is one
 ``engine.generate`` call over the live trajectories, whose prompts are their whole context so far
 (prompt, earlier turns and observations, as token ids: nothing is re-tokenized). Deterministic given
-the engine's generator: exact resume holds as for single-turn rollouts.
+the engine's generator: exact resume holds as for single-turn rollouts. The trajectories are scored
+with the single-turn responses, by :func:`gspo.train.scoring.score_rollout`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gspo.data import RolloutEngine, SampleBatch
 from gspo.envs.base import Env, Limits
 from gspo.envs.load import EnvFailure, EnvSpec, env_spec, make_env, reset, step
 from gspo.errors import GspoError
+from gspo.plans import EnvPlan
 from gspo.tasks.datasets import Example, Prompt
 
 
@@ -35,11 +37,11 @@ class EnvSampleBatch(SampleBatch):
     n_errors: int = 0  # trajectories ended by a failing environment (reward_on_error zero)
 
 
-def limits_of(cfg: Any) -> Limits:
-    return Limits(cfg.max_turns, cfg.max_new_tokens, cfg.max_trajectory_tokens)
+def limits_of(plan: EnvPlan) -> Limits:
+    return Limits(plan.max_turns, plan.max_new_tokens, plan.max_trajectory_tokens)
 
 
-def encoder(tokenizer: Any, cfg: Any) -> Callable[[Prompt], list[int]]:
+def encoder(tokenizer: Any, plan: EnvPlan) -> Callable[[Prompt], list[int]]:
     """A prompt from ``env.reset`` -> token ids, as the trainer encodes prompts (template, limits).
     A prompt with more characters than ``max_prompt_tokens`` of the tokenizer's longest tokens could
     hold is refused before it is tokenized (a 10 MB prompt would take seconds to tokenize)."""
@@ -49,15 +51,15 @@ def encoder(tokenizer: Any, cfg: Any) -> Callable[[Prompt], list[int]]:
 
     def encode(prompt: Prompt) -> list[int]:
         n = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
-        if n > cfg.max_prompt_tokens:  # else it may fit whatever the tokenizer
+        if n > plan.max_prompt_tokens:  # else it may fit whatever the tokenizer
             if not longest:
                 longest.append(_longest_token_chars(tokenizer))
-            if n > cfg.max_prompt_tokens * longest[0]:
+            if n > plan.max_prompt_tokens * longest[0]:
                 raise GspoError(
                     f"returned a prompt of {n:,} characters, more than max_prompt_tokens="
-                    f"{cfg.max_prompt_tokens} tokens of at most {longest[0]} characters can hold"
+                    f"{plan.max_prompt_tokens} tokens of at most {longest[0]} characters can hold"
                 )
-        return encode_prompts(tokenizer, [Example(prompt, "")], cfg)[0]
+        return encode_prompts(tokenizer, [Example(prompt, "")], plan.prompt)[0]
 
     return encode
 
@@ -72,12 +74,12 @@ def _longest_token_chars(tokenizer: Any) -> int:
     return 2 * max((len(t) for t in vocab), default=512)
 
 
-def spec_of(cfg: Any, task: Any) -> EnvSpec:
+def spec_of(plan: EnvPlan, task: Any) -> EnvSpec:
     return env_spec(
-        cfg.env,
+        plan.env,
         task.reward,
-        cfg.reward_timeout_s or None,
-        cfg.reward_on_error,
+        plan.reward_timeout_s or None,
+        plan.reward_on_error,
         getattr(task, "reward_name", None),
     )
 
@@ -209,65 +211,15 @@ def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_ba
     )
 
 
-def score_episodes(
-    eb: EnvSampleBatch, tokenizer: Any, n_prompts: int, cfg: Any, t_gen: float
-) -> tuple[Any, dict[str, float]]:
-    """Group advantages of the environment's rewards; overlong handling on the trajectory's tokens
-    (the penalty against ``max_trajectory_tokens``, the filter on trajectories a limit cut off)."""
-    from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
-    from gspo.data import TrainBatch, left_pad
-
-    assert eb.obs_mask_BT is not None and eb.reward_B is not None and eb.truncated_B is not None
-    G = cfg.group_size
-    model_len_B = eb.response_mask_BT.sum(-1).float()
-    obs_len_B = eb.obs_mask_BT.sum(-1).float()
-    total_B = model_len_B + obs_len_B
-    penalty_B = overlong_penalty(
-        total_B, cfg.max_trajectory_tokens, cfg.overlong_buffer, cfg.overlong_penalty
-    )
-    rewards_NG = (eb.reward_B.float() + penalty_B).view(n_prompts, G)
-    check_finite_rewards(rewards_NG.view(-1), penalty_B, f"of environment {cfg.env}", cfg.overlong_penalty)
-    adv_B = group_advantages(rewards_NG, cfg.adv_scale).view(-1)
-    if cfg.overlong_filter:
-        adv_B = torch.where(eb.truncated_B.bool(), 0.0, adv_B)
-    p_ids, p_mask = left_pad(eb.prompt_ids, tokenizer.pad_token_id)
-    turns = eb.turns_B if eb.turns_B is not None else torch.ones_like(eb.reward_B)
-    metrics = {
-        "rollout/reward_mean": float(rewards_NG.mean()),
-        "rollout/reward_std": float(rewards_NG.std(correction=0)),
-        "rollout/solved_groups": float((rewards_NG.std(1, correction=0) == 0).float().mean()),
-        "rollout/response_len": float(model_len_B.mean()),
-        "rollout/response_len_max": float(model_len_B.max()),
-        "rollout/truncated_frac": float(eb.truncated_B.mean()),
-        "rollout/reward_errors": float(eb.n_errors),
-        "rollout/overlong_penalty": float(penalty_B.mean()),
-        "env/turns_mean": float(turns.mean()),
-        "env/multi_turn_frac": float((turns > 1).float().mean()),
-        "env/obs_len": float(obs_len_B.mean()),
-        "env/trajectory_len_max": float(total_B.max()),
-        "time/generate_s": t_gen,
-    }
-    data = TrainBatch(
-        p_ids,
-        p_mask,
-        eb.response_ids_BT.cpu(),
-        eb.response_mask_BT.cpu(),
-        eb.sampler_logp_BT.float().cpu(),
-        adv_B,
-        rewards_NG.view(-1),
-        None,
-        eb.obs_mask_BT.cpu(),
-    )
-    return data, metrics
-
-
 @torch.no_grad()
 def evaluate_env(
-    engine: RolloutEngine, tokenizer: Any, task: Any, prompt_ids: list[list[int]], cfg: Any
+    engine: RolloutEngine, tokenizer: Any, task: Any, prompt_ids: list[list[int]], plan: EnvPlan
 ) -> dict[str, float]:
     """Greedy held-out trajectories with the same environment: mean reward and accuracy (reward >= 1)."""
-    spec, lim = spec_of(cfg, task), limits_of(cfg)
-    eb = run_episodes(engine, tokenizer, spec, task.eval, prompt_ids, lim, 1.0, True, encoder(tokenizer, cfg))
+    spec, lim = spec_of(plan, task), limits_of(plan)
+    eb = run_episodes(
+        engine, tokenizer, spec, task.eval, prompt_ids, lim, 1.0, True, encoder(tokenizer, plan)
+    )
     r = np.asarray(eb.reward_B.tolist(), dtype=np.float64)
     turns = eb.turns_B.numpy()
     return {

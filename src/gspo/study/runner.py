@@ -97,6 +97,7 @@ def warm_start_job(
     import transformers
 
     from gspo.model.load import save_pretrained
+    from gspo.resolve import load_plan, sft_plan
     from gspo.train.sft import load_start, warm_start_run
 
     transformers.utils.logging.disable_progress_bar()
@@ -111,10 +112,10 @@ def warm_start_job(
         shutil.rmtree(folder)  # made with other settings (or by an older gspo): redo
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    start = load_start(cfg, torch.device("cpu"), dtype="float32")
+    start = load_start(load_plan(cfg, "float32"), torch.device("cpu"))
     gate = _Gate(start, cfg, target)
     try:
-        warm_start_run(start, cfg, torch.device("cpu"), cfg.progress, gate)
+        warm_start_run(start, sft_plan(cfg), torch.device("cpu"), cfg.progress, gate)
     except KeyboardInterrupt:
         if not gate.reached:  # a real Ctrl-C
             raise
@@ -173,15 +174,17 @@ def _gate_accuracy(model: Any, tok: Any, task: Any, examples: list[Any], cfg: Co
     """Greedy accuracy on the gate's prompts."""
     import torch
 
+    from gspo.resolve import engine_plan, prompt_plan, score_plan
     from gspo.rollout.factory import make_engine
     from gspo.tasks.prompts import encode_prompts
     from gspo.train.scoring import evaluate
 
     model.eval()  # the warm start's own model, sampled in place by the HF engine
     hf = dataclasses.replace(cfg, rollout_engine="hf")
-    engine = make_engine(hf, model, tok, torch.Generator().manual_seed(0))
+    engine = make_engine(engine_plan(hf), model, tok, torch.Generator().manual_seed(0))
     sub = dataclasses.replace(task, eval=examples)
-    return evaluate(engine, tok, sub, encode_prompts(tok, examples, cfg), cfg)["eval/accuracy"]
+    ids = encode_prompts(tok, examples, prompt_plan(cfg))
+    return evaluate(engine, tok, sub, ids, score_plan(cfg))["eval/accuracy"]
 
 
 def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gspo.errors import GspoError, warn
+from gspo.plans import TaskPlan
 from gspo.tasks.datasets import Example, load_prompt_dataset
 from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardFn, load_reward, with_timeout
 from gspo.tasks.synthetic import SYNTHETIC_TASKS, synthetic_examples
@@ -97,9 +98,9 @@ def _warn_overlap(train: list[Example], held_out: list[Example], source: str) ->
         )
 
 
-def task_from_config(cfg: Any) -> Task:
-    """:func:`build_task` with a :class:`gspo.config.Config`'s task fields."""
+def task_from_config(plan: TaskPlan) -> Task:
+    """:func:`build_task` of a run's task fields (:func:`gspo.resolve.task_plan`)."""
     return build_task(
-        cfg.task, cfg.reward, cfg.seed, cfg.eval_size, cfg.eval_task, cfg.prompt_field, cfg.answer_field,
-        cfg.reward_timeout_s or None,
+        plan.task, plan.reward, plan.seed, plan.eval_size, plan.eval_task, plan.prompt_field,
+        plan.answer_field, plan.reward_timeout_s or None,
     )  # fmt: skip

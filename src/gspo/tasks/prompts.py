@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gspo.errors import GspoError, warn
+from gspo.plans import PromptPlan
 from gspo.tasks.datasets import Example
 
 
@@ -22,7 +23,7 @@ def prompt_order(n_train: int, data_pos: int, count: int, seed: int) -> list[int
     return out
 
 
-def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Any) -> list[list[int]]:
+def encode_prompts(tokenizer: Any, examples: list[Example], plan: PromptPlan) -> list[list[int]]:
     """Token ids per prompt (chat template if asked); too-long prompts are an error naming the prompt."""
     from gspo.tasks.datasets import apply_chat_template, is_chat, prompt_text
 
@@ -30,15 +31,15 @@ def encode_prompts(tokenizer: Any, examples: list[Example], cfg: Any) -> list[li
     unk = getattr(tokenizer, "unk_token_id", None)
     with_unk: list[str] = []
     for ex in examples:
-        templated = cfg.chat_template or is_chat(ex.prompt)  # a list of messages always needs it
-        text = apply_chat_template(tokenizer, ex.prompt, cfg.system_prompt) if templated else ex.prompt
+        templated = plan.chat_template or is_chat(ex.prompt)  # a list of messages always needs it
+        text = apply_chat_template(tokenizer, ex.prompt, plan.system_prompt) if templated else ex.prompt
         ids = tokenizer(text, add_special_tokens=not templated).input_ids
         shown = prompt_text(ex.prompt)[:60]
         if not ids:
             raise GspoError(f"prompt is empty after tokenization: {shown!r}")
-        if len(ids) > cfg.max_prompt_tokens:
+        if len(ids) > plan.max_prompt_tokens:
             raise GspoError(
-                f"prompt has {len(ids)} tokens > max_prompt_tokens={cfg.max_prompt_tokens}: {shown!r}"
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={plan.max_prompt_tokens}: {shown!r}"
             )
         if unk is not None and unk in ids:
             if all(t == unk or t in tokenizer.all_special_ids for t in ids):

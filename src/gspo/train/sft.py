@@ -1,4 +1,6 @@
-"""Supervised warm start: a few steps of next-token loss on (prompt, answer + EOS) before RL."""
+"""Supervised warm start: a few steps of next-token loss before RL, on (prompt, answer + EOS) or, for a
+multi-turn task with demonstrations (:mod:`gspo.envs.sft`), on the model's turns of those. One loop
+(:func:`_sft_steps`) for both: they differ only in the rows they feed it."""
 
 from __future__ import annotations
 
@@ -9,13 +11,12 @@ from typing import Any
 
 import torch
 
-from gspo.config import Config
 from gspo.data import left_pad
 from gspo.errors import GspoError
-from gspo.model.logprobs import response_logprobs
+from gspo.model.logprobs import make_layout, response_logprobs
+from gspo.plans import LoadPlan, SftPlan
 from gspo.tasks.datasets import Example
 from gspo.train.logger import Progress
-from gspo.train.nll import nll_step
 
 
 @dataclass
@@ -30,65 +31,65 @@ class Start:
     eval_ids: list[list[int]]
 
 
-def load_start(cfg: Config, device: torch.device, dtype: str | None = None, meta: bool = False) -> Start:
+def load_start(plan: LoadPlan, device: torch.device, meta: bool = False) -> Start:
     """Seed, load the model and tokenizer, load the task and check it fits the model's context: the
-    one way ``gspo train`` (``Run.open``) and ``gspo compare``'s shared warm starts begin a run, so
-    both see the same task with the same settings. ``dtype`` overrides ``cfg.dtype`` (compare warm
-    starts in float32 whatever precision the RL runs use). ``meta``: the model's structure only, on
-    the meta device (its weights come later from rank 0, see :func:`load_source`)."""
+    one way ``gspo train`` (``gspo.launch.open_run``) and ``gspo compare``'s shared warm starts begin a
+    run, so both see the same task with the same settings (compare's plan warm-starts in float32
+    whatever precision the RL runs use: :func:`gspo.resolve.load_plan`). ``meta``: the model's
+    structure only, on the meta device (its weights come later from rank 0, see :func:`load_source`)."""
     import numpy as np
 
     from gspo.model.load import load_model_and_tokenizer
     from gspo.tasks import task_from_config
     from gspo.tasks.prompts import encode_prompts
 
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, cfg.tokenizer, dtype or cfg.dtype, cfg.seed, meta)
+    torch.manual_seed(plan.seed)
+    random.seed(plan.seed)
+    np.random.seed(plan.seed)
+    model, tokenizer = load_model_and_tokenizer(plan.model, plan.tokenizer, plan.dtype, plan.seed, meta)
     if not meta:
         model.to(device)
-    if not cfg.keep_dropout:
+    if not plan.keep_dropout:
         disable_dropout(model)
-    task = task_from_config(cfg)
+    task = task_from_config(plan.task)
     ctx_len = getattr(model.config, "max_position_embeddings", None)
-    if ctx_len is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > ctx_len:
+    if ctx_len is not None and plan.max_prompt_tokens + plan.max_new_tokens > ctx_len:
         raise GspoError(
             f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
-            f"{cfg.max_prompt_tokens + cfg.max_new_tokens} exceed the model's context of {ctx_len}"
+            f"{plan.max_prompt_tokens + plan.max_new_tokens} exceed the model's context of {ctx_len}"
         )
-    if cfg.env:  # a bad environment spec fails now, not after the warm start
+    if plan.env is not None:  # a bad environment spec fails now, not after the warm start
         from gspo.envs.rollout import spec_of
 
-        spec_of(cfg, task)
+        spec_of(plan.env, task)
     return Start(
         model,
         tokenizer,
         task,
-        encode_prompts(tokenizer, task.train, cfg),
-        encode_prompts(tokenizer, task.eval, cfg),
+        encode_prompts(tokenizer, task.train, plan.prompt),
+        encode_prompts(tokenizer, task.eval, plan.prompt),
     )
 
 
-def load_source(cfg: Config) -> torch.nn.Module:
+def load_source(plan: LoadPlan) -> torch.nn.Module:
     """The model's weights on the CPU (rank 0 of a sharded start, :func:`load_start` with ``meta``):
     the same weights :func:`load_start` would load, without touching the global RNG state."""
     from gspo.model.load import load_model_and_tokenizer
 
     with torch.random.fork_rng(devices=[]):
-        return load_model_and_tokenizer(cfg.model, cfg.tokenizer, cfg.dtype, cfg.seed)[0]
+        return load_model_and_tokenizer(plan.model, plan.tokenizer, plan.dtype, plan.seed)[0]
 
 
 def warm_start_run(
     start: Start,
-    cfg: Config,
+    plan: SftPlan,
     device: torch.device,
     progress: bool,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> float:
     """The supervised warm start of ``start`` on its task's training examples (see :func:`warm_start`)."""
     return warm_start(
-        start.model, start.tokenizer, start.task.train, start.train_ids, cfg, device, progress, should_stop
+        start.model, start.tokenizer, start.task.train, start.train_ids, plan, device, progress, should_stop
     )
 
 
@@ -103,57 +104,105 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(m, attr, 0.0)
 
 
+# the rows of the examples at some indices: each one's (ids, model_mask, obs_mask) after its prompt
+Rows = Callable[[list[int], random.Random], list[tuple[list[int], list[int], list[int]]]]
+
+
 def warm_start(
     model: Any,
     tokenizer: Any,
     examples: list[Example],
     prompt_ids: list[list[int]],
-    cfg: Config,
+    plan: SftPlan,
     device: torch.device,
     progress: bool,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> float:
-    """Supervised steps on (prompt, answer + EOS) so RL starts from partial accuracy. Returns last loss.
-    ``should_stop()`` true (a Ctrl-C / SIGTERM) ends it with KeyboardInterrupt: a partial warm start is
-    not a state a run can resume from."""
-    if getattr(cfg, "env", None):  # a multi-turn task with demonstrations (tool calls): gspo.envs.sft
-        from gspo.envs.sft import DEMONSTRATIONS, warm_start_env
+    """Supervised steps so RL starts from partial accuracy: on (prompt, answer + EOS), or on the
+    demonstrations of a multi-turn task that has them (tool calls, :mod:`gspo.envs.sft`). Returns
+    the last loss. ``should_stop()`` true (a Ctrl-C / SIGTERM) ends it with KeyboardInterrupt: a
+    partial warm start is not a state a run can resume from."""
+    rows = None
+    if plan.env is not None:
+        from gspo.envs.sft import demonstrations
 
-        if cfg.task in DEMONSTRATIONS:
-            return warm_start_env(model, tokenizer, examples, prompt_ids, cfg, device, progress, should_stop)
-    rng = random.Random(cfg.seed + 7)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    bar = Progress(cfg.sft_steps, "warm start", enabled=progress)
+        rows = demonstrations(tokenizer, examples, plan.task)
+    if rows is None:
+        rows = _answer_rows(model, tokenizer, examples, prompt_ids)
+    return _sft_steps(model, tokenizer, prompt_ids, rows, plan, device, progress, should_stop)
+
+
+def _answer_rows(
+    model: torch.nn.Module, tokenizer: Any, examples: list[Example], prompt_ids: list[list[int]]
+) -> Rows:
+    """Single-turn rows: the answer + EOS, all of it the model's."""
     answers = [
         tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples
     ]
     _check_lengths(model, prompt_ids, answers, examples)
+    return lambda idx, rng: [(answers[i], [1] * len(answers[i]), [0] * len(answers[i])) for i in idx]
+
+
+def _sft_steps(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: list[list[int]],
+    rows: Rows,
+    plan: SftPlan,
+    device: torch.device,
+    progress: bool,
+    should_stop: Callable[[], bool],
+) -> float:
+    """``plan.sft_steps`` steps of next-token loss on the model's tokens of ``rows`` of random
+    examples (observation tokens are seen, not predicted). Returns the last loss."""
+    rng = random.Random(plan.seed + 7)
+    opt = torch.optim.AdamW(model.parameters(), lr=plan.sft_lr, weight_decay=0.0)
+    bar = Progress(plan.sft_steps, "warm start", enabled=progress)
+    pad = tokenizer.pad_token_id
     loss_v = float("nan")
     model.train()
-    for step in range(cfg.sft_steps):
+    for step in range(plan.sft_steps):
         if should_stop():
             bar.close()
             raise KeyboardInterrupt(
-                f"stopped during the warm start (step {step} of {cfg.sft_steps}); no RL step had finished, "
+                f"stopped during the warm start (step {step} of {plan.sft_steps}); no RL step had finished, "
                 "so nothing was saved: run the same command again to start over"
             )
-        idx = [rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)]
-        p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id, device)
-        resp = [answers[i] for i in idx]
-        T = max(map(len, resp))
-        r_ids = torch.full((len(idx), T), tokenizer.pad_token_id, dtype=torch.long)
-        r_mask = torch.zeros((len(idx), T), dtype=torch.long)
-        for k, a in enumerate(resp):
-            r_ids[k, : len(a)], r_mask[k, : len(a)] = torch.tensor(a), 1
-        r_ids, r_mask = r_ids.to(device), r_mask.to(device)
-        logp = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, 1.0, cfg.logp_chunk_size)
-        loss = nll_step(model, opt, logp, r_mask)
-        if step % 10 == 0 or step == cfg.sft_steps - 1:
+        idx = [rng.randrange(len(prompt_ids)) for _ in range(plan.sft_batch_size)]
+        seqs = rows(idx, rng)
+        p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], pad, device)
+        T = max(len(ids) for ids, _, _ in seqs)
+        r = torch.full((len(idx), T), pad, dtype=torch.long)
+        m, o = torch.zeros((len(idx), T), dtype=torch.long), torch.zeros((len(idx), T), dtype=torch.long)
+        for k, (ids, mm, oo) in enumerate(seqs):
+            r[k, : len(ids)], m[k, : len(ids)], o[k, : len(ids)] = (
+                torch.tensor(ids),
+                torch.tensor(mm),
+                torch.tensor(oo),
+            )
+        r, m, o = r.to(device), m.to(device), o.to(device)
+        lay = make_layout(p_ids, p_mask, r, m, "rows", obs_mask_BT=o)
+        logp = response_logprobs(model, p_ids, p_mask, r, m, 1.0, plan.logp_chunk_size, layout=lay)
+        loss = _nll_step(model, opt, logp, m)
+        if step % 10 == 0 or step == plan.sft_steps - 1:
             loss_v = float(loss.detach())
         bar.update(step + 1, f"nll {loss_v:.3f}")
     bar.close()
     opt.zero_grad(set_to_none=True)  # no warm-start gradient may outlive it (e.g. on a LoRA-frozen base)
     return loss_v
+
+
+def _nll_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, logp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """One supervised step: the mean NLL of the masked tokens, a clipped gradient, an optimizer step.
+    Returns the loss (not synced: the caller reads it only now and then)."""
+    loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
 
 
 def _check_lengths(
