@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import io
 import statistics
@@ -334,7 +335,7 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
             depth["vol"] -= 1
 
     orig_vol = U.measure_volatility
-    loss_fn, lo, hi = U.LOSSES[cfg.algo]
+    spec = U.LOSSES[cfg.algo]
     patches = [
         (engine, "generate", timed("generate", engine.generate)),
         (RO, "safe_rewards", timed("rewards", RO.safe_rewards)),
@@ -350,7 +351,7 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
     with contextlib.ExitStack() as st:
         for obj, name, val in patches:
             st.enter_context(_patched(obj, name, val))
-        U.LOSSES[cfg.algo] = (timed("loss fn", loss_fn), lo, hi)
+        U.LOSSES[cfg.algo] = dataclasses.replace(spec, fn=timed("loss fn", spec.fn))
         try:
             for r in range(n):
                 if r == 1:  # drop warm-up
@@ -367,7 +368,7 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
                 totals["collect_rollout"] += t1 - t0
                 totals["policy_update"] += t2 - t1
         finally:
-            U.LOSSES[cfg.algo] = (loss_fn, lo, hi)
+            U.LOSSES[cfg.algo] = spec
     k = n - 1
     out = {name: v / k for name, v in acc.items()}
     gen_side = out.get("generate", 0) + out.get("rewards", 0) + out.get("advantages", 0)

@@ -17,7 +17,8 @@ from gspo.envs.load import EnvSpec, env_spec
 from gspo.envs.rollout import run_episodes
 from gspo.envs.tools import ToolEnv, calculator, parse_tool_call, run_tool_call
 from gspo.errors import GspoError
-from gspo.losses import LOSSES
+from gspo.loss_inputs import loss_inputs
+from gspo.losses import LOSSES, gspo_loss
 from gspo.tasks.datasets import Example
 
 TINY = dict(
@@ -120,13 +121,12 @@ def _trajectory_case(seed=0):
 def test_every_loss_sees_the_model_tokens_only(algo):
     """A trajectory's loss and gradient equal those of its model tokens with the observations
     removed; no gradient reaches an observation position."""
-    fn, lo, hi = LOSSES[algo]
     logp, old, adv, model_BT, obs_BT, p_logp, p_old, p_mask = _trajectory_case()
     x = logp.clone().requires_grad_(True)
-    loss, _ = fn(x, old, adv, model_BT, lo, hi)
+    loss = LOSSES[algo](loss_inputs(x, old, model_BT, adv)).loss  # its default parameters
     loss.backward()
     y = p_logp.clone().requires_grad_(True)
-    loss_p, _ = fn(y, p_old, adv, p_mask, lo, hi)
+    loss_p = LOSSES[algo](loss_inputs(y, p_old, p_mask, adv)).loss
     loss_p.backward()
     torch.testing.assert_close(loss, loss_p, atol=1e-7, rtol=1e-6)
     assert (x.grad[obs_BT.bool()] == 0).all() and (x.grad[(model_BT + obs_BT) == 0] == 0).all()
@@ -143,7 +143,7 @@ def test_gspo_trajectory_closed_form():
     s_B = torch.exp(torch.where(model_BT.bool(), logp - old, 0.0).sum(-1) / n_B)
     eps_l, eps_h = 0.5, 0.5  # wide: nothing clipped here
     x = logp.clone().requires_grad_(True)
-    loss, _ = LOSSES["gspo"][0](x, old, adv, model_BT, eps_l, eps_h)
+    loss = gspo_loss(loss_inputs(x, old, model_BT, adv), eps_low=eps_l, eps_high=eps_h).loss
     loss.backward()
     torch.testing.assert_close(loss, -(s_B * adv).mean())
     want = torch.where(model_BT.bool(), (-adv * s_B / n_B / 4)[:, None], 0.0)
@@ -181,7 +181,7 @@ def test_training_forward_on_interleaved_trajectories(tiny_moe, layout):
     # gradient: only model tokens' log-probs carry it
     model.zero_grad()
     logp2 = response_logprobs(model, p_ids, p_mask, r_ids, model_BT, layout=lay)
-    loss, _ = LOSSES["gspo"][0](logp2, logp2.detach(), torch.tensor([1.0, -1.0, 0.5]), model_BT)
+    loss = LOSSES["gspo"](loss_inputs(logp2, logp2.detach(), model_BT, torch.tensor([1.0, -1.0, 0.5]))).loss
     g = torch.autograd.grad(loss, logp2)[0]
     assert (g[~model_BT.bool()] == 0).all() and (g[model_BT.bool()] != 0).all()
     model.zero_grad()

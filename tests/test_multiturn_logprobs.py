@@ -15,10 +15,10 @@ from gspo.data import SampleBatch, SamplerOutput
 from gspo.envs.base import Limits, Step
 from gspo.envs.load import EnvSpec
 from gspo.envs.rollout import EnvSampleBatch, run_episodes, score_episodes
-from gspo.losses import LOSSES
 from gspo.resolve import plan_update
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
+from gspo.train import update as U
 from gspo.train.batch import split_minibatches
 from gspo.train.update import policy_update
 
@@ -77,14 +77,13 @@ def _update(model, eb: EnvSampleBatch, tok, monkeypatch, rb: SampleBatch | None 
     )
     on_obs = int((mb.mask_BT.bool() & eb.obs_mask_BT[:, : mb.mask_BT.shape[1]].bool()).sum())
     assert on_obs == 0, f"the micro-batch's mask covers {on_obs} observation tokens"
-    fn, lo, hi = LOSSES[plan.algo]
-    seen = []
+    real, seen = U.loss_inputs, []
 
-    def spy(logp_BT, old_BT, adv_B, mask_BT, *a, **k):
+    def spy(logp_BT, old_BT, mask_BT, *a, **k):  # what the update hands the loss
         seen.append((logp_BT.detach().clone(), old_BT.clone(), mask_BT.clone()))
-        return fn(logp_BT, old_BT, adv_B, mask_BT, *a, **k)
+        return real(logp_BT, old_BT, mask_BT, *a, **k)
 
-    monkeypatch.setitem(LOSSES, plan.algo, (spy, lo, hi))
+    monkeypatch.setattr(U, "loss_inputs", spy)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     out = policy_update(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), data, plan, 1)
     assert len(seen) == 1  # one minibatch, one micro-batch: rows in their order

@@ -82,8 +82,8 @@ def _build(
     from gspo.model.routing import is_moe
     from gspo.train.sft import load_source, load_start, warm_start_run
 
-    # FSDP2 from weights on disk: every rank builds the model on the meta device, rank 0 alone
-    # reads the weights (CPU) and wrap() hands each rank its shard
+    # FSDP2 from weights on disk: every rank builds the model on the meta device and wrap() fills
+    # its shards: each rank reading its own from the safetensors files, or rank 0 reading them all
     dist_plan = resolve.dist_plan(cfg)
     sharded = dist_utils.builds_sharded(dist_plan, dctx.world_size, resume_from is None and cfg.sft_steps > 0)
     check_plan_fits(cfg, dctx.world_size, gpu_total_memory(dctx.device))  # before any weight is read
@@ -91,8 +91,10 @@ def _build(
     # code gspo compare's shared warm starts begin with
     load = resolve.load_plan(cfg)
     start = load_start(load, dctx.device, meta=sharded)
-    source = load_source(load) if sharded and dctx.rank == 0 else None
-    if sharded:
+    from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
+    folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx.rank) if sharded else None
+    source = load_source(load) if sharded and folder is None and dctx.rank == 0 else None
+    if sharded and folder is None:
         dist_utils.share_probes(start.model, source)
     model, tokenizer = start.model, start.tokenizer
     moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
@@ -100,14 +102,14 @@ def _build(
         raise GspoError(
             f"config field 'routing_replay': {cfg.model} is not a MoE model (no routers to replay)"
         )
-    plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)  # a layout the model cannot take fails now
+    if folder is None:  # a layout the model cannot take fails now (else once its shards are read)
+        plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)
     check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
     progress = cfg.progress and dctx.rank == 0
-    from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
-    if resume_from is not None and not from_shards and not (sharded and source is None):
-        _load_weights(source if sharded else model, cfg, resume_from)
-    elif cfg.sft_steps:
+    if resume_from is None and cfg.sft_steps:
         warm_start_run(start, resolve.sft_plan(cfg), dctx.device, progress, should_stop)
+    elif resume_from is not None and not from_shards and folder is None and not (sharded and source is None):
+        _load_weights(source if sharded else model, cfg, resume_from)
     model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -119,8 +121,11 @@ def _build(
         rollout_copy = copy.deepcopy(model).requires_grad_(False).to(getattr(torch, copy_dtype))
         if sharded:
             rollout_copy.to_empty(device=dctx.device)
-    policy = dist_utils.wrap(PolicyLogprobs(model), dist_plan, dctx, source)
+    policy = dist_utils.wrap(PolicyLogprobs(model), dist_plan, dctx, source, folder)
     del source
+    if folder is not None:  # the probes run on the sharded model, every rank at once
+        dist_utils.probe_sharded(policy)
+        plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)
     optimizer, scheduler = make_optimizer(policy, resolve.optim_plan(cfg))
     if from_shards:  # before the sampler takes the weights
         sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
@@ -144,6 +149,23 @@ def _build(
     elif dctx.rank == 0:
         run_state.initial = state.get("initial") or read_metrics(cfg.run_dir / "metrics.jsonl")[0]
     return run
+
+
+def _own_shards(
+    cfg: Config, model: nn.Module, resume_from: Path | None, from_shards: bool, rank: int
+) -> Path | None:
+    """The HF folder each rank of a sharded start reads its own shards from (the model's, or the
+    whole-model checkpoint being resumed); None when rank 0 must read the weights for all (a hub id,
+    an embedded model, a layout the files do not hold), said in one line."""
+    from gspo.model.shard_load import readable
+
+    folder = resume_from if resume_from is not None and not from_shards else Path(cfg.model).expanduser()
+    if cfg.model.startswith("embedded:"):
+        return None
+    why = readable(model, folder) if folder.is_dir() else f"{cfg.model} is no local folder"
+    if why and rank == 0:
+        print(f"gspo: rank 0 reads the whole model for every rank ({why})", file=sys.stderr, flush=True)
+    return None if why else folder
 
 
 def _sampler_side(
@@ -172,7 +194,7 @@ def _sampler_side(
 # the run folder: claimed, checked against the run being resumed
 def check_run_dir(
     cfg: Config, dctx: dist_utils.DistContext
-) -> tuple[Path | None, dict[str, Any] | None, int | None]:
+) -> tuple[Path | None, dict[str, Any] | None, Any]:
     """The checkpoint to resume from, its state (None, None for a new run) and the run folder's lock
     (rank 0). Rank 0 claims the folder (see :func:`claim_run_dir`); every rank then resumes from the
     checkpoint it chose, or fails with its error. Refuses a resume that would change what the run
@@ -218,7 +240,7 @@ def check_run_dir(
     return path, state, lock
 
 
-def claim_run_dir(cfg: Config) -> tuple[int, Path | None, dict[str, Any] | None, str]:
+def claim_run_dir(cfg: Config) -> tuple[Any, Path | None, dict[str, Any] | None, str]:
     """Rank 0: lock the run folder (one writer), then pick the newest complete checkpoint to resume
     (``--resume``) or make sure the folder holds no earlier run (``--overwrite`` deletes it). Returns
     the lock, the checkpoint and its state (None for a new run) and the line to show about it."""

@@ -4,6 +4,8 @@
   under this name (the one its own docs use).
 * ``PreTrainedModel._no_split_modules``: the repeated blocks (decoder layers) transformers never
   splits; FSDP shards one group per block.
+* ``PreTrainedModel._init_weights``: where transformers computes a module's buffers (rotary tables);
+  a model built on the meta device and sharded needs them recomputed on every rank.
 * ``PreTrainedModel._keys_to_ignore_on_save``, ``modeling_utils.remove_tied_weights_from_state_dict``
   and ``core_model_loading.revert_weight_conversion`` (5.x): what ``save_pretrained`` does to the
   in-memory state dict before writing it (e.g. transformers 5 keeps MoE experts fused as
@@ -28,6 +30,7 @@ UPSTREAM: list[tuple[str, str]] = [
     ("transformers", "PretrainedConfig._attn_implementation"),
     ("transformers", "PreTrainedModel._no_split_modules"),
     ("transformers", "PreTrainedModel._keys_to_ignore_on_save"),
+    ("transformers", "PreTrainedModel._init_weights"),
 ]
 #: needed only where :func:`applies` (transformers >= 5)
 UPSTREAM_5: list[tuple[str, str]] = [
@@ -77,6 +80,17 @@ def save_state_dict(model: Any) -> dict[str, torch.Tensor]:
                 out[k] = v
         return out
     return remove_tied_weights_from_state_dict(sd, model)
+
+
+def init_buffers(model: Any) -> None:
+    """Compute the buffers a model built on the meta device lost to ``to_empty`` (rotary tables):
+    ``PreTrainedModel._init_weights`` on each module holding buffers and no parameters, which is where
+    transformers computes them (parameters are left alone: they are loaded next)."""
+    for module in model.modules():
+        if any(True for _ in module.buffers(recurse=False)) and not any(
+            True for _ in module.parameters(recurse=False)
+        ):
+            model._init_weights(module)
 
 
 def revert_weight_conversion(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

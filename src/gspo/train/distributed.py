@@ -29,6 +29,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,11 +130,16 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def wrap(
-    policy: PolicyLogprobs, plan: DistPlan, ctx: DistContext, source: nn.Module | None = None
+    policy: PolicyLogprobs,
+    plan: DistPlan,
+    ctx: DistContext,
+    source: nn.Module | None = None,
+    folder: Path | None = None,
 ) -> nn.Module:
     """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself.
-    A ``policy`` on the meta device (:func:`builds_sharded`) is sharded first, then filled from
-    ``source``, the full model on rank 0's CPU (None on the other ranks)."""
+    A ``policy`` on the meta device (:func:`builds_sharded`) is sharded first, then filled: each rank
+    reading its own shards from the safetensors of ``folder`` (:mod:`gspo.model.shard_load`), or
+    from ``source``, the full model on rank 0's CPU (None on the other ranks)."""
     if not _distributed(ctx):
         return policy
     from gspo.model.logprobs import probe
@@ -156,10 +162,37 @@ def wrap(
     for layer in _decoder_layers(policy.model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
-    if meta:
+    if meta and folder is not None:
+        _load_own_shards(policy, folder, ctx)
+    elif meta:
         _load_from_rank0(policy, source, ctx)
     _first_forward(policy, ctx.device)
     return policy
+
+
+def _load_own_shards(policy: nn.Module, folder: Path, ctx: DistContext) -> None:
+    """Allocate this rank's shards and read them from ``folder`` (no collective, no full copy)."""
+    from gspo.model.shard_load import load_own_shards
+
+    policy.to_empty(device=ctx.device)
+    hf = unwrap(policy, "hf")
+    transformers_model.init_buffers(hf)  # rotary tables: to_empty left them uninitialised
+    load_own_shards(hf, folder)
+
+
+def probe_sharded(policy: nn.Module) -> None:
+    """Run the model probes on the sharded model, every rank at once (collective: the same forwards
+    everywhere, the root's weights gathered for them): a model whose ranks read their own shards has
+    no full copy anywhere to probe."""
+    from gspo.model.logprobs import probe
+
+    if not _is_fsdp(policy):
+        return probe(unwrap(policy, "hf"))
+    policy.unshard()
+    try:
+        probe(unwrap(policy, "hf"))
+    finally:
+        reshard(policy)
 
 
 def _load_from_rank0(policy: nn.Module, source: nn.Module | None, ctx: DistContext) -> None:

@@ -1,0 +1,101 @@
+"""Each rank reads its own shards of an FSDP2-sharded model from the HF folder's safetensors files.
+
+No rank holds the whole model: the weights are read one decoder layer at a time (the layer's tensors
+as stored), laid out as the model keeps them in memory (transformers 5 fuses MoE experts that the
+files store one by one), and each rank copies its own rows into its shards. The layout is found
+without knowing any conversion: the save-time conversion (``revert_weight_conversion``, which the HF
+export and the vLLM sync already use) is run once per layer on tensors that hold their own flat
+index, so the stored tensors say, element by element, where in memory each of their values goes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gspo.compat import transformers_model
+from gspo.errors import GspoError
+from gspo.model.export import layer_groups
+
+
+def stored_tensors(folder: Path) -> dict[str, tuple[Path, list[int]]]:
+    """Every tensor of the folder's safetensors files: name -> (file, shape), from the headers only."""
+    out: dict[str, tuple[Path, list[int]]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        out |= {k: (f, v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    return out
+
+
+def layout_of(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """For the in-memory tensors ``names`` (one layer's): each stored tensor the save-time conversion
+    makes of them, holding for every element its flat index in those tensors laid end to end."""
+    sd = transformers_model.save_state_dict(model)
+    index, offset = {}, 0
+    for k in names:
+        n = sd[k].numel()
+        dtype = torch.int32 if offset + n < 2**31 else torch.int64
+        index[k] = torch.arange(offset, offset + n, dtype=dtype).view(tuple(sd[k].shape))
+        offset += n
+    return transformers_model.revert_weight_conversion(model, index)
+
+
+def readable(model: nn.Module, folder: Path) -> str:
+    """Why ``folder`` cannot feed :func:`load_own_shards` ("" when it can): every stored tensor the
+    model's weights need must be there with its shape (the model on the meta device is enough)."""
+    stored = stored_tensors(folder)
+    if not stored:
+        return f"{folder} has no safetensors files"
+    sd = transformers_model.save_state_dict(model)
+    for group in layer_groups(sd):
+        meta = {k: torch.empty(tuple(sd[k].shape), device="meta") for k in group}
+        for name, t in transformers_model.revert_weight_conversion(model, meta).items():
+            if name not in stored:
+                return f"{folder} has no tensor {name!r}"
+            if list(t.shape) != stored[name][1]:
+                return f"{folder}: {name!r} is {stored[name][1]}, the model needs {list(t.shape)}"
+    return ""
+
+
+@torch.no_grad()
+def load_own_shards(model: nn.Module, folder: Path) -> None:
+    """Fill ``model``'s parameters (FSDP2 shards after ``to_empty``, or whole tensors) from ``folder``:
+    each rank reads one layer's stored tensors at a time and keeps its own rows (no collective)."""
+    from safetensors import safe_open
+
+    stored = stored_tensors(folder)
+    sd = transformers_model.save_state_dict(model)
+    for group in layer_groups(sd):
+        total = sum(sd[k].numel() for k in group)
+        flat = torch.empty(total, dtype=sd[group[0]].dtype)
+        filled = torch.zeros(total, dtype=torch.bool)
+        for name, where in layout_of(model, group).items():
+            with safe_open(str(stored[name][0]), "pt") as f:
+                value = f.get_tensor(name)
+            flat[where.flatten().long()] = value.flatten().to(flat.dtype)
+            filled[where.flatten().long()] = True
+        if not bool(filled.all()):
+            raise GspoError(f"{folder}: the stored tensors do not cover {group[0]!r}'s layer")
+        offset = 0
+        for k in group:
+            n = sd[k].numel()
+            _copy_own_rows(sd[k], flat[offset : offset + n].view(tuple(sd[k].shape)))
+            offset += n
+
+
+def _copy_own_rows(param: Any, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``param`` (a DTensor shard: distributed from the local
+    ``full`` with ``src_data_rank=None``, which communicates nothing)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        own = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(own.to_local())
+    else:
+        param.copy_(full)

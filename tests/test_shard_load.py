@@ -1,0 +1,103 @@
+"""Each rank of a sharded start reads its own shards from the HF folder's safetensors (no full copy
+anywhere): the weights equal ``from_pretrained``'s, MoE experts fused in memory and stored one by one
+included; a folder the files cannot feed falls back to rank 0 reading for all, said in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from gspo.compat import transformers_model
+from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe, save_pretrained
+from gspo.model.shard_load import load_own_shards, readable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def folder(request, tmp_path_factory) -> Path:
+    """A tiny model stored in bfloat16 (the MoE's experts one tensor each on disk, fused in memory)."""
+    path = tmp_path_factory.mktemp(request.param)
+    tok = build_char_tokenizer()
+    build = build_tiny_moe if request.param == "moe" else build_tiny_dense
+    save_pretrained(build(len(tok), seed=1).to(torch.bfloat16), tok, path)
+    return path
+
+
+def _meta_model(folder: Path) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+
+
+def test_one_process_reads_the_weights_from_pretrained_reads(folder):
+    model = _meta_model(folder)
+    assert readable(model, folder) == ""
+    model.to_empty(device="cpu")
+    model.tie_weights()  # FSDP2 keeps ties through to_empty; a plain module needs them re-made
+    transformers_model.init_buffers(model)
+    load_own_shards(model, folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    buffers = dict(ref.named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+
+
+def test_a_folder_the_files_cannot_feed_says_why(folder, tmp_path):
+    model = _meta_model(folder)
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    assert "no safetensors files" in readable(model, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if "layers.1." in k)
+    save_file({k: v for k, v in weights.items() if k != name}, tmp_path / "model.safetensors")
+    assert f"has no tensor {name!r}" in readable(model, tmp_path)
+    save_file({**weights, name: weights[name][:1].contiguous()}, tmp_path / "model.safetensors")
+    assert f"{name!r} is [1" in readable(model, tmp_path)
+
+
+def _gspo(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    p = subprocess.run(
+        [sys.executable, "-m", "gspo", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert p.returncode == 0, (args, p.stdout[-3000:], p.stderr[-6000:])
+    return p
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+def test_two_ranks_start_from_their_own_shards_through_gspo_train(folder, tmp_path):
+    """``gspo train --nproc 2`` on the folder: its step-0 checkpoint (before any update), exported,
+    holds the folder's weights exactly; no rank read the whole model."""
+    args = ["train", "--model", str(folder), "--nproc", "2", "--sft-steps", "0", "--steps", "1"]
+    args += ["--eval-size", "4", "--eval-every", "0", "--prompts-per-step", "4", "--group-size", "2"]
+    args += ["--max-new-tokens", "4", "--threads", "1", "--no-progress", "--output-dir", "out", "--name", "r"]
+    p = _gspo(tmp_path, *args)
+    assert "reads the whole model" not in p.stderr
+    step0 = tmp_path / "out" / "r" / "checkpoints" / "step-000000"
+    _gspo(tmp_path, "export", str(step0), "--out", str(tmp_path / "step0"))
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "step0", dtype=torch.float32).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+def test_without_safetensors_rank_0_reads_for_all_and_says_so(tmp_path):
+    tok = build_char_tokenizer()
+    model = build_tiny_dense(len(tok), seed=1)
+    save_pretrained(model, tok, tmp_path / "bin")  # then as an older checkpoint: pytorch_model.bin only
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    args = ["train", "--model", str(tmp_path / "bin"), "--nproc", "2", "--sft-steps", "0", "--steps", "1"]
+    args += ["--eval-size", "4", "--eval-every", "0", "--prompts-per-step", "4", "--group-size", "2"]
+    args += ["--max-new-tokens", "4", "--threads", "1", "--no-progress", "--output-dir", "out", "--name", "r"]
+    p = _gspo(tmp_path, *args)
+    assert "rank 0 reads the whole model for every rank" in p.stderr and "no safetensors files" in p.stderr
