@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -34,9 +33,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 
-import gspo.rollout.vllm as gv  # noqa: E402
+from gspo.compat import vllm_cpu_reload  # noqa: E402
+from gspo.config import Config  # noqa: E402
+from gspo.model.export import hf_checkpoint_weights  # noqa: E402
 from gspo.model.load import build_char_tokenizer  # noqa: E402
-from gspo.rollout.vllm import VLLMRolloutEngine, hf_checkpoint_weights  # noqa: E402
+from gspo.resolve import engine_plan  # noqa: E402
+from gspo.rollout.vllm import VLLMRolloutEngine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gspo.memory import proc_status_mib, reset_peak_rss  # noqa: E402  (VmRSS/VmHWM in MiB, VmHWM reset)
@@ -123,7 +125,7 @@ def sync_through_disk(engine) -> None:
             "reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True)
         )
         if engine._cpu_fixes:
-            engine.llm.apply_model(gv._cpu_post_reload_fixes)
+            engine.llm.apply_model(vllm_cpu_reload.post_reload_fixes)
     engine.llm.reset_prefix_cache()
 
 
@@ -142,8 +144,8 @@ def main() -> None:
     for name in args.sizes.split(","):
         model = build(*SIZES[name])
         n = sum(p.numel() for p in model.parameters())
-        cfg = SimpleNamespace(model=name, dtype="float32", seed=0)
-        engine = VLLMRolloutEngine.from_trainer(cfg, model, tok, max_model_len=256)
+        plan = engine_plan(Config(rollout_engine="vllm", model=name, dtype="float32", seed=0))
+        engine = VLLMRolloutEngine.from_trainer(plan, model, tok, max_model_len=256)
         try:
             with torch.no_grad():
                 for p in model.parameters():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gspo import compat
-from gspo.compat import process_pool, torch_dcp, transformers_model, transformers_moe
+from gspo.compat import process_pool, torch_dcp, transformers_model, transformers_moe, vllm_teardown
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
 
@@ -136,7 +136,7 @@ def _vllm_params():
 
     return [
         pytest.param(mod, module, attr, id=f"{mod.__name__.rsplit('.', 1)[-1]}:{attr}")
-        for mod in (vllm_runner, vllm_cpu_reload)
+        for mod in (vllm_runner, vllm_cpu_reload, vllm_teardown)
         for module, attr in mod.UPSTREAM
     ]
 
@@ -148,6 +148,37 @@ def test_vllm_private_names_exist(vllm_version, guard, module, attr):
     if not guard.applies(vllm_version):
         pytest.skip(f"vLLM {vllm_version}: {guard.__name__} is not used (written for {guard.VERSIONS})")
     compat.resolve(module, attr)
+
+
+@pytest.mark.parametrize(
+    "module,attr,text",
+    [pytest.param(*m, id=m[1]) for m in vllm_teardown.SOURCE_MARKS],
+)
+def test_vllm_teardown_internals_are_as_written_for(vllm_version, module, attr, text):
+    """The engine keeps its core client in ``engine_core`` (an instance attribute: no name to
+    resolve), and vLLM ends torch's default group through ``torch.distributed``'s module attribute
+    (else keeping_default_group's patch would not reach it and a torchrun trainer's group would end
+    with the engine)."""
+    import inspect
+
+    if not vllm_teardown.applies(vllm_version):
+        pytest.skip(f"vLLM {vllm_version}: gspo.compat.vllm_teardown is written for {vllm_teardown.VERSIONS}")
+    assert text in inspect.getsource(compat.resolve(module, attr)), f"{module}.{attr} no longer has {text!r}"
+
+
+def test_keeping_default_group_spares_only_the_default_group(monkeypatch):
+    """While held, destroy_process_group() without a group (or with WORLD) ends nothing; a group given
+    is ended; afterwards torch's own function is back."""
+    import torch
+
+    ended = []
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda group=None: ended.append(group))
+    real = torch.distributed.destroy_process_group
+    with vllm_teardown.keeping_default_group():
+        torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group(torch.distributed.group.WORLD)
+        torch.distributed.destroy_process_group("vllm-tp")
+    assert ended == ["vllm-tp"] and torch.distributed.destroy_process_group is real
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,6 +193,9 @@ FOREIGN_PRIVATE = {
     "remove_tied_weights_from_state_dict": "transformers_model",
     "_model_forward": "vllm_runner",
     "bind_routed_experts_capturer": "vllm_runner",
+    "engine_core": "vllm_teardown",
+    "parallel_state": "vllm_teardown",
+    "torch.distributed.destroy_process_group =": "vllm_teardown",  # a monkeypatch of torch
     "TopKRouter": "transformers_moe",
     "TopkRouter": "transformers_moe",
     '"_processes"': "process_pool",  # quoted or as an attribute (num_processes is no match)

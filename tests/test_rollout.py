@@ -120,9 +120,10 @@ def test_a_copy_in_another_precision_takes_the_trainers_weights_with_each_sync(t
     holds the old ones until ``sync_weights``, then the new ones; over the trainer's own module it
     has nothing to copy."""
     import copy
-    from types import SimpleNamespace
 
+    from gspo.config import Config
     from gspo.model.logprobs import PolicyLogprobs
+    from gspo.resolve import engine_plan
     from gspo.rollout.factory import make_engine
 
     shared, tok = tiny_moe
@@ -131,8 +132,8 @@ def test_a_copy_in_another_precision_takes_the_trainers_weights_with_each_sync(t
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     for p in bf16.parameters():
         p.data.zero_()
-    cfg = SimpleNamespace(rollout_engine="hf")
-    engine = make_engine(cfg, bf16, tok, trainer=policy)
+    plan = engine_plan(Config(rollout_engine="hf"))
+    engine = make_engine(plan, bf16, tok, trainer=policy)
 
     def matches() -> bool:
         src = dict(model.named_parameters())
@@ -145,4 +146,4 @@ def test_a_copy_in_another_precision_takes_the_trainers_weights_with_each_sync(t
     assert not matches()
     engine.sync_weights()
     assert matches()
-    assert make_engine(cfg, model, tok, trainer=policy).trainer is None
+    assert make_engine(plan, model, tok, trainer=policy).trainer is None

@@ -7,14 +7,12 @@ import torch
 
 import gspo.rollout.vllm as gv
 from gspo.compat import transformers_model
+from gspo.config import Config
 from gspo.data import SampleBatch
 from gspo.errors import GspoError
-from gspo.rollout.vllm import (
-    VLLMSampleBatch,
-    hf_checkpoint_weights,
-    outputs_to_batch,
-    routing_rows_layout,
-)
+from gspo.model.export import hf_checkpoint_weights
+from gspo.resolve import engine_plan
+from gspo.rollout.vllm_batch import VLLMSampleBatch, outputs_to_batch, routing_rows_layout
 
 
 def _lp(x):
@@ -146,28 +144,28 @@ def test_selecting_vllm_without_it_installed_is_one_line_error(tiny_moe):
         pytest.skip("vllm is installed")
     except ImportError:
         pass
-    from gspo.config import Config
     from gspo.rollout.factory import make_engine
 
     model, tok = tiny_moe
     with pytest.raises(GspoError, match=r"pip install \"gspo\[vllm\]\".*\.ci/vllm_env\.sh") as e:
-        make_engine(Config(rollout_engine="vllm"), model, tok, torch.Generator())
+        make_engine(engine_plan(Config(rollout_engine="vllm")), model, tok, torch.Generator())
     assert "\n" not in str(e.value)
 
 
 def test_vllm_memory_share_and_tensor_parallel_size_come_from_the_config():
     """On a GPU the engine asks vLLM for the configured memory share and tensor-parallel size (and for
     sleep mode); on the CPU neither applies."""
-    from gspo.config import Config
     from gspo.model.load import build_char_tokenizer, build_tiny_moe_h32
     from gspo.rollout.vllm import _llm_kwargs
 
     model = build_tiny_moe_h32(len(build_char_tokenizer()))
-    cfg = Config(  # tp 2 spans 2 ranks (tests/test_vllm_colocate.py)
-        rollout_engine="vllm", vllm_gpu_memory_utilization=0.55, vllm_tensor_parallel_size=2, nproc=2
-    ).validate()
+    plan = engine_plan(
+        Config(  # tp 2 spans 2 ranks (tests/test_vllm_colocate.py)
+            rollout_engine="vllm", vllm_gpu_memory_utilization=0.55, vllm_tensor_parallel_size=2, nproc=2
+        ).validate()
+    )
     gpu = _llm_kwargs(
-        cfg, model, on_cpu=False, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=True
+        plan, model, on_cpu=False, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=True
     )
     assert (gpu["gpu_memory_utilization"], gpu["tensor_parallel_size"], gpu["enable_sleep_mode"]) == (
         0.55,
@@ -175,7 +173,7 @@ def test_vllm_memory_share_and_tensor_parallel_size_come_from_the_config():
         True,
     )
     cpu = _llm_kwargs(
-        cfg, model, on_cpu=True, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=False
+        plan, model, on_cpu=True, cpu_capture=False, gpu_memory_utilization=0.55, sleep_mode=False
     )
     assert "gpu_memory_utilization" not in cpu and "tensor_parallel_size" not in cpu and cpu["enforce_eager"]
     with pytest.raises(GspoError, match="vllm_gpu_memory_utilization"):

@@ -18,6 +18,7 @@ import torch
 import gspo.rollout.vllm as gv
 from gspo.config import Config
 from gspo.errors import GspoError
+from gspo.resolve import engine_plan
 from gspo.rollout import vllm_colocate as vc
 
 GIB = 2**30
@@ -77,11 +78,11 @@ def test_tensor_parallel_refused_by_the_cli_in_one_line(tmp_path):
 
 def test_check_tensor_parallel_on_the_loaded_config():
     """The engine's own guard (the model's config as loaded: hub ids gspo has no numbers for)."""
-    cfg = SimpleNamespace(num_attention_heads=32, num_key_value_heads=4)
-    vc.check_tensor_parallel(8, 8, cfg, "m")  # 4 KV heads copied over 8 ranks, as vLLM does
-    vc.check_tensor_parallel(2, 8, cfg, "m")
-    _one_line_error("does not divide the world size 8", vc.check_tensor_parallel, 3, 8, cfg, "m")
-    _one_line_error("attention heads", vc.check_tensor_parallel, 3, 3, cfg, "m")
+    config = SimpleNamespace(num_attention_heads=32, num_key_value_heads=4)
+    vc.check_tensor_parallel(8, 8, config, "m")  # 4 KV heads copied over 8 ranks, as vLLM does
+    vc.check_tensor_parallel(2, 8, config, "m")
+    _one_line_error("does not divide the world size 8", vc.check_tensor_parallel, 3, 8, config, "m")
+    _one_line_error("attention heads", vc.check_tensor_parallel, 3, 3, config, "m")
     _one_line_error(
         "KV heads",
         vc.check_tensor_parallel,
@@ -112,18 +113,18 @@ def test_colocation_uses_the_external_launcher_under_torchrun(torchrun, monkeypa
     """Under torchrun: vLLM's external_launcher (its worker on cuda:LOCAL_RANK, tp groups from the world);
     torchrun's environment missing: one line; one process: vLLM's defaults."""
     config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
-    cfg = SimpleNamespace(vllm_tensor_parallel_size=2)
-    assert vc.colocation(cfg, config, "m") == {
+    plan = engine_plan(Config(rollout_engine="vllm", vllm_tensor_parallel_size=2))
+    assert vc.colocation(plan, config, "m") == {
         "distributed_executor_backend": "external_launcher",
         "tensor_parallel_size": 2,
     }
     monkeypatch.delenv("LOCAL_RANK")
-    assert "LOCAL_RANK" in _one_line_error("torchrun", vc.colocation, cfg, config, "m")
+    assert "LOCAL_RANK" in _one_line_error("torchrun", vc.colocation, plan, config, "m")
     # a one-rank group (vLLM's uni-process executor makes one in-process): vLLM's defaults, no launcher
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
-    assert vc.colocation(SimpleNamespace(vllm_tensor_parallel_size=1), config, "m") == {}
+    assert vc.colocation(engine_plan(Config(rollout_engine="vllm")), config, "m") == {}
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    assert vc.colocation(cfg, config, "m") == {}
+    assert vc.colocation(plan, config, "m") == {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,8 +193,8 @@ def rec(monkeypatch):
     return r
 
 
-def _cfg(**kw):
-    return Config(rollout_engine="vllm", model="embedded:tiny-moe-h32", **kw).validate()
+def _plan(**kw):
+    return engine_plan(Config(rollout_engine="vllm", model="embedded:tiny-moe-h32", **kw).validate())
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +210,8 @@ def test_share_checked_after_sharding_just_before_vllm_starts(rec, torchrun, h32
     GPU's free memory, then vLLM made with the external_launcher, the configured share and sleep mode;
     this rank's instance index (rank // tp) seeds its requests."""
     model, tok = h32
-    cfg = _cfg(nproc=2, vllm_gpu_memory_utilization=0.5)
-    engine = gv.VLLMRolloutEngine.from_trainer(cfg, model, tok, check_sync=False)
+    plan = _plan(nproc=2, vllm_gpu_memory_utilization=0.5)
+    engine = gv.VLLMRolloutEngine.from_trainer(plan, model, tok, check_sync=False)
     order = [c[0] for c in rec.calls]
     assert order[:3] == ["empty_cache", "mem_get_info", "LLM"], rec.calls
     assert rec.calls[1] == ("mem_get_info", "cuda:1")
@@ -225,9 +226,9 @@ def test_share_larger_than_what_is_free_is_refused_before_vllm_starts(rec, torch
     field, and vLLM never started."""
     model, tok = h32
     rec.free = 60 * GIB
-    cfg = _cfg(nproc=2, vllm_gpu_memory_utilization=0.5)
+    plan = _plan(nproc=2, vllm_gpu_memory_utilization=0.5)
     msg = _one_line_error(
-        "config field 'vllm_gpu_memory_utilization'", gv.VLLMRolloutEngine.from_trainer, cfg, model, tok
+        "config field 'vllm_gpu_memory_utilization'", gv.VLLMRolloutEngine.from_trainer, plan, model, tok
     )
     assert "60.0 GiB is free" in msg
     assert "LLM" not in [c[0] for c in rec.calls]

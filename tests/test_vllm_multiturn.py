@@ -18,16 +18,17 @@ import pytest  # noqa: E402
 vllm = pytest.importorskip("vllm")
 
 import json  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
+from gspo.config import Config  # noqa: E402
 from gspo.data import left_pad  # noqa: E402
 from gspo.envs.base import Limits, Step  # noqa: E402
 from gspo.envs.load import EnvSpec  # noqa: E402
 from gspo.envs.rollout import run_episodes  # noqa: E402
 from gspo.model.load import load_model_and_tokenizer  # noqa: E402
 from gspo.model.logprobs import make_layout, response_logprobs  # noqa: E402
+from gspo.resolve import engine_plan  # noqa: E402
 from gspo.rollout.vllm import VLLMRolloutEngine  # noqa: E402
 from gspo.tasks.datasets import Example  # noqa: E402
 
@@ -48,9 +49,11 @@ class _Observe:
 def test_vllm_trajectories_masks_and_logprobs_equal_the_trainers(layout):
     model, tok = load_model_and_tokenizer("embedded:tiny-dense-h32", seed=0)
     model.eval()
-    cfg = SimpleNamespace(model="embedded:tiny-dense-h32", dtype="float32", seed=0, max_prompt_tokens=16,
-                          max_new_tokens=12, env="x", max_trajectory_tokens=40)  # fmt: skip
-    eng = VLLMRolloutEngine.from_trainer(cfg, model, tok, block_size=32)
+    plan = engine_plan(
+        Config(rollout_engine="vllm", model="embedded:tiny-dense-h32", dtype="float32", seed=0,
+               max_prompt_tokens=16, max_new_tokens=12, env="x", max_trajectory_tokens=40)
+    )  # fmt: skip
+    eng = VLLMRolloutEngine.from_trainer(plan, model, tok, block_size=32)
     try:
         prompts = ["rev:123=", "rev:4567=", "rev:89="]  # a random model: some turns end at EOS
         ex = [Example(p, "") for p in prompts for _ in range(8)]

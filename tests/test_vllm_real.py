@@ -23,24 +23,28 @@ import json  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
 import gspo.rollout.vllm as gv  # noqa: E402
+from gspo.compat import vllm_cpu_reload  # noqa: E402
+from gspo.config import Config  # noqa: E402
 from gspo.data import left_pad  # noqa: E402
 from gspo.errors import GspoError  # noqa: E402
 from gspo.model.load import load_model_and_tokenizer  # noqa: E402
 from gspo.model.logprobs import response_logprobs  # noqa: E402
 from gspo.model.routing import capture_routing, replay_routing  # noqa: E402
-from gspo.rollout.vllm import VLLMRolloutEngine, routing_rows_layout  # noqa: E402
+from gspo.resolve import engine_plan  # noqa: E402
+from gspo.rollout.vllm import VLLMRolloutEngine  # noqa: E402
+from gspo.rollout.vllm_batch import routing_rows_layout  # noqa: E402
 
 TOL = 1e-5  # float32: vLLM's sampler log-probs vs the trainer's (measured ~1e-6)
 MAX_NEW = 10
 
 
-def _cfg(name):
-    return SimpleNamespace(model=f"embedded:{name}", dtype="float32", seed=0)
+def _plan(name, **kw):
+    """The engine plan of ``gspo train --rollout-engine vllm --model embedded:<name>``."""
+    return engine_plan(Config(rollout_engine="vllm", model=f"embedded:{name}", dtype="float32", seed=0, **kw))
 
 
 _current: dict = {}
@@ -55,7 +59,7 @@ def _engine(key, name, **kw):
         _current.clear()
         model, tok = load_model_and_tokenizer(f"embedded:{name}", seed=0)
         model.eval()
-        _current[key] = (model, tok, VLLMRolloutEngine.from_trainer(_cfg(name), model, tok, **kw))
+        _current[key] = (model, tok, VLLMRolloutEngine.from_trainer(_plan(name), model, tok, **kw))
     return _current[key]
 
 
@@ -151,11 +155,12 @@ class _Checks:
 
     def test_cpu_reload_workaround_still_needed(self, eng):
         """vLLM 0.32 on CPU leaves packed weights stale after reload_weights (tied LM head of a dense
-        model, MoE experts); gv._cpu_post_reload_fixes repacks them. This fails once a vLLM release
-        fixes the bug (then drop the workaround) and, through the tests above, if its internals change."""
+        model, MoE experts); vllm_cpu_reload.post_reload_fixes repacks them. This fails once a vLLM
+        release fixes the bug (then drop the workaround) and, through the tests above, if its internals
+        change."""
         model, _, engine = eng
-        assert gv._vllm_version().startswith(gv._CPU_RELOAD_FIX_VERSIONS), (
-            f"vLLM {gv._vllm_version()}: re-verify _cpu_post_reload_fixes and update _CPU_RELOAD_FIX_VERSIONS"
+        assert vllm_cpu_reload.applies(gv._vllm_version()), (
+            f"vLLM {gv._vllm_version()}: re-verify gspo.compat.vllm_cpu_reload and update its VERSIONS"
         )
         assert engine._cpu_fixes
         engine._cpu_fixes = False
@@ -168,7 +173,7 @@ class _Checks:
         print(f"{self.only}: without the workaround max |vLLM - trainer| log-prob = {broken:.2e}")
         assert broken > 1e-2, (
             f"vLLM {gv._vllm_version()} reloads {self.only} correctly on CPU without gspo's workaround "
-            f"(diff {broken:.2e}): remove that part of _cpu_post_reload_fixes for this version"
+            f"(diff {broken:.2e}): remove that part of vllm_cpu_reload.post_reload_fixes for this version"
         )
         engine.sync_weights()
         assert _max_diff(engine, model, _prompts(seed=2))[0] < TOL
@@ -268,7 +273,7 @@ def test_small_heads_are_a_one_line_error():
     """head_dim < 32 on the CPU backend: a one-line GspoError before vLLM is even started."""
     model, tok = load_model_and_tokenizer("embedded:tiny-moe", seed=0)
     with pytest.raises(GspoError, match=r"head_dim 16 < 32") as e:
-        VLLMRolloutEngine.from_trainer(_cfg("tiny-moe"), model, tok)
+        VLLMRolloutEngine.from_trainer(_plan("tiny-moe"), model, tok)
     assert "\n" not in str(e.value)
 
 
@@ -277,7 +282,7 @@ def test_model_vllm_cannot_run_is_a_one_line_error():
     model, tok = load_model_and_tokenizer("embedded:tiny-dense-h32", seed=0)
     model.config.architectures = ["GspoNoSuchModelForCausalLM"]
     with pytest.raises(GspoError, match=r"vLLM cannot run embedded:tiny-dense-h32: ") as e:
-        VLLMRolloutEngine.from_trainer(_cfg("tiny-dense-h32"), model, tok)
+        VLLMRolloutEngine.from_trainer(_plan("tiny-dense-h32"), model, tok)
     assert "\n" not in str(e.value)
     print(e.value)
 

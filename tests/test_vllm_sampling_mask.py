@@ -23,8 +23,6 @@ import pytest  # noqa: E402
 
 vllm = pytest.importorskip("vllm")
 
-from types import SimpleNamespace  # noqa: E402
-
 import test_vllm_real as vr  # noqa: E402  (its engines, prompts and tolerance)
 import torch  # noqa: E402
 from test_vllm_real import _close_engines  # noqa: E402, F401  (closes the engines at the module's end)
@@ -48,8 +46,8 @@ def truncated():
         vr._current.clear()
         model, tok = load_model_and_tokenizer(f"embedded:{NAME}", seed=0)
         model.eval()
-        cfg = SimpleNamespace(model=f"embedded:{NAME}", dtype="float32", seed=0, top_k=0, top_p=0.7)
-        vr._current[key] = (model, tok, VLLMRolloutEngine.from_trainer(cfg, model, tok, block_size=32))
+        plan = vr._plan(NAME, top_k=0, top_p=0.7)
+        vr._current[key] = (model, tok, VLLMRolloutEngine.from_trainer(plan, model, tok, block_size=32))
     model, tok, engine = vr._current[key]
     yield model, tok, engine
     engine.top_k, engine.top_p = 0, 0.7

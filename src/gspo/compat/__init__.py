@@ -8,6 +8,9 @@ dependency's source), one module per upstream API, each with a version guard:
 * :mod:`gspo.compat.vllm_runner`: vLLM's V1 model runner internals (``_model_forward``), for the
   routed experts on CPU (R3).
 * :mod:`gspo.compat.vllm_cpu_reload`: vLLM's CPU weight repacking after ``reload_weights``.
+* :mod:`gspo.compat.vllm_teardown`: ending vLLM's in-process engine (``llm_engine.engine_core``) and
+  its parallel state (``vllm.distributed.parallel_state``), torch's default group kept through it
+  (``torch.distributed.destroy_process_group`` patched while it runs).
 * :mod:`gspo.compat.torch_dcp`: a torch.distributed.checkpoint reader whose index and non-tensor
   entries are read without running pickled code (``FileSystemReader.read_metadata`` replaced).
 * :mod:`gspo.compat.process_pool`: ``ProcessPoolExecutor._processes`` (the worker processes a

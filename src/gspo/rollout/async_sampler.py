@@ -1,4 +1,4 @@
-"""Asynchronous rollouts with bounded staleness: a :class:`~gspo.rollout.base.Sampler` whose process runs
+"""Asynchronous rollouts with bounded staleness: a :class:`~gspo.data.Sampler` whose process runs
 ahead of the trainer.
 
 With ``async_staleness = K`` the responses of RL step ``t`` are sampled from policy version
@@ -32,6 +32,9 @@ from torch import nn
 
 from gspo.data import SampleBatch, SamplerOutput
 from gspo.errors import GspoError
+from gspo.plans import SamplePlan
+from gspo.procs import die_with_parent
+from gspo.rollout.hf import copy_tensors
 
 Pending = tuple[int, int, SamplerOutput]  # (step, the policy version it was sampled from, its responses)
 
@@ -44,7 +47,7 @@ class AsyncSampler:
         model: nn.Module,
         tokenizer: Any,
         prompt_ids: list[list[int]],
-        cfg: Any,
+        plan: SamplePlan,
         version: int,
         state: dict[str, Any] | None = None,
         make_engine: Callable[..., Any] | None = None,
@@ -52,9 +55,9 @@ class AsyncSampler:
         """``model``: the trainer's HF model, after ``version`` updates; ``state``: what a checkpoint
         kept (:meth:`state`), whose batches in flight a resumed run must use; ``make_engine``: the
         engine factory (:func:`gspo.rollout.factory.make_engine`), which the process builds its own
-        engine with."""
-        self.K = self.staleness = cfg.async_staleness
-        self.model, self.G = model, cfg.group_size
+        engine with, once, from ``plan.engine``."""
+        self.K = self.staleness = plan.async_staleness
+        self.model, self.G = model, plan.group_size
         pending = in_flight_from_state(state["in_flight"]) if state and "in_flight" in state else []
         self.pending: deque[Pending] = deque(pending)
         self.slots = [
@@ -67,18 +70,8 @@ class AsyncSampler:
         first = version + self.K + 1 if pending else 1  # the first step the sampler makes a batch for
         if pending and [b[0] for b in pending] != list(range(version + 1, version + self.K + 1)):
             raise GspoError("the checkpoint's async batches in flight do not follow its step")
-        args = (
-            cfg,
-            make_engine,
-            model.config,
-            tokenizer,
-            prompt_ids,
-            self.slots,
-            self.versions,
-            self.batches,
-        )
-        args += (first,)
-        self.proc = ctx.Process(target=_sampler_main, args=args, daemon=True)
+        args = (plan, make_engine, model.config, tokenizer, prompt_ids, self.slots, self.versions)
+        self.proc = ctx.Process(target=_sampler_main, args=(*args, self.batches, first), daemon=True)
         self.proc.start()
         self._publish(version)
 
@@ -113,9 +106,7 @@ class AsyncSampler:
         self.proc.join(timeout=10)
 
     def _publish(self, version: int) -> None:
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                self.slots[version % (self.K + 1)][n].copy_(p.detach())
+        copy_tensors(self.slots[version % (self.K + 1)], self.model.named_parameters())
         self.versions.put(version)
 
     def _receive(self) -> Pending:
@@ -192,7 +183,7 @@ def in_flight_from_state(items: list[dict[str, Any]]) -> list[Pending]:
 
 
 def _sampler_main(
-    cfg: Any,
+    plan: SamplePlan,
     make_engine: Callable[..., Any],
     config: Any,
     tokenizer: Any,
@@ -202,40 +193,40 @@ def _sampler_main(
     batches: Any,
     first_step: int,
 ) -> None:
-    """The sampler process: for step t = first_step, ...: wait for version max(t-1-K, 0), load it,
-    sample step t's responses (the synchronous sampler, with a generator seeded by t), send them."""
+    """The sampler process: one engine over its own model, then for step t = first_step, ...: wait
+    for version max(t-1-K, 0), load it into the model, sample step t's responses (the synchronous
+    sampler, its generator seeded by t), send them."""
     import signal
 
     from transformers import AutoModelForCausalLM
 
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks.prompts import prompt_order
-    from gspo.train.distributed import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and then ends this process
     die_with_parent()
     torch.set_num_threads(1)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype)).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, plan.dtype)).eval()
         params = dict(model.named_parameters())
-        K, P, latest, loaded = cfg.async_staleness, cfg.prompts_per_step, -1, -1
+        K, P, latest, loaded = plan.async_staleness, plan.prompts_per_step, -1, -1
         task = None
-        if cfg.env:  # multi-turn: this process plays the trajectories (gspo.envs)
+        if plan.env is not None:  # multi-turn: this process plays the trajectories (gspo.envs)
             from gspo.tasks import task_from_config
 
-            task = task_from_config(cfg)
+            task = task_from_config(plan.task)
+        gen = torch.Generator()
+        # the engine samples from ``model`` itself: loading a version into it is the engine's sync
+        sampler = SyncSampler(make_engine(plan.engine, model, tokenizer, gen), tokenizer, task, plan)
         for t in range(first_step, 1 << 62):
             need = max(t - 1 - K, 0)
             while latest < need:
                 latest = versions.get()
             if loaded != need:
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(slots[need % (K + 1)][n])
+                copy_tensors(params, slots[need % (K + 1)].items())
                 loaded = need
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + t)
-            sampler = SyncSampler(make_engine(cfg, model, tokenizer, gen), tokenizer, task, cfg)
-            idx = prompt_order(len(prompt_ids), (t - 1) * P, P, cfg.seed)  # as the trainer draws them
+            gen.manual_seed(plan.seed * 1_000_003 + t)  # batch t depends on t and its version only
+            idx = prompt_order(len(prompt_ids), (t - 1) * P, P, plan.seed)  # as the trainer draws them
             examples = [task.train[i] for i in idx] if task is not None else []
             batches.put(_to_wire(t, need, sampler.sample(t, examples, [prompt_ids[i] for i in idx])))
     except Exception as e:  # noqa: BLE001 (reported to the trainer as one line)

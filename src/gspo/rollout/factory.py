@@ -1,5 +1,5 @@
 """Every rollout engine and sampler is built here: the trainer, the evaluation, the async sampler's
-process and ``gspo compare`` ask for them by config, never by class."""
+process and ``gspo compare`` ask for them by plan, never by class."""
 
 from __future__ import annotations
 
@@ -9,35 +9,36 @@ import torch
 from torch import nn
 
 from gspo.data import RolloutEngine, Sampler
+from gspo.plans import EnginePlan, SamplePlan
 
 
 def make_engine(
-    cfg: Any,
+    plan: EnginePlan,
     model: nn.Module,
     tokenizer: Any,
     generator: torch.Generator | None = None,
     trainer: nn.Module | None = None,
 ) -> RolloutEngine:
-    """The configured engine over ``model`` (``rollout_engine``); vLLM is imported only when selected.
+    """The planned engine over ``model`` (``rollout_engine``); vLLM is imported only when selected.
     ``trainer``: the trainer's module, where the HF engine samples from a copy of it in another
     precision (``model``): the engine takes its weights with every ``sync_weights``, the first now;
     vLLM's start check runs its probe through it (one FSDP2 layer gathered at a time)."""
-    if cfg.rollout_engine == "vllm":
+    if plan.rollout_engine == "vllm":
         from gspo.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine.from_trainer(cfg, model, tokenizer, trainer=trainer)
+        return VLLMRolloutEngine.from_trainer(plan, model, tokenizer, trainer=trainer)
     from gspo.rollout.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(
         model, tokenizer.eos_token_id, tokenizer.pad_token_id, generator, trainer=trainer,
-        top_k=getattr(cfg, "top_k", 0), top_p=getattr(cfg, "top_p", 1.0),
+        top_k=plan.top_k, top_p=plan.top_p,
     )  # fmt: skip
     engine.sync_weights()
     return engine
 
 
 def make_sampler(
-    cfg: Any,
+    plan: SamplePlan,
     engine: RolloutEngine,
     tokenizer: Any,
     task: Any,
@@ -50,10 +51,10 @@ def make_sampler(
     """Each RL step's responses: from ``engine`` when asked (synchronous), or from a process that runs
     ``async_staleness`` steps ahead on ``model``'s published weights. ``version``: updates made so
     far; ``state``: what a resumed checkpoint kept (:meth:`Sampler.state`)."""
-    if cfg.async_staleness:
+    if plan.async_staleness:
         from gspo.rollout.async_sampler import AsyncSampler
 
-        return AsyncSampler(model, tokenizer, train_ids, cfg, version, state, make_engine)
+        return AsyncSampler(model, tokenizer, train_ids, plan, version, state, make_engine)
     from gspo.rollout.sampler import SyncSampler
 
-    return SyncSampler(engine, tokenizer, task, cfg)
+    return SyncSampler(engine, tokenizer, task, plan)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Mapping
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -15,6 +16,16 @@ from gspo.model.logprobs import (
     position_ids_from_mask,
     takes_additive_mask,
 )
+from gspo.model.unwrap import full_tensor, reshard, unwrap
+
+
+@torch.no_grad()
+def copy_tensors(dst: Mapping[str, torch.Tensor], src: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """``dst[name]`` takes each ``(name, tensor)`` of ``src``, cast to its dtype (a sharded DTensor is
+    gathered whole first: collective under FSDP2). The one weight-copy loop: the HF engine's sync
+    from the trainer, and the async sampler's published weights (both ways)."""
+    for name, t in src:
+        dst[name].copy_(full_tensor(t))
 
 
 def _sample(logp_bV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -58,8 +69,6 @@ class HFRolloutEngine:
         top_k: int = 0,
         top_p: float = 1.0,
     ) -> None:
-        from gspo.model.unwrap import unwrap
-
         self.model = unwrap(model, "hf")  # under PEFT, the transformers model with adapters in place
         # the trainer's module when this engine samples from a copy of it (synced, collective)
         self.trainer = trainer if trainer is not None and unwrap(trainer, "hf") is not self.model else None
@@ -77,16 +86,10 @@ class HFRolloutEngine:
         """The copy's weights and buffers become the trainer's (collective under FSDP2: every rank)."""
         if self.trainer is None:
             return None
-        from gspo.model.unwrap import full_tensor, reshard, unwrap
-
         reshard(self.trainer)  # no-grad forwards can leave the root unsharded
         src = unwrap(self.trainer, "hf")
-        dst = dict(self.model.named_parameters())
-        for name, p in src.named_parameters():
-            dst[name].copy_(full_tensor(p))
-        dst_buffers = dict(self.model.named_buffers())
-        for name, b in src.named_buffers():
-            dst_buffers[name].copy_(b)
+        copy_tensors(dict(self.model.named_parameters()), src.named_parameters())
+        copy_tensors(dict(self.model.named_buffers()), src.named_buffers())
         return None
 
     def sleep(self) -> None:  # shares the trainer's memory: nothing to release

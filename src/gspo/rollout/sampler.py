@@ -6,35 +6,36 @@ import time
 from typing import Any
 
 from gspo.data import RolloutEngine, SamplerOutput
+from gspo.plans import SamplePlan
 
 
 class SyncSampler:
-    """G responses per prompt from ``engine`` (or G trajectories per prompt played in the configured
+    """G responses per prompt from ``engine`` (or G trajectories per prompt played in the planned
     environment, :mod:`gspo.envs`), sampled when asked: staleness 0."""
 
     staleness = 0
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, task: Any, cfg: Any) -> None:
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, task: Any, plan: SamplePlan) -> None:
+        self.engine, self.tokenizer, self.plan = engine, tokenizer, plan
         self.env = None
-        if cfg.env:  # resolved now: a bad environment spec fails before any sampling
+        if plan.env is not None:  # resolved now: a bad environment spec fails before any sampling
             from gspo.envs.rollout import encoder, limits_of, spec_of
 
-            self.env = (spec_of(cfg, task), limits_of(cfg), encoder(tokenizer, cfg))
+            self.env = (spec_of(plan.env, task), limits_of(plan.env), encoder(tokenizer, plan.env))
 
     def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput:
-        G, cfg = self.cfg.group_size, self.cfg
+        G, plan = self.plan.group_size, self.plan
         rep = [p for p in prompt_ids for _ in range(G)]
         t0 = time.time()
         if self.env is None:
-            rb = self.engine.generate(rep, cfg.max_new_tokens, cfg.temperature)
+            rb = self.engine.generate(rep, plan.max_new_tokens, plan.temperature)
         else:
             from gspo.envs.rollout import run_episodes
 
             spec, limits, encode = self.env
             examples_rep = [e for e in examples for _ in range(G)]
             rb = run_episodes(
-                self.engine, self.tokenizer, spec, examples_rep, rep, limits, cfg.temperature, encode=encode
+                self.engine, self.tokenizer, spec, examples_rep, rep, limits, plan.temperature, encode=encode
             )
         return SamplerOutput(rb, time.time() - t0, {})
 

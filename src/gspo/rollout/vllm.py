@@ -35,9 +35,10 @@ but untested here.
 
 Private vLLM / transformers APIs live in :mod:`gspo.compat`, each with a version guard:
 :mod:`~gspo.compat.transformers_model` (transformers' save-time conversion),
-:mod:`~gspo.compat.vllm_cpu_reload` (vLLM 0.32 CPU repacking bugs after ``reload_weights``) and
+:mod:`~gspo.compat.vllm_cpu_reload` (vLLM 0.32 CPU repacking bugs after ``reload_weights``),
 :mod:`~gspo.compat.vllm_runner` (routed experts on CPU, where vLLM's own R3 output needs its
-GPU/Triton model runner).
+GPU/Triton model runner) and :mod:`~gspo.compat.vllm_teardown` (ending the in-process engine and
+vLLM's parallel state, the trainer's process group kept).
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ from typing import Any
 
 import torch
 
-from gspo.compat import vllm_cpu_reload, vllm_runner, vllm_version
+from gspo.compat import vllm_cpu_reload, vllm_runner, vllm_teardown, vllm_version
 from gspo.errors import GspoError
 from gspo.model.export import hf_checkpoint_weights
 from gspo.model.unwrap import is_peft, unwrap
+from gspo.plans import EnginePlan
 from gspo.rollout import vllm_colocate
-from gspo.rollout.vllm_batch import VLLMSampleBatch, outputs_to_batch, routing_rows_layout  # noqa: F401 (re-exported)
+from gspo.rollout.vllm_batch import VLLMSampleBatch, outputs_to_batch
 
 INSTALL_HINT = (
     'on a GPU: pip install "gspo[vllm]"; on a CPU: bash .ci/vllm_env.sh, then use .venv-vllm '
@@ -70,10 +72,6 @@ INSTALL_HINT = (
 )
 # the CPU attention backend of vLLM 0.32 rejects smaller heads
 CPU_MIN_HEAD_DIM = 32
-# former names of the CPU workarounds, still read by tests/test_vllm_real.py and
-# benchmarks/bench_vllm_sync.py (the workarounds themselves live in gspo.compat)
-_CPU_RELOAD_FIX_VERSIONS = vllm_cpu_reload.VERSIONS
-_cpu_post_reload_fixes = vllm_cpu_reload.post_reload_fixes
 
 
 def _one_line(e: BaseException, max_len: int = 300) -> str:
@@ -116,23 +114,6 @@ def _is_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
-@contextlib.contextmanager
-def _keeping_default_group() -> Iterator[None]:
-    """While held, ``torch.distributed.destroy_process_group`` ends only the groups it is given, not
-    the default one (vLLM's teardown calls it without a group)."""
-    real = torch.distributed.destroy_process_group
-
-    def destroy(group: Any = None) -> None:
-        if group is not None and group is not torch.distributed.group.WORLD:
-            real(group)
-
-    torch.distributed.destroy_process_group = destroy
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group = real
-
-
 # ------------------------------------------------------------------------------------------------
 # the engine
 
@@ -155,10 +136,10 @@ def _kept_global_rng() -> Iterator[None]:
 
 
 def _head_dim(config: Any) -> int | None:
-    cfg = getattr(config, "text_config", None) or config
-    hd = getattr(cfg, "head_dim", None)
-    if hd is None and getattr(cfg, "hidden_size", None) and getattr(cfg, "num_attention_heads", None):
-        hd = cfg.hidden_size // cfg.num_attention_heads
+    text = getattr(config, "text_config", None) or config
+    hd = getattr(text, "head_dim", None)
+    if hd is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
+        hd = text.hidden_size // text.num_attention_heads
     return int(hd) if hd is not None else None
 
 
@@ -227,7 +208,7 @@ class VLLMRolloutEngine:
     @classmethod
     def from_trainer(
         cls,
-        cfg: Any,
+        plan: EnginePlan,
         model: Any,
         tokenizer: Any,
         gpu_memory_utilization: float | None = None,
@@ -239,7 +220,7 @@ class VLLMRolloutEngine:
         **llm_kwargs: Any,
     ) -> VLLMRolloutEngine:
         """An engine holding ``model``'s current weights. ``return_routing``: R3 data (default:
-        ``cfg.routing_replay_source == "rollout"``); ``sleep_mode``: vLLM sleep mode (default: on GPU);
+        ``plan.return_routing``); ``sleep_mode``: vLLM sleep mode (default: on GPU);
         ``check_sync``: after the first weight push, compare vLLM's log-probs of a probe with the
         trainer's, run through ``trainer`` (the forward module, an FSDP2 root on several ranks: one
         decoder layer gathered at a time; default ``model``), and raise if they disagree;
@@ -249,19 +230,19 @@ class VLLMRolloutEngine:
         """
         vllm = _import_vllm()
         on_cpu = _is_cpu_platform()
-        name = getattr(cfg, "model", None) or type(model).__name__
+        name = plan.model or type(model).__name__
         _check_runnable(model, name, on_cpu)
         if return_routing is None:
-            return_routing = getattr(cfg, "routing_replay_source", None) == "rollout"
+            return_routing = plan.return_routing
         if sleep_mode is None:
             sleep_mode = not on_cpu
         version, cpu_fixes, cpu_capture = _version_support(on_cpu, bool(return_routing))
         if gpu_memory_utilization is None:
-            gpu_memory_utilization = float(getattr(cfg, "vllm_gpu_memory_utilization", 0.3))
-        kwargs = _llm_kwargs(cfg, model, on_cpu, cpu_capture, gpu_memory_utilization, bool(sleep_mode))
+            gpu_memory_utilization = plan.vllm_gpu_memory_utilization
+        kwargs = _llm_kwargs(plan, model, on_cpu, cpu_capture, gpu_memory_utilization, bool(sleep_mode))
         if return_routing and not on_cpu:
             kwargs["enable_return_routed_experts"] = True
-        kwargs.update(vllm_colocate.colocation(cfg, model.config, name))
+        kwargs.update(vllm_colocate.colocation(plan, model.config, name))
         kwargs.update(llm_kwargs)
         if cpu_capture and not kwargs["enforce_eager"]:
             raise GspoError(
@@ -272,7 +253,7 @@ class VLLMRolloutEngine:
         tp = int(kwargs.get("tensor_parallel_size", 1)) if shares_world else 1
         tp_group = vllm_colocate.tp_subgroup(tp)  # collective: before anything a rank may fail on alone
         if not on_cpu:
-            vllm_colocate.check_share(cfg, kwargs["gpu_memory_utilization"])
+            vllm_colocate.check_share(plan, kwargs["gpu_memory_utilization"])
         llm = _make_llm(vllm, model, tokenizer, kwargs, name)
         if not all(llm.collective_rpc(_has_reload_weights)):
             raise GspoError(
@@ -285,7 +266,7 @@ class VLLMRolloutEngine:
             model,
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
-            int(getattr(cfg, "seed", 0)),
+            plan.seed,
             routing=routing,
             vllm_routing=bool(return_routing) and not on_cpu,
             routed_layers=routed_layers,
@@ -295,10 +276,10 @@ class VLLMRolloutEngine:
         engine.shares_world = shares_world
         engine.policy, engine.tp_group = trainer, tp_group
         engine.compute_dtype = vllm_colocate.compute_dtype(
-            vllm_colocate.param_dtype(model), getattr(cfg, "mixed_precision", None), kwargs["dtype"]
+            vllm_colocate.param_dtype(model), plan.mixed_precision, kwargs["dtype"]
         )
         engine.dp_rank = torch.distributed.get_rank() // tp if shares_world else 0
-        engine.top_k, engine.top_p = int(getattr(cfg, "top_k", 0)), float(getattr(cfg, "top_p", 1.0))
+        engine.top_k, engine.top_p = plan.top_k, plan.top_p
         engine.sync_weights()
         if check_sync:
             engine.check_logprobs()
@@ -449,20 +430,16 @@ class VLLMRolloutEngine:
         llm, self.llm = self.llm, None
         if llm is None:
             return
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        core = vllm_teardown.core_client(llm)
         # vLLM's shutdown ends its parallel groups and then torch's default group, which under
         # torchrun is the trainer's (still needed, and ended by the trainer's own cleanup)
-        with _keeping_default_group() if self.shares_world else contextlib.nullcontext():
+        keep = vllm_teardown.keeping_default_group() if self.shares_world else contextlib.nullcontext()
+        with keep:
             with contextlib.suppress(Exception):
                 if core is not None:
                     core.shutdown()  # also detaches the finalizer that would run it again at exit
-            del llm, core
-            import gc
-
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            gc.collect()
-            cleanup_dist_env_and_memory()
+            del llm, core  # the last references: the engine's memory is freed with the state below
+            vllm_teardown.end_vllm_groups()
 
     # -- GPU memory ----------------------------------------------------------------------------
 
@@ -505,16 +482,6 @@ def _has_reload_weights(worker: Any) -> bool:
     return callable(getattr(worker, "reload_weights", None))
 
 
-__all__ = [
-    "INSTALL_HINT",
-    "VLLMSampleBatch",
-    "VLLMRolloutEngine",
-    "hf_checkpoint_weights",
-    "outputs_to_batch",
-    "routing_rows_layout",
-]
-
-
 def _check_runnable(model: Any, name: str, on_cpu: bool) -> None:
     """What vLLM in this process cannot run fails here, naming the config field."""
     if is_peft(model):
@@ -537,26 +504,27 @@ def _check_runnable(model: Any, name: str, on_cpu: bool) -> None:
 
 
 def _llm_kwargs(
-    cfg: Any, model: Any, on_cpu: bool, cpu_capture: bool, gpu_memory_utilization: float, sleep_mode: bool
+    plan: EnginePlan,
+    model: Any,
+    on_cpu: bool,
+    cpu_capture: bool,
+    gpu_memory_utilization: float,
+    sleep_mode: bool,
 ) -> dict[str, Any]:
     """``vllm.LLM`` arguments for sampling ``model`` as the trainer does."""
-    dtype = (
-        getattr(cfg, "rollout_dtype", None)
-        or getattr(cfg, "dtype", None)
-        or str(model.dtype).removeprefix("torch.")
-    )
+    dtype = plan.rollout_dtype or plan.dtype or str(model.dtype).removeprefix("torch.")
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
-        seed=int(getattr(cfg, "seed", 0)),
+        seed=plan.seed,
         # cached prompt tokens are not recomputed, so the CPU capture would not see their routing
         enable_prefix_caching=not cpu_capture,
         logprobs_mode="processed_logprobs",
         load_format="dummy",  # real weights come from the in-memory push right after
         generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
     )
-    max_len = getattr(cfg, "max_prompt_tokens", None), getattr(cfg, "max_new_tokens", None)
-    if getattr(cfg, "env", None):  # multi-turn: a turn's prompt holds the trajectory so far
-        max_len = max_len[0], getattr(cfg, "max_trajectory_tokens", None)
+    max_len = plan.max_prompt_tokens, plan.max_new_tokens
+    if plan.env:  # multi-turn: a turn's prompt holds the trajectory so far
+        max_len = plan.max_prompt_tokens, plan.max_trajectory_tokens
     if all(isinstance(v, int) and v > 0 for v in max_len):
         # the longest sequence a rollout makes; a model's full context would need a larger KV cache
         text_config = getattr(model.config, "get_text_config", lambda: model.config)()
@@ -569,7 +537,7 @@ def _llm_kwargs(
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs["enable_sleep_mode"] = sleep_mode
-        kwargs["tensor_parallel_size"] = int(getattr(cfg, "vllm_tensor_parallel_size", 1))
+        kwargs["tensor_parallel_size"] = plan.vllm_tensor_parallel_size
     return kwargs
 
 

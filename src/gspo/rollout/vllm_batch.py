@@ -1,4 +1,4 @@
-"""vLLM's request outputs as gspo's :class:`~gspo.rollout.base.SampleBatch`, with the R3 routing the
+"""vLLM's request outputs as gspo's :class:`~gspo.data.SampleBatch`, with the R3 routing the
 engine captured, laid out for the trainer's ``rows`` forward. Imports no vLLM: tested without it."""
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 
 from gspo.errors import GspoError
 from gspo.model.unwrap import reshard, unwrap
+from gspo.plans import EnginePlan
 
 
 def check_tensor_parallel(tp: int, world: int, config: Any, name: str) -> None:
@@ -28,9 +29,9 @@ def check_tensor_parallel(tp: int, world: int, config: Any, name: str) -> None:
     field = "config field 'vllm_tensor_parallel_size'"
     if tp < 1 or world % tp:
         raise GspoError(f"{field}: {tp} does not divide the world size {world} (nproc)")
-    cfg = getattr(config, "get_text_config", lambda: config)()
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
     if heads and heads % tp:
         raise GspoError(f"{field}: {tp} does not divide {name}'s {heads} attention heads")
     if kv and (kv % tp if kv >= tp else tp % kv):
@@ -40,7 +41,7 @@ def check_tensor_parallel(tp: int, world: int, config: Any, name: str) -> None:
         )
 
 
-def colocation(cfg: Any, config: Any, name: str) -> dict[str, Any]:
+def colocation(plan: EnginePlan, config: Any, name: str) -> dict[str, Any]:
     """``vllm.LLM`` arguments that place one vLLM per training rank under torchrun: vLLM's
     ``external_launcher`` executor (as TRL's colocate mode, verl and torchtitan use it) runs in this
     process on ``cuda:LOCAL_RANK`` (its uni-process executor would put every rank on device 0), and
@@ -51,7 +52,7 @@ def colocation(cfg: Any, config: Any, name: str) -> dict[str, Any]:
     world = torch.distributed.get_world_size()
     if world == 1:  # one rank (or a group vLLM's own executor set up in this process): no launcher
         return {}
-    tp = int(getattr(cfg, "vllm_tensor_parallel_size", 1))
+    tp = plan.vllm_tensor_parallel_size
     check_tensor_parallel(tp, world, config, name)
     missing = [
         k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -121,9 +122,9 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def check_share(cfg: Any, share: float) -> None:
+def check_share(plan: EnginePlan, share: float) -> None:
     """vLLM's share of the GPU against what is free now (the trainer sharded, its cache emptied)."""
     from gspo.limits import check_vllm_share
 
     empty_cache()
-    check_vllm_share(cfg, torch.device("cuda", torch.cuda.current_device()), share)
+    check_vllm_share(plan, torch.device("cuda", torch.cuda.current_device()), share)
