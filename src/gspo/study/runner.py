@@ -189,7 +189,7 @@ def _gate_accuracy(model: Any, tok: Any, task: Any, examples: list[Any], cfg: Co
 
 def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
     """Train one (variant, seed) run; returns ``(name, seconds, initial acc, final acc)``."""
-    from gspo.train.loop import train
+    from gspo.launch import train
 
     t0 = time.time()
     res = train(cfg)

@@ -219,7 +219,7 @@ def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
     if not why and not any(n.endswith(".safetensors") or n == f"{DCP_DIR}/.metadata" for n in names):
         why = f"{MANIFEST} lists no weights (*.safetensors, or {DCP_DIR}/ shards)"
     if not why and f"{DCP_DIR}/.metadata" in names:  # shards the manifest was rewritten to match
-        from gspo.train.sharded import check_dcp
+        from gspo.model.export import check_dcp
 
         why = check_dcp(path)
     if why:
