@@ -7,6 +7,7 @@ import yaml
 
 from gspo.cli import build_parser, main
 from gspo.config import GROUPS, Config, coerce, field_docs, load_yaml, make_config, save_yaml
+from gspo.config.algorithm import loss_params
 from gspo.errors import GspoError
 
 
@@ -61,9 +62,11 @@ def test_every_field_round_trips_through_yaml(tmp_path):
 def test_paper_defaults():
     """Defaults follow the paper: GSPO, clip 3e-4/4e-4, 4 minibatches; GRPO baseline 0.2/0.27."""
     cfg = Config().validate()
-    assert cfg.algo == "gspo" and cfg.clip_range() == (3e-4, 4e-4) and cfg.num_minibatches == 4
-    assert Config(algo="grpo").clip_range() == (0.2, 0.27)
-    assert Config(algo="grpo", eps_low=0.1).clip_range() == (0.1, 0.27)
+    assert cfg.algo == "gspo" and loss_params(cfg) == {"eps_low": 3e-4, "eps_high": 4e-4}
+    assert cfg.num_minibatches == 4
+    assert loss_params(Config(algo="grpo")) == {"eps_low": 0.2, "eps_high": 0.27}
+    assert loss_params(Config(algo="grpo", eps_low=0.1)) == {"eps_low": 0.1, "eps_high": 0.27}
+    assert loss_params(Config(algo="sapo", eps_high=0.5)) == {"tau_neg": 1.05, "tau_pos": 0.5}
 
 
 def test_yaml_then_cli_override(tmp_path):

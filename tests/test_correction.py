@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from loss_helpers import call, tensor_loss
 
 from gspo.correction import (
     CORRECTIONS,
@@ -16,7 +17,7 @@ from gspo.correction import (
     token_mask,
     token_tis_weights,
 )
-from gspo.losses import LOSSES, grpo_loss
+from gspo.losses import LOSSES
 
 F64 = torch.float64
 ATOL = 1e-12
@@ -303,20 +304,20 @@ def _loss_batch(seed=0):
 def test_tis_weight_multiplies_the_gradient_of_its_sequence_exactly(name):
     """For every loss: with weight = sequence_tis_weights(...), row i's gradient is w_i times the
     unweighted one, and the loss is sum_i w_i (row i's loss)."""
-    fn, el, eh = LOSSES[name]
+    fn = tensor_loss(name)  # its default parameters
     logp, old, sampler, adv, mask = _loss_batch()
     w = sequence_tis_weights(old, sampler, mask, cap=1.2)
     assert (w == 1.2).any() and (w < 1.2).any()  # both truncated and untruncated rows
     token_mean = name == "cispo"  # the only default token_mean aggregation
     n = mask.sum() if token_mean else 4
-    base, _ = fn(logp, old, adv, mask, el, eh, normalizer=n)
+    base, _ = fn(logp, old, adv, mask, normalizer=n)
     g0 = torch.autograd.grad(base, logp)[0]
-    loss, _ = fn(logp, old, adv, mask, el, eh, normalizer=n, weight=w)
+    loss, _ = fn(logp, old, adv, mask, normalizer=n, weight=w)
     g = torch.autograd.grad(loss, logp)[0]
     for i in range(4):
         assert torch.allclose(g[i], w[i] * g0[i], atol=ATOL, rtol=0)
     rows = [
-        fn(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], el, eh, normalizer=n)[0]
+        fn(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], normalizer=n)[0]
         for i in range(4)
     ]
     assert abs(loss.item() - sum(w[i].item() * rows[i].item() for i in range(4))) < ATOL
@@ -345,7 +346,7 @@ def test_icepop_with_grpo_matches_the_ring_1t_objective():
     logp, old, sampler, adv, mask = _loss_batch(seed=1)
     m_BT = icepop_weights(old, sampler, mask, 0.7, 1.5)
     assert 0 < (m_BT == 0)[mask.bool()].sum() < mask.sum()  # some tokens masked, not all
-    loss, _ = grpo_loss(logp, old, adv, mask, weight=m_BT)
+    loss, _ = call("grpo", logp, old, adv, mask, weight=m_BT)
     assert abs(loss.item() - _ref_grpo_token_weighted(logp, old, adv, mask, m_BT)) < ATOL
 
 
@@ -353,8 +354,8 @@ def test_token_mask_as_weight_keeps_denominators_and_as_mask_renormalizes():
     """A 0/1 token mask as ``weight`` keeps |y_i|; AND-ed into ``mask`` it divides by the kept count."""
     logp, old, sampler, adv, mask = _loss_batch(seed=2)
     keep = token_mask(old, sampler, mask, 0.7, 1.5)
-    as_weight, _ = grpo_loss(logp, old, adv, mask, weight=keep)
-    as_mask, _ = grpo_loss(logp, old, adv, mask * keep)
+    as_weight, _ = call("grpo", logp, old, adv, mask, weight=keep)
+    as_mask, _ = call("grpo", logp, old, adv, mask * keep)
     assert abs(as_weight.item() - _ref_grpo_token_weighted(logp, old, adv, mask, keep)) < ATOL
     want = _ref_grpo_token_weighted(logp, old, adv, mask, keep, denominators="kept")
     assert abs(as_mask.item() - want) < ATOL
@@ -363,7 +364,7 @@ def test_token_mask_as_weight_keeps_denominators_and_as_mask_renormalizes():
 
 def test_sequence_mask_and_tis_combine_by_multiplication():
     """weight = TIS * sequence mask: dropped rows get zero gradient, kept rows w_i times theirs."""
-    fn, el, eh = LOSSES["gspo"]
+    fn = tensor_loss("gspo")
     logp, old, sampler, adv, mask = _loss_batch(seed=3)
     tis = sequence_tis_weights(old, sampler, mask, cap=1.5)
     keep = sequence_mask(old, sampler, mask, 0.9, 1.1)

@@ -3,17 +3,19 @@
 Here: the fixtures and :data:`VARIANTS` (every registered loss, each aggregation), the closed forms of
 GSPO, GSPO-token and GRPO against independent plain-Python references, and the properties every loss
 shares (invariances, normalizer, empty rows, numerics, metric keys, gradcheck, registry), parametrized
-over all of them. SAPO, CISPO, GMPO closed forms and the ``weight`` argument: tests/test_losses_new.py.
+over all of them. SAPO, CISPO, GMPO closed forms and the ``weight`` argument:
+tests/test_losses_sapo_cispo_gmpo.py; LUSPO and VESPO: tests/test_losses_luspo_vespo.py. The losses
+are called on plain tensors through :func:`loss_helpers.call`.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 
 import pytest
 import torch
+from loss_helpers import call, tensor_loss
 
 from gspo.losses import (
     LOSSES,
@@ -136,19 +138,19 @@ def _k3(deltas):
 
 # every registered loss, each aggregation: name -> function of (logp, old_logp, advantages, mask, ...)
 VARIANTS = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "grpo": grpo_loss,
-    "grpo_tm": functools.partial(grpo_loss, aggregation="token_mean"),
-    "sapo": sapo_loss,
-    "sapo_token": sapo_token_loss,
-    "sapo_token_tm": functools.partial(sapo_token_loss, aggregation="token_mean"),
-    "cispo": cispo_loss,  # token_mean by default
-    "cispo_smtm": functools.partial(cispo_loss, aggregation="seq_mean_token_mean"),
-    "gmpo": gmpo_loss,
-    "luspo": luspo_loss,
-    "vespo": vespo_loss,  # token_mean by default
-    "vespo_smtm": functools.partial(vespo_loss, aggregation="seq_mean_token_mean"),
+    "gspo": tensor_loss("gspo"),
+    "gspo_token": tensor_loss("gspo_token"),
+    "grpo": tensor_loss("grpo"),
+    "grpo_tm": tensor_loss("grpo", aggregation="token_mean"),
+    "sapo": tensor_loss("sapo"),
+    "sapo_token": tensor_loss("sapo_token"),
+    "sapo_token_tm": tensor_loss("sapo_token", aggregation="token_mean"),
+    "cispo": tensor_loss("cispo"),  # token_mean by default
+    "cispo_smtm": tensor_loss("cispo", aggregation="seq_mean_token_mean"),
+    "gmpo": tensor_loss("gmpo"),
+    "luspo": tensor_loss("luspo"),
+    "vespo": tensor_loss("vespo"),  # token_mean by default
+    "vespo_smtm": tensor_loss("vespo", aggregation="seq_mean_token_mean"),
 }
 TOKEN_NORMALIZED = {"grpo_tm", "sapo_token_tm", "cispo", "vespo"}  # the normalizer counts tokens
 SEQUENCE_LEVEL = {"gspo", "sapo", "gmpo", "luspo"}  # advantages and weight are [B]
@@ -168,7 +170,7 @@ def _normalizer(name, mask):
 def test_gspo_value_matches_reference_all_clip_regions():
     """gspo_loss equals the plain-python min/clip sequence objective in every clip region (default eps)."""
     logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
-    loss, _ = gspo_loss(logp, old, adv, mask)
+    loss, _ = call("gspo", logp, old, adv, mask)
     assert loss.dtype == F64 and loss.dim() == 0
     assert abs(loss.item() - ref_gspo(logp, old, adv, mask)) < ATOL
 
@@ -177,7 +179,7 @@ def test_gspo_value_matches_reference_all_clip_regions():
 def test_gspo_value_matches_reference_other_eps(eps):
     """gspo_loss equals the reference for non-default eps, including eps=0 (pure clipping)."""
     logp, old, adv, mask = _batch([0.3, -0.3, 0.02, -0.1, 0.25], [1.0, -2.0, 0.5, 1.5, -0.3], seed=1)
-    loss, _ = gspo_loss(logp, old, adv, mask, *eps)
+    loss, _ = call("gspo", logp, old, adv, mask, *eps)
     assert abs(loss.item() - ref_gspo(logp, old, adv, mask, *eps)) < ATOL
 
 
@@ -189,7 +191,7 @@ def test_gspo_value_small_padded_b3_t4():
     logp = (old + delta).requires_grad_(True)
     adv = torch.tensor([2.0, 1.0, -1.0], dtype=F64)
     el, eh = 0.1, 0.15
-    loss, _ = gspo_loss(logp, old, adv, mask, el, eh)
+    loss, _ = call("gspo", logp, old, adv, mask, el, eh)
     # row0: s=1 -> 2; row1: s=e^.2=1.2214>1.15, A>0 -> 1.15; row2: s=e^-.3=.7408<.9, A<0 -> -.9
     expected = -(2.0 * 1.0 + 1.15 * 1.0 + 0.9 * -1.0) / 3
     assert abs(loss.item() - expected) < ATOL
@@ -202,7 +204,7 @@ def test_gspo_token_value_matches_reference_per_token_advantages():
     g = torch.Generator().manual_seed(3)
     adv_BT = torch.randn(5, 5, generator=g, dtype=F64)
     for eps in [(3e-4, 4e-4), (0.01, 0.02)]:
-        loss, _ = gspo_token_loss(logp, old, adv_BT, mask, *eps)
+        loss, _ = call("gspo_token", logp, old, adv_BT, mask, *eps)
         assert abs(loss.item() - ref_gspo_token(logp, old, adv_BT, mask, *eps)) < ATOL
 
 
@@ -217,7 +219,7 @@ def test_grpo_value_matches_reference(aggregation):
     logp = (old + delta).requires_grad_(True)
     adv_BT = torch.randn(5, 5, generator=g, dtype=F64)
     for adv in (adv_BT, adv_BT[:, 0]):
-        loss, _ = grpo_loss(logp, old, adv, mask, aggregation=aggregation)
+        loss, _ = call("grpo", logp, old, adv, mask, aggregation=aggregation)
         adv_ref = adv if adv.dim() == 2 else adv[:, None].expand(5, 5)
         assert abs(loss.item() - ref_grpo(logp, old, adv_ref, mask, aggregation=aggregation)) < ATOL
 
@@ -227,9 +229,9 @@ def test_grpo_token_mean_divides_by_total_tokens():
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=F64)
     logp = torch.zeros(2, 3, dtype=F64, requires_grad=True)
     adv = torch.tensor([4.0, 1.0], dtype=F64)
-    loss, _ = grpo_loss(logp, logp.detach(), adv, mask, aggregation="token_mean")
+    loss, _ = call("grpo", logp, logp.detach(), adv, mask, aggregation="token_mean")
     assert abs(loss.item() - (-(4.0 + 3 * 1.0) / 4)) < ATOL
-    loss2, _ = grpo_loss(logp, logp.detach(), adv, mask)
+    loss2, _ = call("grpo", logp, logp.detach(), adv, mask)
     assert abs(loss2.item() - (-(4.0 + 1.0) / 2)) < ATOL
 
 
@@ -249,8 +251,8 @@ def test_grpo_value_hand_computed_b3_t4_both_aggregations():
     rows = [(2.37, 2), (-10.0, 4), (1.435, 3)]
     want_seq = -sum(t / n for t, n in rows) / 3
     want_tok = -sum(t for t, _ in rows) / 9
-    got_seq, _ = grpo_loss(logp, old, adv, mask)
-    got_tok, _ = grpo_loss(logp, old, adv, mask, aggregation="token_mean")
+    got_seq, _ = call("grpo", logp, old, adv, mask)
+    got_tok, _ = call("grpo", logp, old, adv, mask, aggregation="token_mean")
     assert abs(got_seq.item() - want_seq) < ATOL
     assert abs(got_tok.item() - want_tok) < ATOL
     # per-token gradient: -(A w / |y_i|) / B where unclipped, else 0
@@ -274,7 +276,7 @@ def test_gspo_token_value_and_gradient_hand_computed():
     )
     logp = (old + delta).requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0, 2.0], [-1.0, 0.5, 7.0]], dtype=F64)
-    loss, m = gspo_token_loss(logp, old, adv, mask, 0.1, 0.2)
+    loss, m = call("gspo_token", logp, old, adv, mask, 0.1, 0.2)
     # row0 s=1.5: A=1 -> 1.2 (clipped) | A=-1 -> -1.5 | A=2 -> 2.4 (clipped)   mean 0.7
     # row1 s=0.8: A=-1 -> -0.9 (clipped) | A=.5 -> .4                         mean -0.25
     assert abs(loss.item() - (-(0.7 - 0.25) / 2)) < ATOL
@@ -293,7 +295,7 @@ def test_gspo_gradient_closed_form():
     """d loss/d logp_it = -(1/N) A_i s_i/|y_i| on response tokens, 0 on padding and clipped rows."""
     logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
     for n in (None, 7.0):
-        loss, _ = gspo_loss(logp, old, adv, mask, normalizer=n)
+        loss, _ = call("gspo", logp, old, adv, mask, normalizer=n)
         g = _grad(loss, logp)
         N = 5 if n is None else n
         for i in range(5):
@@ -307,7 +309,7 @@ def test_gspo_gradient_closed_form():
 def test_gspo_clip_region_rows_are_exactly_the_expected_ones():
     """The fixture's rows are really in the intended regions (guards the gradient test itself)."""
     logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
-    _, m = gspo_loss(logp, old, adv, mask)
+    _, m = call("gspo", logp, old, adv, mask)
     assert m["clip_frac_seq_high"].item() == pytest.approx(1 / 5, abs=ATOL)
     assert m["clip_frac_seq_low"].item() == pytest.approx(1 / 5, abs=ATOL)
 
@@ -320,7 +322,7 @@ def test_grpo_gradient_closed_form(aggregation):
     delta = torch.tensor([-0.5, -0.1, 0.05, 0.1, 0.4])[torch.randint(0, 5, (5, 5), generator=g_)].to(F64)
     logp = (old + delta).requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 3.0], dtype=F64)
-    loss, _ = grpo_loss(logp, old, adv, MASK, aggregation=aggregation)
+    loss, _ = call("grpo", logp, old, adv, MASK, aggregation=aggregation)
     g = _grad(loss, logp)
     n_tok = MASK.sum().item()
     for i in range(5):
@@ -341,7 +343,7 @@ def test_gspo_token_gradient_closed_form_per_token_advantages():
     """GSPO-token: d loss/d logp_it = -(1/N) A_it s_i/|y_i| unless token (s_i, A_it) is clipped."""
     logp, old, _, mask = _batch([2e-3, -2e-3, 1e-4, 0.0, 3e-3], [0, 0, 0, 0, 0])
     adv_BT = torch.tensor([[1, -1, 2, 0, 0]] * 5, dtype=F64)
-    loss, _ = gspo_token_loss(logp, old, adv_BT, mask)
+    loss, _ = call("gspo_token", logp, old, adv_BT, mask)
     g = _grad(loss, logp)
     for i in range(5):
         toks = mask[i].bool()
@@ -363,9 +365,9 @@ def test_gspo_token_gradient_closed_form_per_token_advantages():
 def test_gspo_token_equals_gspo_for_constant_advantages(eps, explicit_bt):
     """GSPO-token == GSPO in value and gradient when A_it = A_i ([B] broadcast and explicit [B,T])."""
     logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
-    l1, m1 = gspo_loss(logp, old, adv, mask, *eps)
+    l1, m1 = call("gspo", logp, old, adv, mask, *eps)
     a = adv[:, None].expand(5, 5).clone() if explicit_bt else adv
-    l2, m2 = gspo_token_loss(logp, old, a, mask, *eps)
+    l2, m2 = call("gspo_token", logp, old, a, mask, *eps)
     assert abs(l1.item() - l2.item()) < ATOL
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
     for k in m1:
@@ -376,8 +378,8 @@ def test_gspo_token_equals_gspo_beyond_log_ratio_clamp():
     """GSPO-token == GSPO (value and gradient) even when |log s_i| exceeds MAX_LOG_RATIO."""
     big = MAX_LOG_RATIO + 5
     logp, old, adv, mask = _batch([big, -big, 0.0, big, -big], [-1.0, 1.0, 1.0, 1.0, -1.0])
-    l1, _ = gspo_loss(logp, old, adv, mask)
-    l2, _ = gspo_token_loss(logp, old, adv, mask)
+    l1, _ = call("gspo", logp, old, adv, mask)
+    l2, _ = call("gspo_token", logp, old, adv, mask)
     assert abs(l1.item() - l2.item()) < 1e-9 * abs(l1.item())
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
 
@@ -393,14 +395,14 @@ def test_gspo_token_matches_gspo_exactly_in_float32_with_large_log_probs():
     logp = (old + lr[:, None] + noise).requires_grad_(True)
     adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
     mask = torch.ones(8, T)
-    l1, m1 = gspo_loss(logp, old, adv, mask)
-    l2, m2 = gspo_token_loss(logp, old, adv, mask)
+    l1, m1 = call("gspo", logp, old, adv, mask)
+    l2, m2 = call("gspo_token", logp, old, adv, mask)
     assert l1.dtype == l2.dtype == torch.float32 and l1.item() == l2.item()
     for k in m1:
         assert torch.equal(m1[k], m2[k]), k
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=0, rtol=1e-6)
     # the float32 result also agrees with the float64 computation on the same float32 inputs
-    l64, _ = gspo_loss(logp.detach().double(), old.double(), adv.double(), mask.double())
+    l64, _ = call("gspo", logp.detach().double(), old.double(), adv.double(), mask.double())
     assert abs(l1.item() - l64.item()) < 1e-6
 
 
@@ -408,8 +410,8 @@ def test_on_policy_gspo_gradient_equals_grpo_gradient():
     """With logp == old_logp, GSPO and GRPO (seq_mean_token_mean) agree in value and gradient."""
     logp, _, adv, mask = _batch([0.0] * 5, GSPO_ADV)
     old = logp.detach().clone()
-    lg, mg = gspo_loss(logp, old, adv, mask)
-    lr, mr = grpo_loss(logp, old, adv, mask)
+    lg, mg = call("gspo", logp, old, adv, mask)
+    lr, mr = call("grpo", logp, old, adv, mask)
     assert abs(lg.item() - lr.item()) < ATOL
     assert abs(lg.item() - (-adv.sum().item() / 5)) < ATOL
     gg, gr = _grad(lg, logp), _grad(lr, logp)
@@ -427,9 +429,9 @@ def test_gspo_not_length_weighted():
         logp = (old + d).requires_grad_(True)
         for a in (1.5, -0.5):
             adv = torch.tensor([a, a], dtype=F64)
-            loss, _ = gspo_loss(logp, old, adv, mask)
-            long_only, _ = gspo_loss(logp[:1], old[:1], adv[:1], mask[:1])
-            short_only, _ = gspo_loss(logp[1:], old[1:], adv[1:], mask[1:])
+            loss, _ = call("gspo", logp, old, adv, mask)
+            long_only, _ = call("gspo", logp[:1], old[:1], adv[:1], mask[:1])
+            short_only, _ = call("gspo", logp[1:], old[1:], adv[1:], mask[1:])
             assert abs(long_only.item() - short_only.item()) < ATOL
             assert abs(loss.item() - long_only.item()) < ATOL
             g = _grad(loss, logp)  # each sequence's total gradient mass is the same
@@ -447,7 +449,7 @@ def test_gspo_metrics_hand_computed():
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0], dtype=F64)
     old = torch.full((5, 4), -2.0, dtype=F64)
     logp = (old + torch.tensor(lr, dtype=F64)[:, None] * mask).requires_grad_(True)
-    _, m = gspo_loss(logp, old, adv, mask)
+    _, m = call("gspo", logp, old, adv, mask)
     want = {
         "clip_frac_seq_low": 1 / 4,
         "clip_frac_seq_high": 1 / 4,
@@ -462,7 +464,7 @@ def test_gspo_metrics_hand_computed():
     }
     for k, v in want.items():
         assert abs(m[k].item() - v) < ATOL, k
-    _, mt = gspo_token_loss(logp, old, adv, mask)
+    _, mt = call("gspo_token", logp, old, adv, mask)
     for k, v in want.items():
         assert abs(mt[k].item() - v) < ATOL, k
 
@@ -473,7 +475,7 @@ def test_gspo_token_metrics_majority_rule_for_per_token_advantages():
     old = torch.zeros(2, 4, dtype=F64)
     logp = (torch.tensor([[0.01], [0.01]], dtype=F64) * mask).requires_grad_(True)  # s > 1 + eps_high
     adv = torch.tensor([[1.0, 1.0, -1.0, 5.0], [1.0, -1.0, -1.0, 0.0]], dtype=F64)
-    _, m = gspo_token_loss(logp, old, adv, mask)
+    _, m = call("gspo_token", logp, old, adv, mask)
     assert m["clip_frac_tok_high"].item() == pytest.approx(3 / 7, abs=ATOL)
     assert m["clip_frac_tok_low"].item() == 0.0
     assert m["clip_frac_seq_high"].item() == pytest.approx(1 / 2, abs=ATOL)
@@ -488,7 +490,7 @@ def test_grpo_metrics_hand_computed():
     logp = (old + d).requires_grad_(True)
     adv = torch.tensor([[-1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0] * 4], dtype=F64)
     # row0: t0 w=e^-.5 A<0 low; t2 w=e^.5 A>0 high. row1: t0 high; t1 w=e^-.5 A>0 unclipped.
-    _, m = grpo_loss(logp, old, adv, mask)
+    _, m = call("grpo", logp, old, adv, mask)
     toks = [-0.5, 0.0, 0.5, 0.5, -0.5]
     want = {
         "clip_frac_tok_low": 1 / 5,
@@ -514,10 +516,10 @@ def test_empty_row_contributes_zero_but_counts_in_default_normalizer():
     logp, old, adv, mask = _batch(GSPO_LR, GSPO_ADV)
     mask = mask.clone()
     mask[2] = 0
-    loss, _ = gspo_loss(logp, old, adv, mask)
+    loss, _ = call("gspo", logp, old, adv, mask)
     assert abs(loss.item() - ref_gspo(logp, old, adv, mask)) < ATOL
     keep = torch.tensor([0, 1, 3, 4])
-    sub, _ = gspo_loss(logp[keep], old[keep], adv[keep], mask[keep], normalizer=5)
+    sub, _ = call("gspo", logp[keep], old[keep], adv[keep], mask[keep], normalizer=5)
     assert abs(loss.item() - sub.item()) < ATOL
 
 
@@ -536,7 +538,7 @@ KINDS = ["seq", "tok"]
 
 def test_variants_cover_every_registered_loss():
     """VARIANTS (what the tests below run) holds every loss of the registry."""
-    assert {getattr(fn, "func", fn) for fn in VARIANTS.values()} == {fn for fn, _, _ in LOSSES.values()}
+    assert {fn.args[0] for fn in VARIANTS.values()} == set(LOSSES)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -772,7 +774,7 @@ def test_token_ratio_losses_report_token_and_sequence_ratios(name):
     assert abs(m["seq_ratio_min"].item() - min(s)) < ATOL
 
 
-@pytest.mark.parametrize("fn", [gspo_loss, gspo_token_loss])
+@pytest.mark.parametrize("fn", [tensor_loss("gspo"), tensor_loss("gspo_token")])
 def test_sequence_ratio_losses_report_the_token_ratio_extremes_they_do_not_use(fn):
     """tok_ratio_min / max are the extremes of exp(logp - old_logp) over response tokens only."""
     logp, old, adv, mask = _token_batch(seed=26)
@@ -785,7 +787,7 @@ def test_sequence_ratio_losses_report_the_token_ratio_extremes_they_do_not_use(f
     )
 
 
-@pytest.mark.parametrize("fn", [grpo_loss, sapo_token_loss, cispo_loss])
+@pytest.mark.parametrize("fn", [tensor_loss("grpo"), tensor_loss("sapo_token"), tensor_loss("cispo")])
 def test_rejects_unknown_aggregation(fn):
     """The losses that take an aggregation raise ValueError for an unknown name."""
     logp, old, adv, mask = _batch(GSPO_LR)
@@ -822,34 +824,42 @@ def test_gradcheck(name):
 
 
 def test_losses_registry_entries_and_default_eps():
-    """LOSSES maps each name to its function with the papers' eps (SAPO: temperatures), equal to the
-    signature defaults; every loss has the same leading parameters and an optional weight."""
+    """LOSSES holds each loss once: its function, the papers' parameters (SAPO: its temperatures,
+    VESPO: its kernel, no clip range), its default aggregation and the kind of its own ratio."""
     assert list(LOSSES) == [
         "gspo", "gspo_token", "grpo", "sapo", "sapo_token", "cispo", "gmpo", "luspo", "vespo"
     ]  # fmt: skip
-    assert LOSSES["gspo"] == (gspo_loss, 3e-4, 4e-4)
-    assert LOSSES["gspo_token"] == (gspo_token_loss, 3e-4, 4e-4)
-    assert LOSSES["grpo"] == (grpo_loss, 0.2, 0.27)
-    assert LOSSES["sapo"] == (sapo_loss, 1.05, 1.0)
-    assert LOSSES["sapo_token"] == (sapo_token_loss, 1.05, 1.0)
-    assert LOSSES["cispo"] == (cispo_loss, 1.0, 0.28)
-    assert LOSSES["gmpo"] == (gmpo_loss, 0.4, 0.4)
-    assert LOSSES["luspo"] == (luspo_loss, 2e-3, 2.5e-3)
-    assert LOSSES["vespo"] == (vespo_loss, 0.0, 0.0)  # no clip range
-    for fn, el, eh in LOSSES.values():
-        params = inspect.signature(fn).parameters
-        assert params["eps_low"].default == el and params["eps_high"].default == eh
-        assert list(params)[:7] == [
-            "logp",
-            "old_logp",
-            "advantages",
-            "mask",
-            "eps_low",
-            "eps_high",
-            "normalizer",
-        ]
-        assert params["weight"].default is None
-    assert inspect.signature(grpo_loss).parameters["aggregation"].default == "seq_mean_token_mean"
-    assert inspect.signature(cispo_loss).parameters["aggregation"].default == "token_mean"
-    assert inspect.signature(sapo_token_loss).parameters["aggregation"].default == "seq_mean_token_mean"
-    assert inspect.signature(vespo_loss).parameters["aggregation"].default == "token_mean"
+    want = {
+        "gspo": (gspo_loss, {"eps_low": 3e-4, "eps_high": 4e-4}, None, False),
+        "gspo_token": (gspo_token_loss, {"eps_low": 3e-4, "eps_high": 4e-4}, None, False),
+        "grpo": (grpo_loss, {"eps_low": 0.2, "eps_high": 0.27}, "seq_mean_token_mean", True),
+        "sapo": (sapo_loss, {"tau_neg": 1.05, "tau_pos": 1.0}, None, False),
+        "sapo_token": (sapo_token_loss, {"tau_neg": 1.05, "tau_pos": 1.0}, "seq_mean_token_mean", True),
+        "cispo": (cispo_loss, {"eps_low": 1.0, "eps_high": 0.28}, "token_mean", True),
+        "gmpo": (gmpo_loss, {"eps_low": 0.4, "eps_high": 0.4}, None, True),
+        "luspo": (luspo_loss, {"eps_low": 2e-3, "eps_high": 2.5e-3}, None, False),
+        "vespo": (
+            vespo_loss,
+            {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0},
+            "token_mean",
+            False,
+        ),
+    }
+    for name, (fn, params, aggregation, token_ratio) in want.items():
+        spec = LOSSES[name]
+        assert (spec.fn, dict(spec.params), spec.aggregation, spec.token_ratio) == (
+            fn,
+            params,
+            aggregation,
+            token_ratio,
+        ), name
+        # the function takes the loss inputs and exactly the spec's keywords, none with a default
+        sig = inspect.signature(fn).parameters
+        assert list(sig)[0] == "inp" and set(list(sig)[1:]) == set(spec.resolve())
+        assert all(p.default is inspect.Parameter.empty for p in sig.values())
+    assert LOSSES["sapo"].eps == LOSSES["sapo_token"].eps == ("tau_neg", "tau_pos")  # the config's eps_*
+    assert LOSSES["vespo"].eps == ()  # no clip range
+    with pytest.raises(ValueError, match="takes no aggregation"):
+        LOSSES["gspo"].resolve("token_mean")
+    with pytest.raises(TypeError, match="takes no parameter"):
+        LOSSES["sapo"].resolve(eps_low=0.1)

@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
+from loss_helpers import call
 from test_losses import ATOL, F64, GSPO_LR, _batch, _grad, _token_batch
 
-from gspo.losses import VESPO_MIN_LOG_W, cispo_loss, gspo_loss, luspo_loss, vespo_loss
+from gspo.losses import VESPO_MIN_LOG_W
 
 
 def _rows(t: torch.Tensor) -> list[list[float]]:
@@ -84,7 +85,7 @@ def test_luspo_value_and_gradient_hand_computed():
     delta = torch.tensor([[0.0, 0.1, 0.2], [-0.5, 9.0, 9.0]], dtype=F64)
     logp = (old + delta).requires_grad_(True)
     adv = torch.tensor([2.0, -1.0], dtype=F64)
-    loss, m = luspo_loss(logp, old, adv, mask, 0.2, 0.27)
+    loss, m = call("luspo", logp, old, adv, mask, 0.2, 0.27)
     s0 = math.exp(0.1)
     assert abs(loss.item() - (-(3 * 2 * s0 + 1 * -1 * 0.8) / 2)) < ATOL
     assert _close(_grad(loss, logp), [[-s0, -s0, -s0], [0.0, 0.0, 0.0]])
@@ -102,7 +103,7 @@ def test_luspo_value_and_gradient_match_reference(eps, n):
         _batch([1e-3, -2e-3, 3e-3, 0.0, -1e-3]),
         _token_batch(seed=2),
     ):
-        loss, _ = luspo_loss(logp, old, adv, mask, *eps, normalizer=n)
+        loss, _ = call("luspo", logp, old, adv, mask, *eps, normalizer=n)
         want, want_g = ref_luspo(logp, old, adv, mask, *eps, n=n)
         assert abs(loss.item() - want) < ATOL
         assert _close(_grad(loss, logp), want_g)
@@ -111,10 +112,12 @@ def test_luspo_value_and_gradient_match_reference(eps, n):
 def test_luspo_is_gspo_times_each_length():
     """LUSPO's gradient of row i is |y_i| times GSPO's, its metrics GSPO's: only the weighting differs."""
     logp, old, adv, mask = _batch(GSPO_LR)
-    lu, mu = luspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
-    gs, mg = gspo_loss(logp, old, adv, mask, 3e-4, 4e-4)
+    lu, mu = call("luspo", logp, old, adv, mask, 3e-4, 4e-4)
+    gs, mg = call("gspo", logp, old, adv, mask, 3e-4, 4e-4)
     assert torch.allclose(_grad(lu, logp), mask.sum(-1, keepdim=True) * _grad(gs, logp), atol=ATOL, rtol=0)
-    assert abs(lu.item() - gspo_loss(logp, old, adv, mask, 3e-4, 4e-4, weight=mask.sum(-1))[0].item()) < ATOL
+    assert (
+        abs(lu.item() - call("gspo", logp, old, adv, mask, 3e-4, 4e-4, weight=mask.sum(-1))[0].item()) < ATOL
+    )
     assert all(torch.equal(mu[k], mg[k]) for k in mg)
 
 
@@ -122,7 +125,7 @@ def test_luspo_every_token_weighs_the_same_whatever_its_length():
     """On-policy (s = 1, no clip) every response token of every row gets -A_i / B: lengths 1..5 alike
     (GSPO gives -A_i / (B |y_i|): the length bias LUSPO removes)."""
     logp, old, adv, mask = _batch([0.0] * 5, spread=0.0)
-    g = _grad(luspo_loss(logp, old.clone(), adv, mask)[0], logp)
+    g = _grad(call("luspo", logp, old.clone(), adv, mask)[0], logp)
     want = -adv[:, None] / 5 * mask
     assert torch.allclose(g, want, atol=ATOL, rtol=0)
 
@@ -140,7 +143,7 @@ def test_vespo_kernel_hand_computed():
     delta = torch.tensor([[lw[0] / 2, lw[0] / 2, 0.0], [lw[1] / 3] * 3, [0.0, 0.0, 0.0]], dtype=F64)
     logp = (old + delta).requires_grad_(True)
     adv = torch.tensor([1.0, -2.0, 0.0], dtype=F64)  # A = 0 takes the _pos pair: phi(1) = 1 anyway
-    loss, m = vespo_loss(logp, old, adv, mask)
+    loss, m = call("vespo", logp, old, adv, mask)
     phi = [0.25 * math.exp(1.5), 8.0 * math.exp(-2.0), 1.0]
     assert abs(loss.item() - (-(2 * phi[0] * 1.0 + 3 * phi[1] * -2.0) / 6)) < ATOL
     assert _close(_grad(loss, logp), [[-phi[0] / 6] * 2 + [0.0], [2 * phi[1] / 6] * 3, [0.0] * 3])
@@ -160,7 +163,7 @@ def test_vespo_value_and_gradient_match_reference(agg, shape, n):
     for scale in (0.3, 1.0, 9.0):
         logp, old, adv, mask = _token_batch(seed=6, scale=scale)
         kw = dict(k_pos=k_pos, lambda_pos=l_pos, k_neg=k_neg, lambda_neg=l_neg)
-        loss, _ = vespo_loss(logp, old, adv, mask, normalizer=n, aggregation=agg, **kw)
+        loss, _ = call("vespo", logp, old, adv, mask, normalizer=n, aggregation=agg, **kw)
         want, want_g = ref_vespo(logp, old, adv, mask, (k_pos, k_neg), (l_pos, l_neg), n=n, agg=agg)
         assert abs(loss.item() - want) < ATOL
         assert _close(_grad(loss, logp), want_g)
@@ -172,7 +175,7 @@ def test_vespo_ratio_is_not_length_normalized():
     mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=F64)
     old = torch.full((2, 5), -1.0, dtype=F64)
     logp = (old + 0.1).requires_grad_(True)
-    _, m = vespo_loss(logp, old, torch.tensor([1.0, 1.0], dtype=F64), mask)
+    _, m = call("vespo", logp, old, torch.tensor([1.0, 1.0], dtype=F64), mask)
     assert (
         abs(m["ratio_min"].item() - math.exp(0.1)) < ATOL
         and abs(m["ratio_max"].item() - math.exp(0.5)) < ATOL
@@ -184,12 +187,12 @@ def test_vespo_on_policy_is_cispo_on_policy_and_far_off_policy_fades():
     log W floor (log 1e-8) or ceiling (20) gets phi ~ 0."""
     logp, old, adv, mask = _token_batch(seed=9)
     on = logp.detach().clone()
-    g_v = _grad(vespo_loss(logp, on, adv, mask)[0], logp)
-    g_c = _grad(cispo_loss(logp, on, adv, mask)[0], logp)
+    g_v = _grad(call("vespo", logp, on, adv, mask)[0], logp)
+    g_c = _grad(call("cispo", logp, on, adv, mask)[0], logp)
     assert torch.allclose(g_v, g_c, atol=ATOL, rtol=0)
     for shift in (VESPO_MIN_LOG_W - 5.0, 30.0):
         far = logp.detach() - shift / mask.sum(-1, keepdim=True)
-        g = _grad(vespo_loss(logp, far, adv, mask)[0], logp)
+        g = _grad(call("vespo", logp, far, adv, mask)[0], logp)
         assert g.abs().max().item() < 1e-15
 
 
@@ -197,9 +200,9 @@ def test_vespo_value_does_not_depend_on_log_prob_scale():
     """The surrogate's value is sum phi A / N, never a multiple of log pi (shifting both log-probs by
     -1e6 leaves value and gradient unchanged)."""
     logp, old, adv, mask = _token_batch(seed=10)
-    l1, _ = vespo_loss(logp, old, adv, mask)
+    l1, _ = call("vespo", logp, old, adv, mask)
     x = (logp.detach() - 1e6).requires_grad_(True)
-    l2, _ = vespo_loss(x, old - 1e6, adv, mask)
+    l2, _ = call("vespo", x, old - 1e6, adv, mask)
     assert abs(l1.item() - l2.item()) < 1e-9
     assert torch.allclose(_grad(l1, logp), _grad(l2, x), atol=1e-9, rtol=0)
 
@@ -210,4 +213,4 @@ def test_vespo_value_does_not_depend_on_log_prob_scale():
 def test_vespo_rejects_a_kernel_that_does_not_decay(kw):
     logp, old, adv, mask = _token_batch(seed=11)
     with pytest.raises(ValueError, match="VESPO"):
-        vespo_loss(logp, old, adv, mask, **kw)
+        call("vespo", logp, old, adv, mask, **kw)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_helpers import call, tensor_loss
 from test_losses import (
     ADV,
     ATOL,
@@ -28,12 +29,6 @@ from test_losses import (
 
 from gspo.losses import (
     MAX_LOG_RATIO,
-    cispo_loss,
-    gmpo_loss,
-    grpo_loss,
-    gspo_loss,
-    sapo_loss,
-    sapo_token_loss,
 )
 
 TAU_NEG, TAU_POS = 1.05, 1.0
@@ -178,7 +173,7 @@ def test_sapo_value_and_gradient_hand_computed():
     delta = torch.tensor([[0.25, 0.15, 0.2], [-0.35, -0.25, 9.0]], dtype=F64)  # means 0.2, -0.3
     logp = (old + delta).requires_grad_(True)
     adv = torch.tensor([1.0, -2.0], dtype=F64)
-    loss, m = sapo_loss(logp, old, adv, mask)
+    loss, m = call("sapo", logp, old, adv, mask)
     s0, s1 = math.exp(0.2), math.exp(-0.3)
     x0, x1 = 1.0 * (s0 - 1), 1.05 * (s1 - 1)
     f0 = 4 / (1 + math.exp(-x0))
@@ -200,7 +195,7 @@ def test_sapo_value_and_gradient_hand_computed():
 def test_sapo_value_and_gradient_match_reference(taus, n):
     """sapo_loss equals the plain-python reference (value, d loss / d logp) for several temperatures."""
     logp, old, adv, mask = _batch([0.1, 0.6, -0.4, 0.3, -1.5], spread=0.3)
-    loss, _ = sapo_loss(logp, old, adv, mask, *taus, normalizer=n)
+    loss, _ = call("sapo", logp, old, adv, mask, *taus, normalizer=n)
     want, want_g = ref_sapo(logp, old, adv, mask, *taus, n=n)
     assert abs(loss.item() - want) < ATOL
     assert _close(_grad(loss, logp), want_g)
@@ -213,7 +208,7 @@ def test_sapo_token_value_and_gradient_hand_computed():
     r = [1.5, 0.8, 1.0]
     logp = (old + torch.tensor([[math.log(x) for x in r] + [3.0]], dtype=F64)).requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0, 2.0, 5.0]], dtype=F64)
-    loss, m = sapo_token_loss(logp, old, adv, mask)
+    loss, m = call("sapo_token", logp, old, adv, mask)
     f = [4 * _sig(0.5), 4 / 1.05 * _sig(1.05 * -0.2), 4 * 0.5]
     assert abs(loss.item() - (-(f[0] * 1 - f[1] + f[2] * 2) / 3)) < ATOL
     g = [4 * _sig(0.5) * _sig(-0.5), 4 * _sig(-0.21) * _sig(0.21), 1.0]
@@ -224,7 +219,7 @@ def test_sapo_token_value_and_gradient_hand_computed():
     assert abs(m["gate_min"].item() - min(g)) < ATOL
     assert abs(m["ratio_mean"].item() - sum(r) / 3) < ATOL
     assert abs(m["seq_ratio_mean"].item() - (1.5 * 0.8) ** (1 / 3)) < ATOL
-    tm, _ = sapo_token_loss(logp, old, adv, mask, aggregation="token_mean", normalizer=6.0)
+    tm, _ = call("sapo_token", logp, old, adv, mask, aggregation="token_mean", normalizer=6.0)
     assert abs(tm.item() - (-(f[0] * 1 - f[1] + f[2] * 2) / 6)) < ATOL
 
 
@@ -235,7 +230,7 @@ def test_sapo_token_value_and_gradient_match_reference(aggregation, per_token_ad
     logp, old, adv, mask = _token_batch(seed=1, scale=1.5)
     if per_token_adv:
         adv = torch.randn(5, 5, generator=torch.Generator().manual_seed(2), dtype=F64)
-    loss, _ = sapo_token_loss(logp, old, adv, mask, aggregation=aggregation)
+    loss, _ = call("sapo_token", logp, old, adv, mask, aggregation=aggregation)
     want, want_g = ref_sapo_token(logp, old, adv, mask, agg=aggregation)
     assert abs(loss.item() - want) < ATOL
     assert _close(_grad(loss, logp), want_g)
@@ -248,7 +243,7 @@ def test_sapo_gate_gradient_precise_far_from_ratio_one():
     old = torch.zeros(2, 1, dtype=F64)
     logp = torch.tensor([[math.log(31.0)], [math.log(1e-6)]], dtype=F64, requires_grad=True)
     adv = torch.tensor([1.0, 1.0], dtype=F64)
-    loss, _ = sapo_token_loss(logp, old, adv, mask)
+    loss, _ = call("sapo_token", logp, old, adv, mask)
     g = _grad(loss, logp)
     x0, x1 = 30.0, 1e-6 - 1
     want0 = -4 * math.exp(-x0) / (1 + math.exp(-x0)) ** 2 * 31.0 / 2
@@ -260,7 +255,7 @@ def test_sapo_gate_gradient_precise_far_from_ratio_one():
 def test_sapo_rejects_nonpositive_temperatures():
     """Temperatures (eps_low/eps_high) must be > 0 (unknown aggregations: tests/test_losses.py)."""
     logp, old, adv, mask = _batch([0.0] * 5)
-    for fn in (sapo_loss, sapo_token_loss):
+    for fn in (tensor_loss("sapo"), tensor_loss("sapo_token")):
         for taus in [(0.0, 1.0), (1.0, -1.0), (float("nan"), 1.0)]:
             with pytest.raises(ValueError):
                 fn(logp, old, adv, mask, *taus)
@@ -277,7 +272,7 @@ def test_cispo_value_and_gradient_hand_computed():
     r = torch.tensor([[0.5, 1.0, 1.5], [2.0, 7.0, 7.0]], dtype=F64)
     logp = (old + r.log()).requires_grad_(True)
     adv = torch.tensor([1.0, -2.0], dtype=F64)
-    loss, m = cispo_loss(logp, old, adv, mask)  # token_mean: / 4 tokens
+    loss, m = call("cispo", logp, old, adv, mask)  # token_mean: / 4 tokens
     assert abs(loss.item() - (-(0.5 + 1.0 + 1.28 - 2 * 1.28) / 4)) < ATOL
     assert _close(_grad(loss, logp), [[-0.5 / 4, -1.0 / 4, -1.28 / 4], [2 * 1.28 / 4, 0.0, 0.0]])
     want_m = {
@@ -293,7 +288,7 @@ def test_cispo_value_and_gradient_hand_computed():
     for k, v in want_m.items():
         assert abs(m[k].item() - v) < ATOL, k
     # lower clip 1 - 0.2: r = 0.5 is raised to 0.8 (and counted), its gradient kept
-    loss2, m2 = cispo_loss(logp, old, adv, mask, 0.2, 0.28, aggregation="seq_mean_token_mean")
+    loss2, m2 = call("cispo", logp, old, adv, mask, 0.2, 0.28, aggregation="seq_mean_token_mean")
     assert abs(loss2.item() - (-((0.8 + 1.0 + 1.28) / 3 - 2 * 1.28) / 2)) < ATOL
     assert _close(_grad(loss2, logp), [[-0.8 / 6, -1.0 / 6, -1.28 / 6], [2 * 1.28 / 2, 0.0, 0.0]])
     assert abs(m2["clip_frac_tok_low"].item() - 1 / 4) < ATOL
@@ -306,7 +301,7 @@ def test_cispo_value_and_gradient_match_reference(aggregation, eps):
     logp, old, _, mask = _token_batch(seed=3, scale=0.8)
     adv = torch.randn(5, 5, generator=torch.Generator().manual_seed(4), dtype=F64)
     for n in (None, 11.0):
-        loss, _ = cispo_loss(logp, old, adv, mask, *eps, normalizer=n, aggregation=aggregation)
+        loss, _ = call("cispo", logp, old, adv, mask, *eps, normalizer=n, aggregation=aggregation)
         want, want_g = ref_cispo(logp, old, adv, mask, *eps, n=n, agg=aggregation)
         assert abs(loss.item() - want) < ATOL
         assert _close(_grad(loss, logp), want_g)
@@ -316,9 +311,9 @@ def test_cispo_value_does_not_depend_on_log_prob_scale():
     """Shifting logp and old_logp together (same ratios) leaves CISPO's value and gradient unchanged
     (the surrogate's value is sum clip(r) A / N, not a multiple of log pi)."""
     logp, old, adv, mask = _token_batch(seed=5)
-    l1, _ = cispo_loss(logp, old, adv, mask)
+    l1, _ = call("cispo", logp, old, adv, mask)
     x = (logp.detach() - 1e6).requires_grad_(True)
-    l2, _ = cispo_loss(x, old - 1e6, adv, mask)
+    l2, _ = call("cispo", x, old - 1e6, adv, mask)
     assert abs(l1.item() - l2.item()) < 1e-9
     assert torch.allclose(_grad(l1, logp), _grad(l2, x), atol=1e-9, rtol=0)
 
@@ -334,7 +329,7 @@ def test_gmpo_value_and_gradient_hand_computed():
     lr = torch.tensor([[0.5, 0.1, -0.6], [-0.5, 0.2, 30.0]], dtype=F64)
     logp = (old + lr).requires_grad_(True)
     adv = torch.tensor([1.0, -1.0], dtype=F64)
-    loss, m = gmpo_loss(logp, old, adv, mask)
+    loss, m = call("gmpo", logp, old, adv, mask)
     S0, S1 = math.exp((0.4 + 0.1 - 0.6) / 3), math.exp((-0.4 + 0.2) / 2)
     assert abs(loss.item() - (-(S0 - S1) / 2)) < ATOL
     assert _close(_grad(loss, logp), [[0.0, -S0 / 3 / 2, -S0 / 3 / 2], [0.0, S1 / 2 / 2, 0.0]])
@@ -357,7 +352,7 @@ def test_gmpo_value_and_gradient_hand_computed():
 def test_gmpo_value_and_gradient_match_reference(eps, n):
     """gmpo_loss equals the log-space reference, clipped tokens get no gradient."""
     logp, old, adv, mask = _token_batch(seed=6, scale=0.7)
-    loss, _ = gmpo_loss(logp, old, adv, mask, *eps, normalizer=n)
+    loss, _ = call("gmpo", logp, old, adv, mask, *eps, normalizer=n)
     want, want_g = ref_gmpo(logp, old, adv, mask, *eps, n=n)
     assert abs(loss.item() - want) < ATOL
     assert _close(_grad(loss, logp), want_g)
@@ -375,7 +370,7 @@ def test_gmpo_equals_paper_product_form():
             r = math.exp(L[i][t] - Ol[i][t])
             prod *= abs(min(r * A[i], min(max(r, math.exp(-0.4)), math.exp(0.4)) * A[i]))
         total += prod ** (1 / len(toks)) * math.copysign(1.0, A[i])
-    loss, _ = gmpo_loss(logp, old, adv, mask)
+    loss, _ = call("gmpo", logp, old, adv, mask)
     assert abs(loss.item() - (-total / 5)) < ATOL
 
 
@@ -388,8 +383,8 @@ def test_sapo_on_policy_gradient_equals_gspo(taus):
     """logp == old_logp: SAPO's gradient is GSPO's (-A_i/|y_i|/B), its value -(1/B) sum (2/tau_i) A_i."""
     logp, _, adv, mask = _batch([0.0] * 5)
     old = logp.detach().clone()
-    ls, m = sapo_loss(logp, old, adv, mask, *taus)
-    lg, _ = gspo_loss(logp, old, adv, mask)
+    ls, m = call("sapo", logp, old, adv, mask, *taus)
+    lg, _ = call("gspo", logp, old, adv, mask)
     gs = _grad(ls, logp)
     assert torch.allclose(gs, _grad(lg, logp), atol=ATOL, rtol=0)
     assert torch.allclose(gs, -(adv[:, None] / mask.sum(-1, keepdim=True) / 5) * mask, atol=ATOL, rtol=0)
@@ -404,8 +399,8 @@ def test_sapo_token_on_policy_gradient_equals_grpo(aggregation):
     logp, _, _, mask = _batch([0.0] * 5)
     old = logp.detach().clone()
     adv = torch.randn(5, 5, generator=torch.Generator().manual_seed(9), dtype=F64)
-    ls, _ = sapo_token_loss(logp, old, adv, mask, aggregation=aggregation)
-    lr, _ = grpo_loss(logp, old, adv, mask, aggregation=aggregation)
+    ls, _ = call("sapo_token", logp, old, adv, mask, aggregation=aggregation)
+    lr, _ = call("grpo", logp, old, adv, mask, aggregation=aggregation)
     assert torch.allclose(_grad(ls, logp), _grad(lr, logp), atol=ATOL, rtol=0)
 
 
@@ -413,8 +408,8 @@ def test_sapo_token_on_policy_gradient_equals_grpo(aggregation):
 def test_sapo_token_equals_sapo_when_token_ratios_are_equal(taus):
     """Equal token log-ratios within each row (r_it = s_i): SAPO-token == SAPO in value and gradient."""
     logp, old, adv, mask = _batch([0.3, -0.2, 1.1, -0.7, 0.05], spread=0.0)
-    l1, m1 = sapo_loss(logp, old, adv, mask, *taus)
-    l2, m2 = sapo_token_loss(logp, old, adv, mask, *taus)
+    l1, m1 = call("sapo", logp, old, adv, mask, *taus)
+    l2, m2 = call("sapo_token", logp, old, adv, mask, *taus)
     assert abs(l1.item() - l2.item()) < ATOL
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
     for k in ("gate_tok_mean", "gate_seq_mean", "gate_min", "ratio_mean", "approx_kl"):
@@ -427,8 +422,8 @@ def test_cispo_on_policy_equals_token_mean_reinforce(aggregation):
     logp, _, _, mask = _batch([0.0] * 5)
     old = logp.detach().clone()
     adv = torch.randn(5, 5, generator=torch.Generator().manual_seed(10), dtype=F64)
-    lc, _ = cispo_loss(logp, old, adv, mask, aggregation=aggregation)
-    lr, _ = grpo_loss(logp, old, adv, mask, aggregation=aggregation)
+    lc, _ = call("cispo", logp, old, adv, mask, aggregation=aggregation)
+    lr, _ = call("grpo", logp, old, adv, mask, aggregation=aggregation)
     assert abs(lc.item() - lr.item()) < ATOL
     gc = _grad(lc, logp)
     assert torch.allclose(gc, _grad(lr, logp), atol=ATOL, rtol=0)
@@ -440,8 +435,8 @@ def test_cispo_on_policy_equals_token_mean_reinforce(aggregation):
 def test_cispo_equals_grpo_without_clipping(aggregation):
     """No clip active (wide ranges): CISPO == GRPO in value and gradient (A r grad log pi)."""
     logp, old, adv, mask = _token_batch(seed=11, scale=0.8)
-    lc, _ = cispo_loss(logp, old, adv, mask, 1.0, 100.0, aggregation=aggregation)
-    lr, _ = grpo_loss(logp, old, adv, mask, 1.0, 100.0, aggregation=aggregation)
+    lc, _ = call("cispo", logp, old, adv, mask, 1.0, 100.0, aggregation=aggregation)
+    lr, _ = call("grpo", logp, old, adv, mask, 1.0, 100.0, aggregation=aggregation)
     assert abs(lc.item() - lr.item()) < ATOL
     assert torch.allclose(_grad(lc, logp), _grad(lr, logp), atol=ATOL, rtol=0)
 
@@ -450,8 +445,8 @@ def test_gmpo_on_policy_equals_gspo():
     """logp == old_logp: GMPO's value and gradient are GSPO's."""
     logp, _, adv, mask = _batch([0.0] * 5)
     old = logp.detach().clone()
-    l1, _ = gmpo_loss(logp, old, adv, mask)
-    l2, _ = gspo_loss(logp, old, adv, mask)
+    l1, _ = call("gmpo", logp, old, adv, mask)
+    l2, _ = call("gspo", logp, old, adv, mask)
     assert abs(l1.item() - l2.item()) < ATOL and abs(l1.item() + sum(ADV) / 5) < ATOL
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
 
@@ -459,8 +454,8 @@ def test_gmpo_on_policy_equals_gspo():
 def test_gmpo_equals_gspo_without_clipping():
     """No clip active: the geometric mean of token ratios is s_i, so GMPO == GSPO (value, gradient)."""
     logp, old, adv, mask = _batch([0.3, -0.5, 0.8, -0.2, 0.1], spread=0.4)
-    l1, _ = gmpo_loss(logp, old, adv, mask, 50.0, 50.0)
-    l2, _ = gspo_loss(logp, old, adv, mask, 1.0, 1e9)
+    l1, _ = call("gmpo", logp, old, adv, mask, 50.0, 50.0)
+    l2, _ = call("gspo", logp, old, adv, mask, 1.0, 1e9)
     assert abs(l1.item() - l2.item()) < ATOL
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
 
@@ -476,8 +471,8 @@ def test_gmpo_equals_grpo_on_single_token_sequences(eps):
     mask = torch.ones(6, 1, dtype=F64)
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, 0.0], dtype=F64)
     el, eh = eps
-    l1, m1 = gmpo_loss(logp, old, adv, mask, el, eh)
-    l2, m2 = grpo_loss(logp, old, adv, mask, 1 - math.exp(-el), math.exp(eh) - 1)
+    l1, m1 = call("gmpo", logp, old, adv, mask, el, eh)
+    l2, m2 = call("grpo", logp, old, adv, mask, 1 - math.exp(-el), math.exp(eh) - 1)
     assert abs(l1.item() - l2.item()) < ATOL
     assert torch.allclose(_grad(l1, logp), _grad(l2, logp), atol=ATOL, rtol=0)
     for k in m2:
@@ -575,12 +570,12 @@ def test_gmpo_and_cispo_clip_fractions_match_reference_counts():
     logp, old, adv, mask = _token_batch(seed=26, scale=0.9)
     L, Ol, M, A = _rows(logp), _rows(old), _rows(mask), adv.tolist()
     toks = [(i, t, L[i][t] - Ol[i][t]) for i in range(5) for t in _toks(M[i])]
-    _, mg = gmpo_loss(logp, old, adv, mask, 0.3, 0.2)
+    _, mg = call("gmpo", logp, old, adv, mask, 0.3, 0.2)
     hi = sum(1 for i, _, lr in toks if A[i] > 0 and lr > 0.2)
     lo = sum(1 for i, _, lr in toks if A[i] < 0 and lr < -0.3)
     assert abs(mg["clip_frac_tok_high"].item() - hi / len(toks)) < ATOL
     assert abs(mg["clip_frac_tok_low"].item() - lo / len(toks)) < ATOL
-    _, mc = cispo_loss(logp, old, adv, mask, 0.3, 0.2)
+    _, mc = call("cispo", logp, old, adv, mask, 0.3, 0.2)
     hi = sum(1 for _, _, lr in toks if math.exp(lr) > 1.2)
     lo = sum(1 for _, _, lr in toks if math.exp(lr) < 0.7)
     assert abs(mc["clip_frac_tok_high"].item() - hi / len(toks)) < ATOL
@@ -664,7 +659,7 @@ def test_max_log_ratio_clamp_matches_gspo_for_sapo_and_gmpo():
     """Beyond MAX_LOG_RATIO the sequence ratio is clamped (no gradient), as in GSPO."""
     big = MAX_LOG_RATIO + 5
     logp, old, adv, mask = _batch([big, -big, 0.0, big, -big], [-1.0, 1.0, 1.0, 1.0, -1.0])
-    for fn in (sapo_loss, lambda *a: gmpo_loss(*a, 50.0, 50.0)):
+    for fn in (tensor_loss("sapo"), lambda *a: call("gmpo", *a, 50.0, 50.0)):
         loss, _ = fn(logp, old, adv, mask)
         g = _grad(loss, logp)
         assert torch.isfinite(loss) and torch.all(g[[0, 1, 3, 4]] == 0) and torch.any(g[2] != 0)

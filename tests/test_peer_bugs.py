@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_helpers import tensor_loss
 from test_losses import ATOL, F64, GSPO_LR, _batch, _grad, _token_batch, ref_gspo
 from test_losses_luspo_vespo import ref_luspo
 
 from gspo.loss_inputs import loss_inputs, sequence_mean
-from gspo.losses import gspo_loss, luspo_loss
 
 
 def _seq_objective(logp, old, adv, mask, el, eh):
     """GSPO's per-sequence objective min(s A, clip(s) A), as a peer computes it ([B])."""
-    inp = loss_inputs(logp, old, mask)
+    inp = loss_inputs(logp, old, mask, adv)
     s = torch.exp(sequence_mean(inp.log_r_BT, inp.n_tok_B))
-    a = inp.seq_advantages(adv)
+    a = inp.seq_advantages()
     return torch.minimum(s * a, s.clamp(1 - el, 1 + eh) * a), inp
 
 
@@ -69,13 +69,13 @@ CASES = [_batch(GSPO_LR), _batch([1e-3, -2e-3, 3e-3, 0.0, -1e-3]), _token_batch(
 
 @pytest.mark.parametrize("broken", [trl_3823_gspo, roll_165_gspo], ids=["trl-3823", "roll-165"])
 def test_gspo_length_weighting_bugs_are_caught(broken):
-    closed_form_check(gspo_loss, _gspo_ref, (3e-4, 4e-4), CASES)
+    closed_form_check(tensor_loss("gspo"), _gspo_ref, (3e-4, 4e-4), CASES)
     with pytest.raises(AssertionError):
         closed_form_check(broken, _gspo_ref, (3e-4, 4e-4), CASES)
 
 
 def test_luspo_quadratic_length_bias_is_caught():
-    closed_form_check(luspo_loss, ref_luspo, (2e-3, 2.5e-3), CASES)
+    closed_form_check(tensor_loss("luspo"), ref_luspo, (2e-3, 2.5e-3), CASES)
     with pytest.raises(AssertionError):
         closed_form_check(trl_6654_luspo, ref_luspo, (2e-3, 2.5e-3), CASES)
 
@@ -110,7 +110,7 @@ def ranks_equal_one_process_check(step, fn, world):
 
 
 def test_data_parallel_normalizer_bug_is_caught():
-    for fn in (gspo_loss, luspo_loss):
+    for fn in (tensor_loss("gspo"), tensor_loss("luspo")):
         ranks_equal_one_process_check(gspo_step, fn, world=2)
         ranks_equal_one_process_check(verl_5798_step, fn, world=1)  # invisible on one rank ...
         with pytest.raises(AssertionError):  # ... 1/dp^2 of the update on two

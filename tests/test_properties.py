@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_helpers import call, tensor_loss
 
 from gspo.advantages import SCALES, group_advantages
-from gspo.losses import grpo_loss, gspo_loss, gspo_token_loss
 
 F64 = torch.float64
 # derandomize: CI runs the same examples every time (a failure reproduces; no flaky runs)
@@ -16,10 +16,10 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 LOSS_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 
 LOSS_FNS = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "grpo": grpo_loss,
-    "grpo_token_mean": lambda *a, **k: grpo_loss(*a, aggregation="token_mean", **k),
+    "gspo": tensor_loss("gspo"),
+    "gspo_token": tensor_loss("gspo_token"),
+    "grpo": tensor_loss("grpo"),
+    "grpo_token_mean": lambda *a, **k: call("grpo", *a, aggregation="token_mean", **k),
 }
 
 
@@ -102,9 +102,9 @@ def test_gspo_token_equals_gspo_for_constant_advantages(b, explicit, eps):
     logp, old, mask, adv, _, _ = b
     x1 = logp.clone().requires_grad_(True)
     x2 = logp.clone().requires_grad_(True)
-    l1, _ = gspo_loss(x1, old, adv, mask, *eps)
+    l1, _ = call("gspo", x1, old, adv, mask, *eps)
     a = adv[:, None].expand_as(logp).clone() if explicit else adv
-    l2, _ = gspo_token_loss(x2, old, a, mask, *eps)
+    l2, _ = call("gspo_token", x2, old, a, mask, *eps)
     (g1,) = torch.autograd.grad(l1, x1)
     (g2,) = torch.autograd.grad(l2, x2)
     tol = 1e-12 * max(1.0, l1.abs().item())
@@ -130,8 +130,8 @@ def test_gspo_token_equals_gspo_in_float32(B, lengths, old_vals, delta_vals, adv
     x1 = (old + delta).requires_grad_(True)
     x2 = x1.detach().clone().requires_grad_(True)
     adv = torch.tensor(adv_vals[:B])
-    l1, m1 = gspo_loss(x1, old, adv, mask)
-    l2, m2 = gspo_token_loss(x2, old, adv, mask)
+    l1, m1 = call("gspo", x1, old, adv, mask)
+    l2, m2 = call("gspo_token", x2, old, adv, mask)
     for k in m1:
         assert torch.equal(m1[k], m2[k]), k
     assert abs(l1.item() - l2.item()) <= 1e-6 * (adv.abs().sum().item() + 1e-30)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gspo.config import make_config
+from gspo.config.algorithm import loss_params
 from gspo.tasks import build_task
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -35,7 +36,7 @@ def test_recipe_parses_and_validates(path):
     assert cfg.max_prompt_tokens + cfg.max_new_tokens <= QWEN3_CONTEXT
     assert cfg.sft_steps == 0 and cfg.chat_template and cfg.reward == "math"
     assert cfg.rollout_engine == "vllm" and cfg.rollout_dtype == "bfloat16"
-    assert cfg.algo == "gspo" and cfg.clip_range() == (3e-4, 4e-4)
+    assert cfg.algo == "gspo" and loss_params(cfg) == {"eps_low": 3e-4, "eps_high": 4e-4}
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)

@@ -190,13 +190,13 @@ def test_volatility_from_the_training_forward_equals_a_separate_look(tiny_moe, b
     model, _ = tiny_moe
     m = copy.deepcopy(model)
     cfg = Config(prompts_per_step=2, group_size=8, num_minibatches=4, max_grad_norm=0, algo="grpo").validate()
-    plan, prepared, real_prepare = plan_update(cfg, m, True), [], U.with_pi_old
+    plan, prepared, real_prepare = plan_update(cfg, m, True), [], U.record_pi_old
 
     def recording_prepare(*a, **k):
         prepared.append(real_prepare(*a, **k))
         return prepared[-1]
 
-    monkeypatch.setattr(U, "with_pi_old", recording_prepare)
+    monkeypatch.setattr(U, "record_pi_old", recording_prepare)
     opt = torch.optim.SGD(m.parameters(), lr=5.0)
     looked = []
 
@@ -375,7 +375,21 @@ def test_attn_implementation_is_read_where_transformers_sets_it():
         (dict(routing_replay=True), dict(replay="R2", volatility="forward")),
         (dict(num_minibatches=1), dict(volatility="forward", volatility_minibatch=0)),
         (dict(log_volatility=False), dict(volatility=None, volatility_minibatch=None)),
-        (dict(algo="grpo"), dict(eps_low=0.2, eps_high=0.27, aggregation="seq_mean_token_mean")),
+        (
+            dict(algo="grpo"),
+            dict(loss_params=(("eps_low", 0.2), ("eps_high", 0.27)), aggregation="seq_mean_token_mean"),
+        ),
+        (
+            dict(algo="sapo", eps_low=2.0),
+            dict(loss_params=(("tau_neg", 2.0), ("tau_pos", 1.0)), aggregation=None),
+        ),
+        (
+            dict(algo="vespo", vespo_k_neg=1.5),
+            dict(
+                loss_params=(("k_pos", 2.0), ("lambda_pos", 3.0), ("k_neg", 1.5), ("lambda_neg", 2.0)),
+                aggregation="token_mean",
+            ),
+        ),
     ],
 )
 def test_the_update_plan_is_decided_once_from_the_config(tiny_moe, kw, want):

@@ -7,13 +7,14 @@ of tokens for ``token_mean``) scales this gradient and fails here.
 """
 
 import copy
-import inspect
 
 import pytest
 import torch
 
 from gspo.config import Config
+from gspo.config.algorithm import loss_params
 from gspo.data import TrainBatch, left_pad
+from gspo.loss_inputs import loss_inputs
 from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
 from gspo.resolve import plan_update
@@ -22,8 +23,8 @@ from gspo.train.update import policy_update
 
 
 def _cases():
-    for algo, (fn, _, _) in LOSSES.items():
-        if "aggregation" in inspect.signature(fn).parameters:
+    for algo, spec in LOSSES.items():
+        if spec.aggregation is not None:
             yield algo, "seq_mean_token_mean"
             yield algo, "token_mean"
         else:
@@ -74,9 +75,8 @@ def _direct_grads(model, params, rows: TrainBatch, old_logp_BT, algo, agg, cfg):
         rows.response_mask_BT,
         cfg.temperature,
     )
-    fn = LOSSES[algo][0]
-    kw = {"aggregation": agg} if agg else {}
-    loss, _ = fn(lp, old_logp_BT, rows.adv_B, rows.response_mask_BT, *cfg.clip_range(), **kw)
+    inp = loss_inputs(lp, old_logp_BT, rows.response_mask_BT, rows.adv_B)
+    loss = LOSSES[algo](inp, agg, **loss_params(cfg)).loss
     loss.backward()
     return [p.grad for p in m.parameters()]
 
@@ -158,7 +158,7 @@ def test_mismatch_correction_enters_the_update_as_the_pure_functions_say(tiny_mo
     lp = response_logprobs(
         mm, rows.prompt_ids_BP, rows.prompt_mask_BP, rows.response_ids_BT, rows.response_mask_BT, 0.9
     )
-    loss, _ = LOSSES[algo][0](lp, old, rows.adv_B, mask, *cfg.clip_range(), weight=weight)
+    loss = LOSSES[algo](loss_inputs(lp, old, mask, rows.adv_B, weight=weight), **loss_params(cfg)).loss
     loss.backward()
     ((_, grads),) = opt.seen
     for g_got, p in zip(grads, mm.parameters(), strict=True):

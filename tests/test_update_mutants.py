@@ -11,10 +11,10 @@ import torch
 
 from gspo.config import Config
 from gspo.data import TrainBatch, left_pad
-from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
 from gspo.resolve import dist_plan, plan_update
 from gspo.rollout.hf import HFRolloutEngine
+from gspo.train import update as U
 from gspo.train.update import policy_update
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,13 +64,13 @@ def test_pi_old_is_the_samplers_in_every_minibatch(tiny_moe, sampled, kw, monkey
     plan = plan_update(cfg, m, True)
     assert plan.pi_old == "rollout"
     seen = []
-    fn, lo, hi = LOSSES[plan.algo]
+    real = U.loss_inputs
 
-    def spy(logp_BT, old_BT, adv_B, mask_BT, *a, **k):
+    def spy(logp_BT, old_BT, mask_BT, *a, **k):  # what the update hands the loss
         seen.append((logp_BT.detach().clone(), old_BT.detach().clone(), mask_BT.clone()))
-        return fn(logp_BT, old_BT, adv_B, mask_BT, *a, **k)
+        return real(logp_BT, old_BT, mask_BT, *a, **k)
 
-    monkeypatch.setitem(LOSSES, plan.algo, (spy, lo, hi))
+    monkeypatch.setattr(U, "loss_inputs", spy)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)  # the weights stay: the trainer's log-probs are own_BT
     out = policy_update(m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), data, plan, 1)
     assert len(seen) == 2  # one micro-batch per minibatch, rows in order

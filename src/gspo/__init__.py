@@ -6,8 +6,11 @@
 from gspo import train  # the training package, callable: gspo.train(cfg)
 from gspo.advantages import group_advantages
 from gspo.config import Config
+from gspo.loss_inputs import LossInputs, loss_inputs
 from gspo.losses import (
     LOSSES,
+    LossOutput,
+    LossSpec,
     cispo_loss,
     gmpo_loss,
     grpo_loss,
@@ -20,12 +23,16 @@ from gspo.losses import (
 __all__ = [
     "LOSSES",
     "Config",
+    "LossInputs",
+    "LossOutput",
+    "LossSpec",
     "cispo_loss",
     "gmpo_loss",
     "group_advantages",
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",
+    "loss_inputs",
     "sapo_loss",
     "sapo_token_loss",
     "train",

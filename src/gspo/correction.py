@@ -17,9 +17,8 @@ They plug into every loss in :mod:`gspo.losses` through its ``weight`` argument 
 token mask into ``mask``::
 
     w_B = sequence_tis_weights(old_logp_BT, sampler_logp_BT, mask_BT, cap=2.0)
-    loss, metrics = loss_fn(logp_BT, old_logp_BT, adv_B, mask_BT, eps_low, eps_high,
-                            normalizer=n, weight=w_B)
-    metrics.update(mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, tis_cap=2.0))
+    out = LOSSES["gspo"](loss_inputs(logp_BT, old_logp_BT, mask_BT, adv_B, normalizer=n, weight=w_B))
+    metrics = out.metrics | mismatch_metrics(old_logp_BT, sampler_logp_BT, mask_BT, tis_cap=2.0)
 
 or, the way the trainer does, through the registry :data:`CORRECTIONS` (name -> function returning the
 loss's weight, its token mask and these metrics)::
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -178,48 +178,60 @@ def mismatch_metrics(
     Only rows with response tokens count; with none at all every mean is 0 and min/max are 1.
     """
     d_BT, l_B, n_tok_B = _mismatch(old_logp, sampler_logp, mask)
-    valid_BT = mask.detach().bool()
-    has_tok_B = n_tok_B > 0
-    n_tok = n_tok_B.sum().clamp(min=1)
-    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
-
-    def seq_mean(x_B: Tensor) -> Tensor:
-        return torch.where(has_tok_B, x_B, torch.zeros_like(x_B)).sum() / n_seq
-
-    def tok_frac(bad_BT: Tensor) -> tuple[Tensor, Tensor]:  # (over tokens, per sequence averaged)
-        bad_BT = (bad_BT & valid_BT).to(n_tok_B.dtype)
-        return bad_BT.sum() / n_tok, seq_mean(bad_BT.sum(-1) / n_tok_B.clamp(min=1))
-
-    def seq_frac(bad_B: Tensor) -> tuple[Tensor, Tensor]:  # (over sequences, over tokens)
-        bad_B = (bad_B & has_tok_B).to(n_tok_B.dtype)
-        return bad_B.sum() / n_seq, (bad_B * n_tok_B).sum() / n_tok
-
-    k_BT = torch.exp(d_BT)
+    rows = _Rows.of(mask.detach().bool(), n_tok_B)
+    k_BT, rho_B = torch.exp(d_BT), torch.exp(l_B)
     out: dict[str, Tensor] = {}
     if estimators:
-        out |= _estimators(d_BT, l_B, n_tok_B, valid_BT, has_tok_B, seq_mean(-l_B), n_tok)
+        out |= _estimators(d_BT, l_B, n_tok_B, rows.valid_BT, rows.has_tok_B, rows.seq_mean(-l_B), rows.n_tok)
     if abs_diff:
-        out["token_abs_logp_diff"] = seq_mean(d_BT.abs().sum(-1) / n_tok_B.clamp(min=1))
-        out["seq_abs_logp_diff"] = seq_mean(l_B.abs())
+        out["token_abs_logp_diff"] = rows.seq_mean(d_BT.abs().sum(-1) / n_tok_B.clamp(min=1))
+        out["seq_abs_logp_diff"] = rows.seq_mean(l_B.abs())
     if tis_cap is not None:
         _check_cap(tis_cap)
-        out["tis_weight_seq"] = seq_mean(torch.exp(l_B).clamp(max=tis_cap))
-        out["tis_trunc_frac_seq"], out["tis_trunc_frac_tok"] = seq_frac(torch.exp(l_B) > tis_cap)
+        out["tis_weight_seq"] = rows.seq_mean(rho_B.clamp(max=tis_cap))
+        out["tis_trunc_frac_seq"], out["tis_trunc_frac_tok"] = rows.seq_frac(rho_B > tis_cap)
     if seq_bounds is not None:
         lo, hi = seq_bounds
         _check_bounds(lo, hi)
-        rho_raw_B = torch.exp(l_B)
-        out["seq_mask_frac_seq"], out["seq_mask_frac_tok"] = seq_frac(
-            ~((rho_raw_B >= lo) & (rho_raw_B <= hi))
-        )
+        out["seq_mask_frac_seq"], out["seq_mask_frac_tok"] = rows.seq_frac(~((rho_B >= lo) & (rho_B <= hi)))
     if token_bounds is not None:
         lo, hi = token_bounds
         _check_bounds(lo, hi)
-        out["tok_mask_frac_tok"], out["tok_mask_frac_seq"] = tok_frac(~((k_BT >= lo) & (k_BT <= hi)))
+        out["tok_mask_frac_tok"], out["tok_mask_frac_seq"] = rows.tok_frac(~((k_BT >= lo) & (k_BT <= hi)))
     if token_tis_cap is not None:
         _check_cap(token_tis_cap)
-        out["tok_tis_trunc_frac_tok"], out["tok_tis_trunc_frac_seq"] = tok_frac(k_BT > token_tis_cap)
+        out["tok_tis_trunc_frac_tok"], out["tok_tis_trunc_frac_seq"] = rows.tok_frac(k_BT > token_tis_cap)
     return out
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Means and shares over the response tokens, and over the sequences that have any."""
+
+    valid_BT: Tensor
+    n_tok_B: Tensor
+    has_tok_B: Tensor
+    n_tok: Tensor
+    n_seq: Tensor
+
+    @staticmethod
+    def of(valid_BT: Tensor, n_tok_B: Tensor) -> _Rows:
+        has_tok_B = n_tok_B > 0
+        n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+        return _Rows(valid_BT, n_tok_B, has_tok_B, n_tok_B.sum().clamp(min=1), n_seq)
+
+    def seq_mean(self, x_B: Tensor) -> Tensor:
+        return torch.where(self.has_tok_B, x_B, torch.zeros_like(x_B)).sum() / self.n_seq
+
+    def tok_frac(self, bad_BT: Tensor) -> tuple[Tensor, Tensor]:
+        """(share of tokens, each sequence's share averaged over sequences)"""
+        bad_BT = (bad_BT & self.valid_BT).to(self.n_tok_B.dtype)
+        return bad_BT.sum() / self.n_tok, self.seq_mean(bad_BT.sum(-1) / self.n_tok_B.clamp(min=1))
+
+    def seq_frac(self, bad_B: Tensor) -> tuple[Tensor, Tensor]:
+        """(share of sequences, share of the tokens in them)"""
+        bad_B = (bad_B & self.has_tok_B).to(self.n_tok_B.dtype)
+        return bad_B.sum() / self.n_seq, (bad_B * self.n_tok_B).sum() / self.n_tok
 
 
 def _estimators(

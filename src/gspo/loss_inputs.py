@@ -75,8 +75,10 @@ def check_aggregation(aggregation: str) -> None:
 
 @dataclass(frozen=True)
 class LossInputs:
-    """What every loss computes first from ``(logp, old_logp, mask)``, in the compute dtype (at least
-    float32, see :func:`loss_inputs`). ``log_r_BT`` carries ``logp``'s gradient; the rest is constant."""
+    """Everything a loss takes besides its own parameters: the rows, their advantages, the optimizer
+    step's normalizer and an optional weight, with what every loss computes first from them, in the
+    compute dtype (at least float32, see :func:`loss_inputs`). ``log_r_BT`` carries ``logp``'s
+    gradient; the rest is constant."""
 
     logp_BT: Tensor  # log pi_theta
     old_logp_BT: Tensor  # log pi_old
@@ -85,41 +87,49 @@ class LossInputs:
     n_tok_B: Tensor  # |y_i|: response tokens per row
     has_tok_B: Tensor  # rows with at least one response token
     log_r_BT: Tensor  # logp - old_logp, exactly 0 on padding, clamped to +-log_ratio_limit
+    advantages: Tensor | None = None  # [B] or [B, T] as given (None: a log-ratio only, gspo.correction)
+    normalizer: float | Tensor | None = None  # sequences or tokens the whole step averages over
+    weight: Tensor | None = None  # [B] or [B, T] stop-gradient multiplier (module docstring of gspo.losses)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.logp_BT.dtype
 
-    def seq_advantages(self, advantages_B: Tensor) -> Tensor:
+    def _advantages(self) -> Tensor:
+        if self.advantages is None:
+            raise ValueError("a loss needs advantages: loss_inputs(logp, old_logp, mask, advantages)")
+        return self.advantages.to(self.dtype)
+
+    def seq_advantages(self) -> Tensor:
         """``[B]`` advantages, 0 on rows without tokens (their objective is exactly 0, and a NaN A
         there cannot reach the gradient)."""
-        return torch.where(self.has_tok_B, advantages_B.to(self.dtype), 0.0)
+        return torch.where(self.has_tok_B, self._advantages(), 0.0)
 
-    def token_advantages(self, advantages: Tensor) -> Tensor:
+    def token_advantages(self) -> Tensor:
         """``[B]`` or ``[B, T]`` advantages as ``[B, T]``, 0 on padding (a NaN there cannot leak)."""
-        adv_BT = advantages.to(self.dtype)
+        adv_BT = self._advantages()
         if adv_BT.dim() == 1:
             adv_BT = adv_BT[:, None].expand(self.valid_BT.shape)
         return torch.where(self.valid_BT, adv_BT, torch.zeros_like(adv_BT))
 
-    def weigh_sequences(self, obj_B: Tensor, weight: Tensor | None) -> Tensor:
-        """``obj_B`` times a ``[B]`` stop-gradient weight (0 on rows without tokens); None: unchanged."""
-        if weight is None:
+    def weigh_sequences(self, obj_B: Tensor) -> Tensor:
+        """``obj_B`` times the ``[B]`` stop-gradient weight (0 on rows without tokens); None: unchanged."""
+        if self.weight is None:
             return obj_B
         B = self.has_tok_B.shape[0]
-        if weight.dim() != 1 or weight.shape[0] != B:
+        if self.weight.dim() != 1 or self.weight.shape[0] != B:
             raise ValueError(
-                f"weight must have shape [B] = [{B}] for a sequence-level loss, got {tuple(weight.shape)}"
+                f"weight must have shape [B] = [{B}] for a sequence-level loss, got {tuple(self.weight.shape)}"
             )
-        w_B = weight.detach().to(self.dtype)
+        w_B = self.weight.detach().to(self.dtype)
         return obj_B * torch.where(self.has_tok_B, w_B, torch.zeros_like(w_B))
 
-    def weigh_tokens(self, obj_BT: Tensor, weight: Tensor | None) -> Tensor:
-        """``obj_BT`` times a ``[B]`` (per sequence) or ``[B, T]`` (per token) stop-gradient weight,
+    def weigh_tokens(self, obj_BT: Tensor) -> Tensor:
+        """``obj_BT`` times the ``[B]`` (per sequence) or ``[B, T]`` (per token) stop-gradient weight,
         0 on padding; None: unchanged."""
-        if weight is None:
+        if self.weight is None:
             return obj_BT
-        w = weight.detach().to(self.dtype)
+        w = self.weight.detach().to(self.dtype)
         if w.dim() == 1 and w.shape[0] == self.valid_BT.shape[0]:
             w = w[:, None].expand(self.valid_BT.shape)
         elif w.shape != self.valid_BT.shape:
@@ -128,27 +138,42 @@ class LossInputs:
             )
         return obj_BT * torch.where(self.valid_BT, w, torch.zeros_like(w))
 
-    def sequence_loss(self, obj_B: Tensor, normalizer: float | Tensor | None) -> Tensor:
+    def sequence_loss(self, obj_B: Tensor) -> Tensor:
         """-(1/N) sum_i obj_i, N = B by default."""
-        n = obj_B.shape[0] if normalizer is None else normalizer
+        n = obj_B.shape[0] if self.normalizer is None else self.normalizer
         return -obj_B.sum() / n
 
-    def token_loss(self, obj_BT: Tensor, normalizer: float | Tensor | None, aggregation: str) -> Tensor:
+    def token_loss(self, obj_BT: Tensor, aggregation: str) -> Tensor:
         """Loss from a per-token objective that is 0 on padding: per-sequence token mean summed over
         sequences / N (N = B by default), or sum over all tokens / N (N = tokens by default)."""
         if aggregation == "seq_mean_token_mean":
-            return self.sequence_loss(obj_BT.sum(-1) / self.n_tok_B.clamp(min=1), normalizer)
-        n = self.mask_BT.sum().clamp(min=1) if normalizer is None else normalizer
+            return self.sequence_loss(obj_BT.sum(-1) / self.n_tok_B.clamp(min=1))
+        n = self.mask_BT.sum().clamp(min=1) if self.normalizer is None else self.normalizer
         return -obj_BT.sum() / n
 
 
-def loss_inputs(logp: Tensor, old_logp: Tensor, mask: Tensor) -> LossInputs:
-    """The prologue every loss shares (and :mod:`gspo.correction`, with pi_old / pi_sampler)."""
+def loss_inputs(
+    logp: Tensor,
+    old_logp: Tensor,
+    mask: Tensor,
+    advantages: Tensor | None = None,
+    *,
+    normalizer: float | Tensor | None = None,
+    weight: Tensor | None = None,
+) -> LossInputs:
+    """The inputs of every loss (and of :mod:`gspo.correction`, pi_old against pi_sampler, without
+    advantages). ``logp`` / ``old_logp`` ``[B, T]`` token log-probs under pi_theta (with grad) and
+    pi_old; ``mask`` ``[B, T]`` 1 on response tokens; ``advantages`` ``[B]`` (or ``[B, T]`` for the
+    losses with token advantages); ``normalizer``: the sequences or tokens the whole optimizer step
+    averages over (default: this batch's); ``weight``: see the module docstring of :mod:`gspo.losses`."""
     dtype = compute_dtype(logp, old_logp)
     logp_BT, old_logp_BT, mask_BT = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
     n_tok_B = mask_BT.sum(-1)
     log_r_BT = masked_log_ratio(logp_BT, old_logp_BT, mask_BT)
-    return LossInputs(logp_BT, old_logp_BT, mask_BT, mask_BT.bool(), n_tok_B, n_tok_B > 0, log_r_BT)
+    return LossInputs(
+        logp_BT, old_logp_BT, mask_BT, mask_BT.bool(), n_tok_B, n_tok_B > 0, log_r_BT,
+        advantages, normalizer, weight,
+    )  # fmt: skip
 
 
 def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:

@@ -2,10 +2,15 @@
 
 All functions are pure tensor-in/tensor-out: no config objects, no ``.item()`` host syncs and no
 distributed calls. Shapes: ``B`` sequences, ``T`` response positions (padded). ``mask_BT`` is 1 on
-response tokens and 0 on padding / prompt positions. Each loss returns ``(loss, metrics)`` where
-``loss`` is a scalar to *minimize* and ``metrics`` maps names to detached 0-dim tensors. Every loss
-starts from the same prologue, :func:`loss_inputs` (compute dtype, mask, token counts, masked
-log-ratio), so they differ only in their objective and metrics.
+response tokens and 0 on padding / prompt positions. Each loss takes :class:`LossInputs` (built by
+:func:`loss_inputs`: the rows, advantages, normalizer and weight, with the compute dtype, token counts
+and masked log-ratio every loss starts from) and its own parameters, and returns a
+:class:`LossOutput`: ``loss``, a scalar to *minimize*, and ``metrics``, names -> detached 0-dim
+tensors. :data:`LOSSES` holds each loss as a :class:`LossSpec` (its function, its parameters'
+defaults, its aggregation, its kind of ratio); calling a spec fills in the defaults::
+
+    out = LOSSES["gspo"](loss_inputs(logp_BT, old_logp_BT, mask_BT, adv_B))  # the paper's eps
+    out = gspo_loss(loss_inputs(logp_BT, old_logp_BT, mask_BT, adv_B), eps_low=3e-4, eps_high=4e-4)
 
 Normalization is explicit: ``normalizer`` is the number of sequences (GSPO, GSPO-token, SAPO, GMPO,
 LUSPO, and the ``"seq_mean_token_mean"`` aggregation of GRPO, SAPO-token, CISPO and VESPO) or tokens
@@ -29,7 +34,9 @@ key is an average over the sequences that have at least one response token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -40,7 +47,6 @@ from gspo.loss_inputs import (
     clip_masks,
     k3_kl,
     log_ratio_limit,
-    loss_inputs,
     ratio_stats,
     sequence_clip_metrics,
     sequence_mean,
@@ -50,6 +56,15 @@ from gspo.loss_inputs import (
 )
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What a loss returns: the scalar to minimize and its metrics (keys: the module docstring)."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
 
 # ----------------------------------------------------------------------------------------------
 # GSPO (arXiv 2507.18071) and the GRPO baseline
@@ -63,40 +78,23 @@ def unused_token_ratio_extremes(inp: LossInputs) -> dict[str, Tensor]:
     return {k: tok[k] for k in ("tok_ratio_min", "tok_ratio_max")}
 
 
-def gspo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    normalizer: float | Tensor | None = None,
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_loss(inp: LossInputs, *, eps_low: float, eps_high: float) -> LossOutput:
     """GSPO sequence-level clipped objective (arXiv 2507.18071, eq. 5-7).
 
     s_i = exp(mean_t(logp_it - old_logp_it)) over response tokens;
-    loss = -(1/N) sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i), N = B by default.
+    loss = -(1/N) sum_i w_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i), N = B by default.
 
-    Args:
-        logp: ``[B, T]`` token log-probs under the current policy (requires grad).
-        old_logp: ``[B, T]`` token log-probs under pi_old (no grad).
-        advantages: ``[B]`` sequence advantages.
-        mask: ``[B, T]`` 1 for response tokens.
-        normalizer: sequences averaged over by the whole optimizer step (default ``B``).
-        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term (TIS weight, 0/1 mask).
+    ``inp``: ``[B]`` sequence advantages, an optional ``[B]`` weight (TIS weight, 0/1 mask).
     """
-    inp = loss_inputs(logp, old_logp, mask)
-    obj_B, metrics = _clipped_sequence_objective(inp, advantages, eps_low, eps_high)
-    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
-    return loss, metrics
+    obj_B, metrics = _clipped_sequence_objective(inp, eps_low, eps_high)
+    return LossOutput(inp.sequence_loss(inp.weigh_sequences(obj_B)), metrics)
 
 
 def _clipped_sequence_objective(
-    inp: LossInputs, advantages: Tensor, eps_low: float, eps_high: float
+    inp: LossInputs, eps_low: float, eps_high: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO's per-sequence objective min(s_i A_i, clip(s_i) A_i) ``[B]`` and its metrics (GSPO, LUSPO)."""
-    adv_B = inp.seq_advantages(advantages)
+    adv_B = inp.seq_advantages()
     log_s_B = sequence_mean(inp.log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     s_B = torch.exp(log_s_B)
     # rows without tokens have s = 1 and A = 0, so their objective is exactly 0
@@ -107,16 +105,7 @@ def _clipped_sequence_objective(
     return obj_B, metrics
 
 
-def luspo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 2e-3,
-    eps_high: float = 2.5e-3,
-    normalizer: float | Tensor | None = None,
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def luspo_loss(inp: LossInputs, *, eps_low: float, eps_high: float) -> LossOutput:
     """LUSPO (Length-Unbiased Sequence Policy Optimization, arXiv 2602.05261): GSPO's clipped sequence
     objective, each sequence's term scaled by its length |y_i|:
 
@@ -128,41 +117,26 @@ def luspo_loss(
     same, as in a token-sum. The ratio s_i and its clip stay GSPO's (length-normalized). The length
     is the token count of the row's own mask (``mask`` elementwise): padding never counts, whatever T.
 
-    Args:
-        eps_low, eps_high: the sequence ratio's clip range (paper section 5.1: 2e-3 / 2.5e-3).
-        advantages: ``[B]`` sequence advantages.
-        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term.
+    ``eps_low``, ``eps_high``: the sequence ratio's clip range (paper section 5.1: 2e-3 / 2.5e-3).
+    ``inp``: ``[B]`` sequence advantages, an optional ``[B]`` weight.
 
     Metrics: GSPO's (clip fractions, ``ratio_*`` of s_i, ``approx_kl``, ``tok_ratio_min/max``).
     """
-    inp = loss_inputs(logp, old_logp, mask)
-    obj_B, metrics = _clipped_sequence_objective(inp, advantages, eps_low, eps_high)
-    loss = inp.sequence_loss(inp.weigh_sequences(obj_B * inp.n_tok_B, weight), normalizer)
-    return loss, metrics
+    obj_B, metrics = _clipped_sequence_objective(inp, eps_low, eps_high)
+    return LossOutput(inp.sequence_loss(inp.weigh_sequences(obj_B * inp.n_tok_B)), metrics)
 
 
-def gspo_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    normalizer: float | Tensor | None = None,
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_token_loss(inp: LossInputs, *, eps_low: float, eps_high: float) -> LossOutput:
     """GSPO-token (paper eq. 13-14): per-token advantages, sequence-level ratio value.
 
     s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)]: numerically s_i, but its gradient flows
     through each token's own log-prob. loss = -(1/N) sum_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it) A_it).
     Equal to :func:`gspo_loss` in value and gradient when ``A_it = A_i``.
 
-    Args:
-        advantages: ``[B, T]`` per-token advantages (a ``[B]`` tensor is broadcast over tokens).
-        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier (see the module docstring).
+    ``inp``: ``[B, T]`` per-token advantages (a ``[B]`` tensor is broadcast over tokens), an optional
+    ``[B]`` or ``[B, T]`` weight (see the module docstring).
     """
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_BT = inp.token_advantages(advantages)
+    adv_BT = inp.token_advantages()
     log_r_BT = inp.log_r_BT.detach()  # the ratio's value and the KL metric
     raw_log_s_B = sequence_mean(log_r_BT, inp.n_tok_B)
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -177,8 +151,8 @@ def gspo_token_loss(
     log_s_BT = log_s_B[:, None] + (safe_logp_BT - safe_logp_BT.detach())
     s_BT = torch.exp(log_s_BT)
     obj_BT = torch.minimum(s_BT * adv_BT, s_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
-    obj_BT = inp.weigh_tokens(obj_BT, weight)
-    loss = inp.token_loss(obj_BT * inp.mask_BT, normalizer, "seq_mean_token_mean")
+    obj_BT = inp.weigh_tokens(obj_BT)
+    loss = inp.token_loss(obj_BT * inp.mask_BT, "seq_mean_token_mean")
 
     low_BT, high_BT = clip_masks(s_BT.detach(), adv_BT, eps_low, eps_high)
     n_tok = inp.mask_BT.sum().clamp(min=1)
@@ -197,20 +171,10 @@ def gspo_token_loss(
     metrics.update(ratio_stats("ratio", torch.exp(log_s_B.detach()), inp.has_tok_B))
     metrics["approx_kl"] = k3_kl(log_r_BT, inp.n_tok_B)
     metrics.update(unused_token_ratio_extremes(inp))
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
-def grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.27,
-    normalizer: float | Tensor | None = None,
-    aggregation: str = "seq_mean_token_mean",
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def grpo_loss(inp: LossInputs, *, eps_low: float, eps_high: float, aggregation: str) -> LossOutput:
     """GRPO baseline: per-token ratio w_it = pi_theta/pi_old with per-token clipping.
 
     aggregation:
@@ -218,20 +182,17 @@ def grpo_loss(
         N = B by default.
         ``"token_mean"`` (DAPO): sum over all tokens / N, N = number of response tokens by default.
 
-    Args:
-        advantages: ``[B]`` or ``[B, T]``.
-        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier, e.g. IcePop's token weights
-            (:func:`gspo.correction.icepop_weights`).
+    ``inp``: ``[B]`` or ``[B, T]`` advantages, an optional ``[B]`` or ``[B, T]`` weight, e.g.
+    IcePop's token weights (:func:`gspo.correction.icepop_weights`).
     """
     check_aggregation(aggregation)
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_BT = inp.token_advantages(advantages)
+    adv_BT = inp.token_advantages()
     w_BT = torch.exp(inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     obj_BT = torch.minimum(w_BT * adv_BT, w_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT) * inp.mask_BT
-    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
     metrics = token_clip_metrics(inp, *clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high))
     metrics.update(token_ratio_metrics(inp))
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,16 +241,7 @@ def _gate_metrics(inp: LossInputs, g_BT: Tensor) -> dict[str, Tensor]:
     }
 
 
-def sapo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 1.05,
-    eps_high: float = 1.0,
-    normalizer: float | Tensor | None = None,
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def sapo_loss(inp: LossInputs, *, tau_neg: float, tau_pos: float) -> LossOutput:
     """SAPO's soft gate applied to GSPO's sequence ratio (sequence-level SAPO).
 
     SAPO (arXiv 2511.20347) replaces the hard clip by f(r) = (4/tau) sigmoid(tau (r - 1)) and maximizes
@@ -304,41 +256,27 @@ def sapo_loss(
     at s = 1 is (2/tau) A, not A (the paper's f). The paper's own form is token-level:
     :func:`sapo_token_loss`.
 
-    Args:
-        eps_low: tau_neg, the temperature for A < 0 (paper: 1.05). Not a clip range.
-        eps_high: tau_pos, the temperature for A > 0 (paper: 1.0). Not a clip range.
-        advantages: ``[B]`` sequence advantages.
-        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term.
+    ``tau_neg``, ``tau_pos``: the temperatures for A < 0 and A > 0 (paper: 1.05, 1.0).
+    ``inp``: ``[B]`` sequence advantages, an optional ``[B]`` weight.
 
     Metrics: ``gate_seq_mean`` / ``gate_tok_mean`` (g over sequences / weighted by tokens), ``gate_min``;
     ``ratio_*`` of s_i; ``approx_kl``.
     """
-    _check_temperatures(eps_low, eps_high)
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_B = inp.seq_advantages(advantages)
+    _check_temperatures(tau_neg, tau_pos)
+    adv_B = inp.seq_advantages()
     log_s_B = sequence_mean(inp.log_r_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    tau_B = _temperature(adv_B, eps_low, eps_high)
+    tau_B = _temperature(adv_B, tau_neg, tau_pos)
     obj_B = _soft_gate(log_s_B, tau_B) * adv_B  # rows without tokens: A = 0
-    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B))
 
     log_s_B = log_s_B.detach()
     metrics = _gate_metrics(inp, _gate_slope(log_s_B, tau_B)[:, None].expand(inp.valid_BT.shape))
     metrics.update(ratio_stats("ratio", torch.exp(log_s_B), inp.has_tok_B))
     metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
-def sapo_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 1.05,
-    eps_high: float = 1.0,
-    normalizer: float | Tensor | None = None,
-    aggregation: str = "seq_mean_token_mean",
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def sapo_token_loss(inp: LossInputs, *, tau_neg: float, tau_pos: float, aggregation: str) -> LossOutput:
     """SAPO as published (arXiv 2511.20347): the soft gate on token ratios.
 
     r_it = exp(logp_it - old_logp_it), f(r) = (4/tau) sigmoid(tau (r - 1)), tau = tau_pos if A_it > 0
@@ -350,44 +288,30 @@ def sapo_token_loss(
     d loss / d logp_it = -(1/N) w_it A_it g_it r_it / |y_i| (``/ N`` for token_mean), g = 4 sigmoid(x)
     sigmoid(-x), x = tau (r - 1); on-policy g = r = 1, the plain token-level policy gradient (GRPO's).
 
-    Args:
-        eps_low: tau_neg, the temperature for A < 0 (paper: 1.05). Not a clip range.
-        eps_high: tau_pos, the temperature for A > 0 (paper: 1.0). Not a clip range.
-        advantages: ``[B]`` or ``[B, T]``.
-        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
+    ``tau_neg``, ``tau_pos``: the temperatures for A < 0 and A > 0 (paper: 1.05, 1.0).
+    ``inp``: ``[B]`` or ``[B, T]`` advantages, an optional ``[B]`` or ``[B, T]`` weight.
 
     Metrics: ``gate_tok_mean`` / ``gate_seq_mean`` (g over tokens / per-sequence token mean over
     sequences), ``gate_min``; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
     """
     check_aggregation(aggregation)
-    _check_temperatures(eps_low, eps_high)
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_BT = inp.token_advantages(advantages)
+    _check_temperatures(tau_neg, tau_pos)
+    adv_BT = inp.token_advantages()
     log_w_BT = inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    tau_BT = _temperature(adv_BT, eps_low, eps_high)
+    tau_BT = _temperature(adv_BT, tau_neg, tau_pos)
     obj_BT = _soft_gate(log_w_BT, tau_BT) * adv_BT * inp.mask_BT
-    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
 
     metrics = _gate_metrics(inp, _gate_slope(log_w_BT.detach(), tau_BT))
     metrics.update(token_ratio_metrics(inp))
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
 # ----------------------------------------------------------------------------------------------
 # CISPO (MiniMax-M1, arXiv 2506.13585)
 
 
-def cispo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 1.0,
-    eps_high: float = 0.28,
-    normalizer: float | Tensor | None = None,
-    aggregation: str = "token_mean",
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_loss(inp: LossInputs, *, eps_low: float, eps_high: float, aggregation: str) -> LossOutput:
     """CISPO: REINFORCE on every token, weighted by the stop-gradient clipped IS ratio.
 
     MiniMax-M1 (arXiv 2506.13585, eq. 4-5): J = 1/(sum_i |y_i|) sum_i sum_t sg(r^_it) A_it
@@ -402,48 +326,36 @@ def cispo_loss(
     of log pi and cannot overflow). d loss / d logp_it = -(1/N) w_it r^_it A_it (``/ (N |y_i|)`` for
     seq_mean_token_mean); on-policy r^ = 1: token-mean REINFORCE, equal to GRPO's on-policy gradient.
 
-    Args:
-        eps_low: lower IS-weight clip 1 - eps_low. Default 1.0, i.e. no lower bound (the paper sets
-            eps_low^IS "to a large value" and only tunes the upper one).
-        eps_high: upper IS-weight clip 1 + eps_high. The paper does not state its eps_high^IS; the
-            default 0.28 is DAPO's clip-higher value, as in open re-implementations (e.g. Trinity-RFT);
-            Tinker's CISPO caps the weight much higher, at 4 (eps_high = 3).
-        advantages: ``[B]`` or ``[B, T]``.
-        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
+    ``eps_low``: lower IS-weight clip 1 - eps_low. Default 1.0, i.e. no lower bound (the paper sets
+    eps_low^IS "to a large value" and only tunes the upper one). ``eps_high``: upper IS-weight clip
+    1 + eps_high. The paper does not state its eps_high^IS; the default 0.28 is DAPO's clip-higher
+    value, as in open re-implementations (e.g. Trinity-RFT); Tinker's CISPO caps the weight much
+    higher, at 4 (eps_high = 3). ``inp``: ``[B]`` or ``[B, T]`` advantages, an optional ``[B]`` or
+    ``[B, T]`` weight.
 
     Metrics: ``clip_frac_tok_low`` / ``_high``: tokens whose IS weight was raised to the floor / capped
     at the ceiling (whatever the sign of A; their gradient is kept), per token and (``clip_frac_seq_*``)
     per sequence; ``ratio_*`` (tokens), ``seq_ratio_*``, ``approx_kl``.
     """
     check_aggregation(aggregation)
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_BT = inp.token_advantages(advantages)
+    adv_BT = inp.token_advantages()
     r_BT = torch.exp(inp.log_r_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # the weight is a constant
     w_hat_BT = r_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
     safe_logp_BT = torch.where(inp.valid_BT, inp.logp_BT, torch.zeros_like(inp.logp_BT))
     unit_BT = 1.0 + (safe_logp_BT - safe_logp_BT.detach())  # exactly 1, d/d logp = 1
     obj_BT = w_hat_BT * adv_BT * unit_BT * inp.mask_BT
-    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
 
     metrics = token_clip_metrics(inp, r_BT < 1.0 - eps_low, r_BT > 1.0 + eps_high)
     metrics.update(token_ratio_metrics(inp))
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
 # ----------------------------------------------------------------------------------------------
 # GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673)
 
 
-def gmpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.4,
-    eps_high: float = 0.4,
-    normalizer: float | Tensor | None = None,
-    weight: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gmpo_loss(inp: LossInputs, *, eps_low: float, eps_high: float) -> LossOutput:
     """GMPO: the geometric mean of token-wise clipped token ratios times the sequence advantage.
 
     arXiv 2507.20673: J = (1/G) sum_i { prod_t |min(r_it A_i, clip(r_it, e^-eps_low, e^eps_high) A_i)| }
@@ -457,18 +369,14 @@ def gmpo_loss(
     S_i = s_i, GSPO's sequence ratio: GMPO differs from GSPO only in clipping tokens (in log space)
     instead of the sequence ratio.
 
-    Args:
-        eps_low, eps_high: log-space token clip range, r_it in [e^-eps_low, e^eps_high]
-            (paper default (e^-0.4, e^0.4)).
-        advantages: ``[B]`` sequence advantages.
-        weight: optional ``[B]`` stop-gradient multiplier of each sequence's term.
+    ``eps_low``, ``eps_high``: log-space token clip range, r_it in [e^-eps_low, e^eps_high] (paper
+    default (e^-0.4, e^0.4)). ``inp``: ``[B]`` sequence advantages, an optional ``[B]`` weight.
 
     Metrics: token clip fractions as in GRPO (``clip_frac_tok_high``: A > 0 and l > eps_high;
     ``_low``: A < 0 and l < -eps_low), per token and per sequence; ``ratio_*`` (tokens),
     ``seq_ratio_*`` (s_i, unclipped), ``approx_kl``.
     """
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_B = inp.seq_advantages(advantages)
+    adv_B = inp.seq_advantages()
     log_r_det_BT = inp.log_r_BT.detach()
     high_BT = (adv_B > 0)[:, None] & (log_r_det_BT > eps_high) & inp.valid_BT
     low_BT = (adv_B < 0)[:, None] & (log_r_det_BT < -eps_low) & inp.valid_BT
@@ -476,11 +384,11 @@ def gmpo_loss(
     c_BT = torch.where(high_BT, eps_high, torch.where(low_BT, -eps_low, inp.log_r_BT))
     log_S_B = sequence_mean(c_BT, inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     obj_B = adv_B * torch.exp(log_S_B)  # rows without tokens: A = 0
-    loss = inp.sequence_loss(inp.weigh_sequences(obj_B, weight), normalizer)
+    loss = inp.sequence_loss(inp.weigh_sequences(obj_B))
 
     metrics = token_clip_metrics(inp, low_BT, high_BT)
     metrics.update(token_ratio_metrics(inp))
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,7 +397,6 @@ def gmpo_loss(
 #: VESPO's floor of the sequence log-ratio, log(1e-8) (as the published code): the kernel is then
 #: ~e^(lambda - 18.4 k), 0 for every practical purpose
 VESPO_MIN_LOG_W = math.log(1e-8)
-VESPO_DEFAULTS = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
 
 
 def check_vespo_shape(k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> None:
@@ -515,20 +422,8 @@ def vespo_kernel(
 
 
 def vespo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.0,
-    eps_high: float = 0.0,
-    normalizer: float | Tensor | None = None,
-    aggregation: str = "token_mean",
-    weight: Tensor | None = None,
-    k_pos: float = VESPO_DEFAULTS["k_pos"],
-    lambda_pos: float = VESPO_DEFAULTS["lambda_pos"],
-    k_neg: float = VESPO_DEFAULTS["k_neg"],
-    lambda_neg: float = VESPO_DEFAULTS["lambda_neg"],
-) -> tuple[Tensor, dict[str, Tensor]]:
+    inp: LossInputs, *, k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float, aggregation: str
+) -> LossOutput:
     """VESPO: REINFORCE on every token, each sequence's gradient scaled by a smooth kernel of its
     *unnormalized* sequence ratio (no clip, no 1/|y_i| inside the ratio).
 
@@ -543,13 +438,9 @@ def vespo_loss(
 
     d loss / d logp_it = -(1/N) w_it phi_i A_i (``/ (N |y_i|)`` for seq_mean_token_mean).
 
-    Args:
-        eps_low, eps_high: not used (VESPO has no clip range); present so every loss has the same
-            leading parameters.
-        advantages: ``[B]`` sequence advantages.
-        weight: optional ``[B]`` or ``[B, T]`` stop-gradient multiplier.
-        k_pos, lambda_pos, k_neg, lambda_neg: the kernel's power and decay for A >= 0 / A < 0 (the
-            paper's c1, c2; defaults 2, 3, 3, 2 as TRL).
+    ``k_pos``, ``lambda_pos``, ``k_neg``, ``lambda_neg``: the kernel's power and decay for A >= 0 /
+    A < 0 (the paper's c1, c2; defaults 2, 3, 3, 2 as TRL); VESPO has no clip range. ``inp``: ``[B]``
+    sequence advantages, an optional ``[B]`` or ``[B, T]`` weight.
 
     Metrics: ``gate_*`` are phi (the gradient relative to plain REINFORCE: ``gate_seq_mean`` over
     sequences, ``gate_tok_mean`` weighted by tokens, ``gate_min``); ``ratio_*`` of W_i; ``approx_kl``;
@@ -557,42 +448,86 @@ def vespo_loss(
     """
     check_aggregation(aggregation)
     check_vespo_shape(k_pos, lambda_pos, k_neg, lambda_neg)
-    inp = loss_inputs(logp, old_logp, mask)
-    adv_B = inp.seq_advantages(advantages)
+    adv_B = inp.seq_advantages()
     log_r_BT = inp.log_r_BT.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # 0 on padding
     log_w_B = log_r_BT.sum(-1).clamp(VESPO_MIN_LOG_W, MAX_LOG_RATIO)
     phi_B = vespo_kernel(log_w_B, adv_B, k_pos, lambda_pos, k_neg, lambda_neg)
     safe_logp_BT = torch.where(inp.valid_BT, inp.logp_BT, torch.zeros_like(inp.logp_BT))
     unit_BT = 1.0 + (safe_logp_BT - safe_logp_BT.detach())  # exactly 1, d/d logp = 1
     obj_BT = (phi_B * adv_B)[:, None] * unit_BT * inp.mask_BT
-    loss = inp.token_loss(inp.weigh_tokens(obj_BT, weight), normalizer, aggregation)
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
 
     metrics = _gate_metrics(inp, phi_B[:, None].expand(inp.valid_BT.shape))
     metrics.update(ratio_stats("ratio", torch.exp(log_w_B), inp.has_tok_B))
     metrics["approx_kl"] = k3_kl(inp.log_r_BT.detach(), inp.n_tok_B)
     metrics.update(unused_token_ratio_extremes(inp))
-    return loss, metrics
+    return LossOutput(loss, metrics)
 
 
-LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+# ----------------------------------------------------------------------------------------------
+# the registry: every fact about a loss in one record
 
-#: name -> (loss function, default eps_low, default eps_high). Normalizer: sequences for gspo,
-#: gspo_token, sapo, gmpo, luspo; for grpo, sapo_token, cispo, vespo it follows ``aggregation``
-#: (sequences for "seq_mean_token_mean", tokens for "token_mean"; cispo and vespo default to
-#: "token_mean", the others to "seq_mean_token_mean").
-LOSSES: dict[str, tuple[LossFn, float, float]] = {
-    "gspo": (gspo_loss, 3e-4, 4e-4),
-    "gspo_token": (gspo_token_loss, 3e-4, 4e-4),
-    "grpo": (grpo_loss, 0.2, 0.27),
-    # eps_low / eps_high are SAPO's temperatures tau_neg / tau_pos (arXiv 2511.20347), not clip ranges
-    "sapo": (sapo_loss, 1.05, 1.0),
-    "sapo_token": (sapo_token_loss, 1.05, 1.0),
+LossFn = Callable[..., LossOutput]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss: its function and what the trainer and the config need to know about it.
+
+    Calling a spec runs its function with its defaults for the parameters not given:
+    ``LOSSES["grpo"](inp, eps_high=0.28)``.
+    """
+
+    fn: LossFn  # fn(inp: LossInputs, **params[, aggregation=...]) -> LossOutput
+    params: Mapping[str, float]  # its own parameters and their defaults (the papers'), in order
+    #: its default aggregation (the normalizer counts sequences for "seq_mean_token_mean", tokens
+    #: for "token_mean"); None: it takes none and its normalizer counts sequences
+    aggregation: str | None = None
+    token_ratio: bool = False  # its own ratio is per token, so its ``ratio_mean`` is a token mean
+    #: the two parameters the config's ``eps_low`` / ``eps_high`` set (none: VESPO has no range)
+    eps: tuple[str, ...] = ("eps_low", "eps_high")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    def __call__(self, inp: LossInputs, aggregation: str | None = None, **params: float) -> LossOutput:
+        return self.fn(inp, **self.resolve(aggregation, **params))
+
+    def resolve(self, aggregation: str | None = None, **params: float) -> dict[str, float | str]:
+        """Every keyword of its function: ``params`` over the defaults, and the aggregation (a loss
+        that takes none refuses one)."""
+        unknown = params.keys() - self.params.keys()
+        if unknown:
+            raise TypeError(f"{self.fn.__name__} takes no parameter {sorted(unknown)}")
+        out: dict[str, float | str] = {**self.params, **params}
+        if self.aggregation is not None:
+            out["aggregation"] = aggregation or self.aggregation
+        elif aggregation is not None:
+            raise ValueError(f"{self.fn.__name__} takes no aggregation (its normalizer is fixed)")
+        return out
+
+
+SEQ_MEAN, TOKEN_MEAN = "seq_mean_token_mean", "token_mean"
+GSPO_EPS = {"eps_low": 3e-4, "eps_high": 4e-4}
+SAPO_TEMPERATURES = {"tau_neg": 1.05, "tau_pos": 1.0}  # arXiv 2511.20347; not a clip range
+
+#: name (``--algo``) -> its loss, with the papers' parameters
+LOSSES: dict[str, LossSpec] = {
+    "gspo": LossSpec(gspo_loss, GSPO_EPS),
+    "gspo_token": LossSpec(gspo_token_loss, GSPO_EPS),
+    "grpo": LossSpec(grpo_loss, {"eps_low": 0.2, "eps_high": 0.27}, SEQ_MEAN, token_ratio=True),
+    "sapo": LossSpec(sapo_loss, SAPO_TEMPERATURES, eps=tuple(SAPO_TEMPERATURES)),
+    "sapo_token": LossSpec(
+        sapo_token_loss, SAPO_TEMPERATURES, SEQ_MEAN, token_ratio=True, eps=tuple(SAPO_TEMPERATURES)
+    ),
     # IS-weight clip [1 - 1.0, 1 + 0.28]: no lower bound (arXiv 2506.13585); upper: see cispo_loss
-    "cispo": (cispo_loss, 1.0, 0.28),
+    "cispo": LossSpec(cispo_loss, {"eps_low": 1.0, "eps_high": 0.28}, TOKEN_MEAN, token_ratio=True),
     # log-space token clip [-0.4, 0.4], i.e. ratios in (e^-0.4, e^0.4) (arXiv 2507.20673)
-    "gmpo": (gmpo_loss, 0.4, 0.4),
+    "gmpo": LossSpec(gmpo_loss, {"eps_low": 0.4, "eps_high": 0.4}, token_ratio=True),
     # the sequence ratio's clip range 2e-3 / 2.5e-3 (arXiv 2602.05261, section 5.1)
-    "luspo": (luspo_loss, 2e-3, 2.5e-3),
-    # no clip range: its kernel's shape is k/lambda (VESPO_DEFAULTS, config vespo_*), eps unused
-    "vespo": (vespo_loss, 0.0, 0.0),
+    "luspo": LossSpec(luspo_loss, {"eps_low": 2e-3, "eps_high": 2.5e-3}),
+    # no clip range: its kernel's shape (the paper's c1, c2; TRL's defaults)
+    "vespo": LossSpec(
+        vespo_loss, {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}, TOKEN_MEAN, eps=()
+    ),
 }

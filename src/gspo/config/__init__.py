@@ -81,12 +81,6 @@ class Config(
             return self.mismatch_high
         return 5.0 if self.mismatch_correction == "token_mask" else 2.0
 
-    def clip_range(self) -> tuple[float, float]:
-        from gspo.losses import LOSSES
-
-        _, lo, hi = LOSSES[self.algo]
-        return (lo if self.eps_low is None else self.eps_low, hi if self.eps_high is None else self.eps_high)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

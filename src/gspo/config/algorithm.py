@@ -75,28 +75,27 @@ class Algorithm(Group):
             for f in VESPO_FIELDS:
                 if getattr(cfg, f) is not None:
                     raise bad(cfg, f, f"applies to algo vespo only, not {cfg.algo}")
-        if cfg.aggregation is not None and "aggregation" not in _loss_params(cfg.algo):
+        if cfg.aggregation is not None and _loss(cfg.algo).aggregation is None:
             raise bad(cfg, "aggregation", f"{cfg.algo} takes no aggregation (its normalizer is fixed)")
 
 
 VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
 
-def _loss_params(algo: str) -> tuple[str, ...]:
-    import inspect
+def _loss(algo: str) -> Any:
+    from gspo.losses import LOSSES  # torch: imported when first needed, not with the config
 
-    from gspo.losses import LOSSES
-
-    return tuple(inspect.signature(LOSSES[algo][0]).parameters)
+    return LOSSES[algo]
 
 
-def loss_options(cfg: Any) -> dict[str, float]:
-    """Keyword arguments of the loss beyond its shared ones: VESPO's kernel shape (config or default)."""
-    if cfg.algo != "vespo":
-        return {}
-    from gspo.losses import VESPO_DEFAULTS
-
-    return {k: v if (v := getattr(cfg, f"vespo_{k}")) is not None else d for k, d in VESPO_DEFAULTS.items()}
+def loss_params(cfg: Any) -> dict[str, float]:
+    """The loss's own parameters (:class:`gspo.losses.LossSpec`): its defaults, overridden by the
+    config's ``eps_low`` / ``eps_high`` (a clip range; SAPO's temperatures tau_neg / tau_pos) and
+    ``vespo_*`` (VESPO's kernel)."""
+    spec = _loss(cfg.algo)
+    given = dict(zip(spec.eps, (cfg.eps_low, cfg.eps_high), strict=False))
+    given |= {k: getattr(cfg, f"vespo_{k}") for k in spec.params if f"vespo_{k}" in VESPO_FIELDS}
+    return {k: v if (v := given.get(k)) is not None else d for k, d in spec.params.items()}
 
 
 @with_config(DOCUMENTED)

@@ -14,11 +14,11 @@ from gspo.model.routing import Routing
 @dataclass(frozen=True)
 class MicroBatch:
     """The rows of one forward/backward and everything the loss needs for them, frozen once
-    ``update.with_pi_old`` has attached pi_old (before any optimizer step)."""
+    ``update.record_pi_old`` has recorded the trainer's pi_old (before any optimizer step)."""
 
     data: TrainBatch
     layout: Layout  # model inputs, built once for every forward of these rows
-    old_logp_BT: torch.Tensor | None = None  # trainer's pi_old log-probs [B, T] (None: not computed)
+    old_logp_BT: torch.Tensor | None = None  # trainer's pi_old log-probs [B, T] (None: not recorded)
     old_routing: Routing | None = None  # pi_old's experts per MoE layer (R2 replay, volatility)
     replay: Routing | None = None  # experts forced in the training forward (None: the router chooses)
     on_policy: bool = False  # no update yet (minibatch 0): its own first training forward is pi_old

@@ -1,8 +1,9 @@
 """The policy update: ``num_minibatches`` optimizer steps over one rollout batch (GSPO paper, sec. 5).
 
-    attach pi_old                    (where it comes from: the plan, gspo.resolve)
+    record pi_old                    (the trainer's, of minibatches 1..: before any step)
     for each minibatch i:            (contiguous rows of the rollout batch)
         for each micro-batch:        logp = pi_theta(rows); loss(logp, pi_old, A) / N; backward
+                                     (pi_old: the sampler's or the trainer's, as the plan says)
         clip the gradient norm, optimizer step
         after the first step:        expert volatility (MoE), once
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from gspo import correction as C
 from gspo.data import TrainBatch
+from gspo.loss_inputs import loss_inputs
 from gspo.losses import LOSSES
 from gspo.model import routing as R
 from gspo.model.logprobs import as_policy
@@ -41,7 +43,7 @@ METRICS: dict[str, str] = {
     "loss/clip_frac_seq_low": SEQUENCE,
     "loss/clip_frac_seq_high": SEQUENCE,
     "loss/approx_kl": TOKEN,
-    "loss/ratio_mean": SEQUENCE,  # the loss's own ratio: s_i, or per token (TOKEN_RATIO_LOSSES)
+    "loss/ratio_mean": SEQUENCE,  # the loss's own ratio: s_i, or per token (LossSpec.token_ratio)
     "loss/ratio_min": MIN,
     "loss/ratio_max": MAX,
     "loss/seq_ratio_mean": SEQUENCE,  # s_i, where the loss's own ratio is per token
@@ -79,8 +81,6 @@ _MISMATCH = {
     "opsm_frac_tok": TOKEN,
 }
 METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
-# losses whose own ratio is per token: their ``ratio_mean`` is a token mean
-TOKEN_RATIO_LOSSES = {"grpo", "sapo_token", "cispo", "gmpo"}
 _LOSS_METRIC_PREFIX = "loss/"
 
 
@@ -119,35 +119,44 @@ def forward(
 
 
 @torch.no_grad()
-def with_pi_old(
+def record_pi_old(
     policy: nn.Module, minibatches: list[list[MicroBatch]], plan: UpdatePlan
 ) -> list[list[MicroBatch]]:
-    """The micro-batches with pi_old attached, before any optimizer step: the one place it is made.
+    """The micro-batches with what the update needs of the trainer's pi_old, recorded before any
+    optimizer step (the loss's pi_old is chosen from it in :func:`pi_old`).
 
-    Minibatch 0 is on-policy: its own first training forward is pi_old (free). Minibatches 1.. get
-    one no-grad forward when the plan needs the trainer's pi_old, or pi_old's routing (R2 forces it
-    in their training forwards; volatility compares with it)."""
-    return [[_with_pi_old(policy, mb, plan, i) for mb in mbs] for i, mbs in enumerate(minibatches)]
+    Minibatch 0 is on-policy: its own first training forward is the trainer's pi_old (free).
+    Minibatches 1.. get one no-grad forward when the plan needs the trainer's pi_old, or pi_old's
+    routing (R2 forces it in their training forwards; volatility compares with it)."""
+    return [[_record_pi_old(policy, mb, plan, i) for mb in mbs] for i, mbs in enumerate(minibatches)]
 
 
-def _with_pi_old(policy: nn.Module, mb: MicroBatch, plan: UpdatePlan, i: int) -> MicroBatch:
+def _record_pi_old(policy: nn.Module, mb: MicroBatch, plan: UpdatePlan, i: int) -> MicroBatch:
     own = plan.own_routing(i)
     replay = old_routing = old_logp = None
-    if plan.replay == "R3":  # the sampler's experts, forced in every forward of these rows
+    if plan.replays_sampler:  # R3: the sampler's experts, forced in every forward of these rows
         L = mb.layout.input_ids_RL.shape[1]
         replay = {k: v[:, :L] for k, v in mb.data.sampler_routing.items()}
         if own:  # pi_old's own experts need a forward without replay
             old_routing = forward(policy, mb, plan, capture=True).routing
     if i == 0:
         return replace(mb, replay=replay, old_routing=old_routing, on_policy=True)
-    own_here = own and plan.replay != "R3"  # pi_old's routing comes from the forward below
+    own_here = own and not plan.replays_sampler  # pi_old's routing comes from the forward below
     if plan.trainer_pi_old or own_here:
         f = forward(policy, mb, plan, replay=replay, capture=own_here)
         old_logp = f.logp_BT
         if own_here:
             old_routing = f.routing
-            replay = f.routing if plan.replay == "R2" else None
+            replay = f.routing if plan.replays_pi_old else None
     return replace(mb, old_logp_BT=old_logp, old_routing=old_routing, replay=replay)
+
+
+def pi_old(mb: MicroBatch, f: Forward, plan: UpdatePlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one place pi_old is chosen -> (the loss's pi_old, the trainer's pi_old or None where it
+    was not computed). The trainer's is minibatch 0's own training forward ``f`` (no step yet), else
+    what :func:`record_pi_old` recorded; the loss takes the sampler's log-probs where the plan says."""
+    trainer_BT = f.logp_BT.detach() if mb.on_policy else mb.old_logp_BT
+    return (mb.data.sampler_logp_BT if plan.sampler_pi_old else trainer_BT), trainer_BT
 
 
 @torch.no_grad()
@@ -206,26 +215,22 @@ def _train_micro_batch(
         forcing = R.replay_routing(unwrap(policy, "hf"), mb.replay, backward_inside=True)
     with forcing:
         f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
-        trainer_old_BT = f.logp_BT.detach() if mb.on_policy else mb.old_logp_BT
+        old_logp_BT, trainer_old_BT = pi_old(mb, f, plan)
         sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
-        old_logp = sampler_BT if plan.pi_old == "rollout" else trainer_old_BT
         weight, loss_mask_BT, corr_metrics = mismatch_correction(trainer_old_BT, sampler_BT, m_BT, plan)
         if plan.opsm_threshold is not None:  # decided with this forward's pi_theta
             weight, opsm = C.with_opsm(
                 weight, f.logp_BT, sampler_BT, mb.data.adv_B, m_BT, plan.opsm_threshold
             )
             corr_metrics |= {f"mismatch/{k}": v for k, v in opsm.items()}
-        kwargs = dict(plan.loss_options)
-        if plan.aggregation is not None:
-            kwargs["aggregation"] = plan.aggregation
-        loss, loss_metrics = LOSSES[plan.algo][0](
-            f.logp_BT, old_logp, mb.data.adv_B, loss_mask_BT, plan.eps_low, plan.eps_high, normalizer,
-            **kwargs, weight=weight,
-        )  # fmt: skip
-        (loss * world_size).backward()
-    metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in loss_metrics.items()} | corr_metrics
+        inp = loss_inputs(
+            f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
+        )
+        out = LOSSES[plan.algo](inp, plan.aggregation, **dict(plan.loss_params))
+        (out.loss * world_size).backward()
+    metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in out.metrics.items()} | corr_metrics
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
-    return loss.detach() * world_size, metrics, f.routing
+    return out.loss.detach() * world_size, metrics, f.routing
 
 
 def mismatch_correction(
@@ -285,7 +290,7 @@ def policy_update(
     dtype = next(iter(policy.parameters())).dtype
     n_mb = plan.num_minibatches
     micro = plan.micro_batch_size or len(data) // n_mb
-    minibatches = with_pi_old(policy, split_minibatches(data, n_mb, micro, plan.layout, dtype), plan)
+    minibatches = record_pi_old(policy, split_minibatches(data, n_mb, micro, plan.layout, dtype), plan)
     vol_i = plan.volatility_minibatch
     parts: list[tuple[dict[str, torch.Tensor], MicroBatch]] = []
     step_losses, grad_norms, n_steps, out = [], [], 0, {}
@@ -295,14 +300,14 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         normalizer = _normalizer(minibatch, plan, world_size)
         # minibatch 0's forwards show pi_old's routing; a "free" minibatch's the routing one step on
-        capture = i == vol_i and (i == 0 or plan.volatility == "free")
+        capture = i == vol_i and (i == 0 or plan.volatility_free)
         loss, routings = torch.zeros(()), []
         for mb in minibatch:
             mb_loss, metrics, routing = _train_micro_batch(policy, mb, plan, normalizer, world_size, capture)
             loss = loss + mb_loss.float().cpu()
             parts.append((metrics, mb))
             routings.append(routing)
-        if capture and plan.volatility == "free":
+        if capture and plan.volatility_free:
             out.update(volatility(minibatch, vol_old, routings))
         elif capture:  # minibatch 0 is pi_old: its routing (unless R3 replayed it and it came before)
             vol_old = [r if r is not None else o for r, o in zip(routings, vol_old, strict=True)]
@@ -311,7 +316,7 @@ def policy_update(
         step_losses.append(loss)
         grad_norms.append(norm.float().cpu())
         n_steps += stepped
-        if i == 0 and plan.volatility == "forward":  # now exactly one optimizer step from pi_old
+        if i == 0 and plan.volatility_forward:  # now exactly one optimizer step from pi_old
             out.update(measure_volatility(policy, minibatches[vol_i], vol_old, plan))
 
     optimizer.zero_grad(set_to_none=True)  # the rollout and the sync that follow need no gradients
@@ -324,8 +329,8 @@ def policy_update(
 
 
 def metric_reductions(algo: str) -> dict[str, str]:
-    """:data:`METRICS` for one algorithm."""
-    return METRICS | ({"loss/ratio_mean": TOKEN} if algo in TOKEN_RATIO_LOSSES else {})
+    """:data:`METRICS` for one algorithm: a loss's own per-token ratio has a token mean."""
+    return METRICS | ({"loss/ratio_mean": TOKEN} if LOSSES[algo].token_ratio else {})
 
 
 def reduce_metrics(
