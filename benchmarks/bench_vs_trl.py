@@ -47,7 +47,7 @@ from gspo.config import Config
 from gspo.data import left_pad
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
 from gspo.model.logprobs import response_logprobs
-from gspo.resolve import choose_layout, optim_plan, plan_update
+from gspo.resolve import choose_layout, optim_plan, plan_update, prompt_plan, sample_plan, score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
@@ -101,7 +101,7 @@ class Setup:
         self.tok = build_char_tokenizer()
         self.task = build_task("reverse", "exact_match", 0, 8)
         self.examples = synthetic_examples("reverse", PROMPTS * n_rollouts, 0)
-        self.prompt_ids = encode_prompts(self.tok, self.examples, _cfg())
+        self.prompt_ids = encode_prompts(self.tok, self.examples, prompt_plan(_cfg()))
 
     def batch(self, r: int) -> tuple[list[Any], list[list[int]]]:
         s = slice(r * PROMPTS, (r + 1) * PROMPTS)
@@ -210,7 +210,9 @@ def gspo_stepper(kind: str, su: Setup, cfg: Config) -> Stepper:
     def step(r: int) -> dict[str, tuple[float, float]]:
         ex, ids = su.batch(r)
         t0 = _now()
-        data, _ = RO.collect_rollout(SyncSampler(engine, su.tok, su.task, cfg), su.tok, su.task, ex, ids, cfg)
+        data, _ = RO.collect_rollout(
+            SyncSampler(engine, su.tok, su.task, sample_plan(cfg)), su.tok, su.task, ex, ids, score_plan(cfg)
+        )
         U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
         return {"": _since(t0)}
 
@@ -359,9 +361,8 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
                     totals.clear()
                 ex, ids = su.batch(r)
                 t0 = time.process_time()
-                data, _ = RO.collect_rollout(
-                    SyncSampler(engine, su.tok, su.task, cfg), su.tok, su.task, ex, ids, cfg
-                )
+                sampler = SyncSampler(engine, su.tok, su.task, sample_plan(cfg))
+                data, _ = RO.collect_rollout(sampler, su.tok, su.task, ex, ids, score_plan(cfg))
                 t1 = time.process_time()
                 U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
                 t2 = time.process_time()
@@ -388,7 +389,9 @@ def torch_op_profile(kind: str, su: Setup, n: int, rows: int) -> str:
 
     def step(r: int) -> None:
         ex, ids = su.batch(r)
-        data, _ = RO.collect_rollout(SyncSampler(engine, su.tok, su.task, cfg), su.tok, su.task, ex, ids, cfg)
+        data, _ = RO.collect_rollout(
+            SyncSampler(engine, su.tok, su.task, sample_plan(cfg)), su.tok, su.task, ex, ids, score_plan(cfg)
+        )
         U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
 
     step(0)

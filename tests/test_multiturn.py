@@ -262,6 +262,7 @@ def test_budgets_truncate_and_keep_masks_right(max_tokens, turn_tokens):
 def test_single_turn_task_is_the_one_step_case(tiny_moe):
     """env='task' (the task as a one-step environment) makes exactly the rollout data of the plain
     single-turn path from the same generator state."""
+    from gspo.resolve import prompt_plan, sample_plan, score_plan
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
@@ -275,11 +276,9 @@ def test_single_turn_task_is_the_one_step_case(tiny_moe):
     for env in (None, "task"):
         cfg = Config(env=env, max_new_tokens=8, max_trajectory_tokens=8, group_size=4, overlong_filter=True)
         eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(3))
-        out.append(
-            collect_rollout(
-                SyncSampler(eng, tok, task, cfg), tok, task, ex, encode_prompts(tok, ex, cfg.validate()), cfg
-            )
-        )
+        sampler = SyncSampler(eng, tok, task, sample_plan(cfg))
+        ids = encode_prompts(tok, ex, prompt_plan(cfg.validate()))
+        out.append(collect_rollout(sampler, tok, task, ex, ids, score_plan(cfg)))
     (a, ma), (b, mb) = out
     for f in ("prompt_ids_BP", "response_ids_BT", "response_mask_BT", "sampler_logp_BT", "adv_B", "reward_B"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
@@ -426,7 +425,7 @@ LEARN_GAIN = 0.1
 ANSWER_NLL_STOP, PROBE_EVERY, PROBE_ROWS = 0.5, 10, 64
 
 
-def _answer_nll(model, tok, examples, prompt_ids, cfg) -> float:
+def _answer_nll(model, tok, examples, prompt_ids, plan) -> float:
     """Mean NLL of the answer turn (after the tool's output) of PROBE_ROWS fixed demonstrations."""
     import random
 
@@ -434,7 +433,7 @@ def _answer_nll(model, tok, examples, prompt_ids, cfg) -> float:
     from gspo.envs.sft import DEMONSTRATIONS, demo_tokens
     from gspo.model.logprobs import make_layout, response_logprobs
 
-    demos = [demo_tokens(tok, DEMONSTRATIONS[cfg.task](e, random.Random(0))) for e in examples[:PROBE_ROWS]]
+    demos = [demo_tokens(tok, DEMONSTRATIONS[plan.task](e, random.Random(0))) for e in examples[:PROBE_ROWS]]
     p_ids, p_mask = left_pad(prompt_ids[:PROBE_ROWS], tok.pad_token_id, torch.device("cpu"))
     T = max(len(ids) for ids, _, _ in demos)
     r_BT = torch.full((len(demos), T), tok.pad_token_id, dtype=torch.long)
@@ -448,7 +447,9 @@ def _answer_nll(model, tok, examples, prompt_ids, cfg) -> float:
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logp_BT = response_logprobs(model, p_ids, p_mask, r_BT, m_BT, 1.0, cfg.logp_chunk_size, layout=layout)
+        logp_BT = response_logprobs(
+            model, p_ids, p_mask, r_BT, m_BT, 1.0, plan.logp_chunk_size, layout=layout
+        )
     model.train(was_training)
     return float(-(logp_BT * ans_BT).sum() / ans_BT.sum())
 
@@ -457,24 +458,24 @@ def _stop_warm_start_mid_click() -> dict:
     """Make the multi-turn warm start stop at its second click (ANSWER_NLL_STOP); returns a dict that
     gets ``stopped_at`` (the step) when it did. Stopping goes through the warm start's own ``should_stop``
     (which ends it with KeyboardInterrupt), so the steps before the stop are the product's, unchanged."""
-    import gspo.envs.sft as envs_sft
+    import gspo.train.sft as sft
 
     # the product's function, also when a pool worker running its second seed wraps it again
-    full = getattr(envs_sft.warm_start_env, "full", envs_sft.warm_start_env)
+    full = getattr(sft.warm_start, "full", sft.warm_start)
     out: dict = {"stopped_at": None}
 
-    def warm_start(model, tok, examples, prompt_ids, cfg, device, progress, should_stop=lambda: False):
-        step = iter(range(cfg.sft_steps + 1))
+    def warm_start(model, tok, examples, prompt_ids, plan, device, progress, should_stop=lambda: False):
+        step = iter(range(plan.sft_steps + 1))
 
         def stop() -> bool:
             i = next(step)
-            if i % PROBE_EVERY == 0 and _answer_nll(model, tok, examples, prompt_ids, cfg) < ANSWER_NLL_STOP:
+            if i % PROBE_EVERY == 0 and _answer_nll(model, tok, examples, prompt_ids, plan) < ANSWER_NLL_STOP:
                 out["stopped_at"] = i
                 return True
             return should_stop()
 
         try:
-            return full(model, tok, examples, prompt_ids, cfg, device, progress, stop)
+            return full(model, tok, examples, prompt_ids, plan, device, progress, stop)
         except KeyboardInterrupt:
             if out["stopped_at"] is None:
                 raise
@@ -482,13 +483,13 @@ def _stop_warm_start_mid_click() -> dict:
             return float("nan")
 
     warm_start.full = full
-    envs_sft.warm_start_env = warm_start
+    sft.warm_start = warm_start
     return out
 
 
 def _learn(seed: int, out_dir: str) -> dict:
     """One seed of the calculator learning run. Runs in a spawned worker: the warm start wrapper
-    replaces gspo.envs.sft.warm_start_env for the rest of that process (its next seed re-wraps)."""
+    replaces gspo.train.sft.warm_start for the rest of that process (its next seed re-wraps)."""
     from gspo import train
     from gspo.evaluate import evaluate_checkpoint
 
@@ -542,7 +543,9 @@ def test_reset_may_change_the_prompt():
 def test_overlong_penalty_and_filter_on_trajectories():
     """The soft penalty counts a trajectory's tokens (model and observations) against
     max_trajectory_tokens; the filter zeroes the advantage of trajectories a limit cut off."""
-    from gspo.envs.rollout import EnvSampleBatch, score_episodes
+    from gspo.envs.rollout import EnvSampleBatch
+    from gspo.resolve import score_plan
+    from gspo.train.scoring import score_rollout
 
     model = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0]])
     obs = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0]])
@@ -555,7 +558,7 @@ def test_overlong_penalty_and_filter_on_trajectories():
         cfg = Config(
             env="tools", group_size=4, max_trajectory_tokens=6, overlong_buffer=2, overlong_filter=filt
         )
-        data, m = score_episodes(eb, _CharTok(), 1, cfg.validate(), 0.0)
+        data, m = score_rollout(eb, _CharTok(), None, [], score_plan(cfg.validate()), 0.0)
         # lengths 5, 6, 6, 4 of 6 with a buffer of 2: penalties -0.5, -1, -1, 0
         torch.testing.assert_close(data.reward_B, torch.tensor([0.5, -1.0, 0.0, 0.0]))
         assert torch.equal(data.obs_mask_BT, obs) and m["rollout/truncated_frac"] == 0.5

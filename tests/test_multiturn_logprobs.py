@@ -14,12 +14,13 @@ from gspo.config import Config
 from gspo.data import SampleBatch, SamplerOutput
 from gspo.envs.base import Limits, Step
 from gspo.envs.load import EnvSpec
-from gspo.envs.rollout import EnvSampleBatch, run_episodes, score_episodes
-from gspo.resolve import plan_update
+from gspo.envs.rollout import EnvSampleBatch, run_episodes
+from gspo.resolve import plan_update, score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
 from gspo.train import update as U
 from gspo.train.batch import split_minibatches
+from gspo.train.scoring import score_rollout
 from gspo.train.update import policy_update
 
 G = 8
@@ -66,7 +67,7 @@ def _update(model, eb: EnvSampleBatch, tok, monkeypatch, rb: SampleBatch | None 
     loss mask), and the update's metrics."""
     cfg = Config(env="tools:calc", prompts_per_step=2, group_size=G, num_minibatches=1, log_volatility=False,
                  max_trajectory_tokens=40, **kw).validate()  # fmt: skip
-    data, _ = score_episodes(eb if rb is None else rb, tok, 2, cfg, 0.0)
+    data, _ = score_rollout(eb if rb is None else rb, tok, None, [], score_plan(cfg), 0.0)
     m = copy.deepcopy(model)
     plan = plan_update(cfg, m, True)
     # the micro-batches the update cuts the batch into: their masks are the model's tokens only

@@ -16,9 +16,9 @@ from test_multiturn import TINY as MULTI_TURN
 from test_multiturn_logprobs import G, trajectories  # noqa: F401  (a fixture: HF-engine trajectories)
 
 from gspo import Config, train
-from gspo.envs.rollout import score_episodes
-from gspo.resolve import plan_update
+from gspo.resolve import plan_update, score_plan
 from gspo.train import update as U
+from gspo.train.scoring import score_rollout
 from gspo.train.update import policy_update
 
 # exact match plus noise: rewards differ within every group, so there are A < 0 sequences to mask
@@ -89,7 +89,7 @@ def test_opsm_divergence_is_over_the_models_tokens_only(tiny_moe, trajectories, 
     eb = trajectories
     cfg = Config(env="tools:calc", prompts_per_step=2, group_size=G, num_minibatches=1, log_volatility=False,
                  max_trajectory_tokens=40, algo=algo, opsm_threshold=DELTA).validate()  # fmt: skip
-    data, _ = score_episodes(eb, tok, 2, cfg, 0.0)
+    data, _ = score_rollout(eb, tok, None, [], score_plan(cfg), 0.0)
     model_BT, obs_BT = data.response_mask_BT.float(), data.obs_mask_BT.float()
     B = model_BT.shape[0]
     has_tok_B = model_BT.sum(-1) > 0
