@@ -49,10 +49,7 @@ def _gspo_imports(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def _modules() -> list[tuple[str, Path, ast.AST]]:
-    return [
-        (str(p.relative_to(SRC)), p, ast.parse(p.read_text(), str(p)))
-        for p in sorted(SRC.rglob("*.py"))
-    ]
+    return [(str(p.relative_to(SRC)), p, ast.parse(p.read_text(), str(p))) for p in sorted(SRC.rglob("*.py"))]
 
 
 def test_every_package_has_a_layer():

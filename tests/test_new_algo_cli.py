@@ -7,7 +7,7 @@ from __future__ import annotations
 import cli_helpers
 import pytest
 
-import gspo.train.loop
+import gspo.launch
 from gspo.cli import main
 
 CASES = [
@@ -40,7 +40,7 @@ def test_bad_option_is_one_line_naming_the_field(args, field, tmp_path, capsys, 
     def accepted(cfg):
         raise _Accepted(f"gspo train {' '.join(args)} was accepted")
 
-    monkeypatch.setattr(gspo.train.loop, "train", accepted)  # a missed refusal fails fast, never trains
+    monkeypatch.setattr(gspo.launch, "train", accepted)  # a missed refusal fails fast, never trains
     out = tmp_path / "runs"
     assert main(["train", *args, "--output-dir", str(out)]) == 2
     cap = capsys.readouterr()

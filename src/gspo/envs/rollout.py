@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from gspo.data import RolloutEngine, SampleBatch
@@ -212,21 +211,19 @@ def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_ba
 
 
 @torch.no_grad()
-def evaluate_env(
-    engine: RolloutEngine, tokenizer: Any, task: Any, prompt_ids: list[list[int]], plan: EnvPlan
-) -> dict[str, float]:
-    """Greedy held-out trajectories with the same environment: mean reward and accuracy (reward >= 1)."""
+def env_eval_scores(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Any,
+    examples: list[Any],
+    prompt_ids: list[list[int]],
+    plan: EnvPlan,
+) -> dict[str, list[float]]:
+    """Greedy held-out trajectories of ``examples`` with the same environment: each one's reward and
+    number of turns."""
     spec, lim = spec_of(plan, task), limits_of(plan)
-    eb = run_episodes(
-        engine, tokenizer, spec, task.eval, prompt_ids, lim, 1.0, True, encoder(tokenizer, plan)
-    )
-    r = np.asarray(eb.reward_B.tolist(), dtype=np.float64)
-    turns = eb.turns_B.numpy()
-    return {
-        "eval/reward_mean": float(r.mean()),
-        "eval/accuracy": float((r >= 1.0 - 1e-9).mean()),
-        "eval/multi_turn_frac": float((turns > 1).mean()),
-    }
+    eb = run_episodes(engine, tokenizer, spec, examples, prompt_ids, lim, 1.0, True, encoder(tokenizer, plan))
+    return {"reward": eb.reward_B.tolist(), "turns": eb.turns_B.tolist()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -72,6 +72,12 @@ def load_own_shards(model: nn.Module, folder: Path) -> None:
     stored = stored_tensors(folder)
     sd = transformers_model.save_state_dict(model)
     for group in layer_groups(sd):
+        meta = {k: torch.empty(tuple(sd[k].shape), device="meta") for k in group}
+        as_stored = transformers_model.revert_weight_conversion(model, meta)
+        if as_stored.keys() == meta.keys() and all(as_stored[k].shape == meta[k].shape for k in group):
+            for k in group:  # stored as kept in memory: read this rank's rows alone
+                _read_own_rows(sd[k], stored[k][0], k)
+            continue
         total = sum(sd[k].numel() for k in group)
         flat = torch.empty(total, dtype=sd[group[0]].dtype)
         filled = torch.zeros(total, dtype=torch.bool)
@@ -87,6 +93,26 @@ def load_own_shards(model: nn.Module, folder: Path) -> None:
             n = sd[k].numel()
             _copy_own_rows(sd[k], flat[offset : offset + n].view(tuple(sd[k].shape)))
             offset += n
+
+
+def _read_own_rows(param: Any, file: Path, name: str) -> None:
+    """Read ``param``'s rows of tensor ``name`` from ``file``: a dim-0 shard (FSDP2's, in
+    ``torch.chunk``'s split) reads only its rows; anything else the whole tensor."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Shard
+
+    with safe_open(str(file), "pt") as f:
+        part = f.get_slice(name)
+        if not isinstance(param, DTensor):
+            return param.copy_(part[:])
+        mesh, local = param.device_mesh, param.to_local()
+        if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or param.dim() == 0:
+            return _copy_own_rows(param, part[:])
+        rows, parts = param.shape[0], mesh.size()
+        chunk = -(-rows // parts)
+        start = min(mesh.get_local_rank() * chunk, rows)
+        if local.shape[0]:
+            local.copy_(part[start : start + local.shape[0]])
 
 
 def _copy_own_rows(param: Any, full: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train import sharded as sharded_ckpt
 from gspo.train.logger import MetricsLogger
-from gspo.train.scoring import evaluate
+from gspo.train.scoring import eval_metrics, eval_scores
 
 
 @dataclass
@@ -66,7 +66,7 @@ class SamplerSide:
     module: nn.Module
     sampler: Sampler  # each RL step's responses (synchronous, or a process running ahead)
     gathers: bool  # an HF engine sampling the trainer's own FSDP2 module: its weights are gathered
-    eval_ranks: int  # ranks that run the held-out eval: vLLM over tp ranks runs rank 0's requests on all tp
+    tp: int  # ranks one engine spans (vLLM tensor parallelism; 1 otherwise)
 
     def sampling(self, policy: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Hold this around the engine's use (every rank)."""
@@ -129,12 +129,24 @@ class Run:
         ckpt.set_rng_state(rngs[self.rank] if self.rank < len(rngs) else state["rng"])
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out greedy accuracy (rank 0; the other ranks return nothing; every rank calls it)."""
-        with self.sampler.sampling(self.trainer.policy):
-            if self.rank >= self.sampler.eval_ranks:
-                return {}
-            acc = evaluate(self.sampler.engine, self.tokenizer, self.task, self.eval_ids, self.score)
-            return acc if self.rank == 0 else {}
+        """Held-out greedy accuracy, the prompts split over the engines (every rank calls it; rank 0
+        returns the metrics of all of them, as one process would score them; the others nothing)."""
+        tp = self.sampler.tp  # ranks one engine spans (vLLM's tensor parallelism): they run its requests
+        engines, mine = self.world // tp, self.rank // tp
+        n = len(self.eval_ids)
+        rows = slice(mine * n // engines, (mine + 1) * n // engines)
+        scores = None
+        with self.sampler.sampling(self.trainer.policy):  # (collective: every rank, prompts or not)
+            if rows.stop > rows.start:
+                ids, examples = self.eval_ids[rows], self.task.eval[rows]
+                scores = eval_scores(
+                    self.sampler.engine, self.tokenizer, self.task, examples, ids, self.score
+                )
+        parts = dist_utils.gather_objects(scores if self.rank % tp == 0 else None, self.dctx)
+        if self.rank != 0:
+            return {}
+        parts = [p for p in parts if p is not None]  # one per engine, in the order of the prompts
+        return eval_metrics({k: [v for p in parts for v in p[k]] for k in parts[0]})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.folder.logger is not None:

@@ -17,7 +17,7 @@ import torch
 
 from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
 from gspo.data import RolloutEngine, SampleBatch, Sampler, TrainBatch, left_pad
-from gspo.envs.rollout import EnvSampleBatch, evaluate_env
+from gspo.envs.rollout import EnvSampleBatch, env_eval_scores
 from gspo.plans import ScorePlan
 from gspo.tasks import Task
 from gspo.tasks.datasets import Example
@@ -164,18 +164,39 @@ def evaluate(
     engine: RolloutEngine, tokenizer: Any, task: Task, prompt_ids: list[list[int]], plan: ScorePlan
 ) -> dict[str, float]:
     """Greedy decoding on the held-out set: mean reward and accuracy (reward >= 1)."""
+    return eval_metrics(eval_scores(engine, tokenizer, task, task.eval, prompt_ids, plan))
+
+
+def eval_scores(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    task: Task,
+    examples: list[Example],
+    prompt_ids: list[list[int]],
+    plan: ScorePlan,
+) -> dict[str, list[float]]:
+    """Greedy decoding of held-out ``examples`` (token ids ``prompt_ids``): each one's reward (and, in
+    an environment, its number of turns). Parts scored apart (ranks) concatenate to the whole."""
     if plan.env is not None:  # with the same environment
-        return evaluate_env(engine, tokenizer, task, prompt_ids, plan.env)
+        return env_eval_scores(engine, tokenizer, task, examples, prompt_ids, plan.env)
     rb = engine.generate(prompt_ids, plan.max_new_tokens, 1.0, greedy=True)
     completions = completion_texts(tokenizer, rb.response_ids_BT, rb.response_mask_BT)
-    ex = task.eval
     rewards, _ = safe_rewards(
         task.reward,
-        [e.prompt for e in ex],
+        [e.prompt for e in examples],
         completions,
-        [e.answer for e in ex],
+        [e.answer for e in examples],
         on_error=plan.reward_on_error,
         name=task.reward_name,
     )
-    r = np.asarray(rewards, dtype=np.float64)
-    return {"eval/reward_mean": float(r.mean()), "eval/accuracy": float((r >= 1.0 - 1e-9).mean())}
+    return {"reward": list(rewards)}
+
+
+def eval_metrics(scores: dict[str, list[float]]) -> dict[str, float]:
+    """Mean reward and accuracy (reward >= 1) of :func:`eval_scores` (and the share of multi-turn
+    trajectories)."""
+    r = np.asarray(scores["reward"], dtype=np.float64)
+    out = {"eval/reward_mean": float(r.mean()), "eval/accuracy": float((r >= 1.0 - 1e-9).mean())}
+    if "turns" in scores:
+        out["eval/multi_turn_frac"] = float((np.asarray(scores["turns"]) > 1).mean())
+    return out
