@@ -385,3 +385,38 @@ def test_a_run_killed_before_step_0_is_not_sent_to_resume(tmp_path):
         _claim(run, resume=True)
     path, state, _ = _claim(run, overwrite=True)
     assert path is None and state is None and ckpt.run_traces(run) == []
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_each_rank_checksums_its_own_shards(base, tmp_path):
+    """A 2-rank checkpoint's manifest holds each rank's own checksum of its shard (they match the
+    files), and on resume each rank verifies its share: rank 0 never reads rank 1's shard."""
+    step = _copy_step(base, tmp_path)
+    names = ckpt.shard_files(step)
+    assert names == ["dcp/__0_0.distcp", "dcp/__1_0.distcp"]
+    manifest = json.loads((step / ckpt.MANIFEST).read_text())["files"]
+    assert all(manifest[n] == ckpt.file_entry(step / n) for n in names)
+    _flip_a_byte(step / "dcp" / "__1_0.distcp")  # same size: only a checksum finds it
+    assert ckpt.check_share(step, 0, 2) == ""
+    assert "dcp/__1_0.distcp does not match its checksum" in ckpt.check_share(step, 1, 2)
+    assert ckpt.verify(step, shards=False)[1] == ""  # rank 0 alone, sizes only for the shards
+    assert "does not match its checksum" in ckpt.verify(step)[1]  # one process: every file
+
+
+def test_a_shard_damaged_under_its_manifest_sends_both_ranks_back_a_checkpoint(base, tmp_path):
+    """`gspo train --nproc 2 --resume` with one byte of rank 1's newest shard flipped: rank 1 finds it,
+    both ranks resume from the checkpoint before, one line says why, and the run trains on."""
+    run = _copy_run(base, tmp_path)
+    _flip_a_byte(run / "checkpoints" / "step-000002" / "dcp" / "__1_0.distcp")
+    p = _gspo(tmp_path, *ARGS, "--nproc", "2", "--steps", "2", "--resume")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-4000:]
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("gspo: resuming")]
+    assert len(notes) == 1 and "step-000001; skipped newer damaged checkpoints (step-000002: " in notes[0]
+    assert "dcp/__1_0.distcp does not match its checksum" in notes[0]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]

@@ -201,14 +201,16 @@ def check_run_dir(
     trains."""
     lock, path, state, note, error = None, None, None, "", None
     if dctx.rank == 0:
-        try:
-            lock, path, state, note = claim_run_dir(cfg)
+        try:  # one rank: every file checksummed; N ranks: each its share of the shards (below)
+            lock, path, state, note = claim_run_dir(cfg, shards=dctx.world_size == 1)
         except GspoError as e:
             error = str(e)
     error, path = dist_utils.gather_objects((error, path), dctx)[0]
     if error is not None:
         raise GspoError(error)
     try:
+        if path is not None and dctx.world_size > 1:
+            path, state, note = _verify_shares(cfg.run_dir, dctx, path, state, note)
         if path is not None and state is None:  # the other ranks read what rank 0 verified
             state = ckpt.load_trainer_state(path)
         if state is not None:
@@ -240,7 +242,34 @@ def check_run_dir(
     return path, state, lock
 
 
-def claim_run_dir(cfg: Config) -> tuple[Any, Path | None, dict[str, Any] | None, str]:
+def _verify_shares(
+    run_dir: Path, dctx: dist_utils.DistContext, path: Path, state: dict[str, Any] | None, note: str
+) -> tuple[Path, dict[str, Any] | None, str]:
+    """Every rank checksums its share of the chosen checkpoint's shard files (collective); a damaged
+    shard sends every rank to the newest complete checkpoint before it, as rank 0 would alone."""
+    skipped: list[str] = []
+    while True:
+        whys = dist_utils.gather_objects(ckpt.check_share(path, dctx.rank, dctx.world_size), dctx)
+        why = next((w for w in whys if w), "")
+        if not why:
+            break
+        skipped.append(f"{path.name}: {why}")
+        step = int(path.name.removeprefix("step-"))
+        if dctx.rank == 0:
+            path, state, more = ckpt.newest_complete(run_dir, shards=False, below=step)
+            skipped += more
+        path = dist_utils.gather_objects(path, dctx)[0]
+        if path is None:
+            raise GspoError(
+                f"--resume: no complete checkpoint found under {run_dir}/checkpoints ({'; '.join(skipped)}); "
+                "pass --overwrite instead of --resume to start the run over"
+            )
+    if skipped and dctx.rank == 0:
+        note = f"resuming from {path}; skipped newer damaged checkpoints ({'; '.join(skipped)})"
+    return path, state if dctx.rank == 0 else None, note
+
+
+def claim_run_dir(cfg: Config, shards: bool = True) -> tuple[Any, Path | None, dict[str, Any] | None, str]:
     """Rank 0: lock the run folder (one writer), then pick the newest complete checkpoint to resume
     (``--resume``) or make sure the folder holds no earlier run (``--overwrite`` deletes it). Returns
     the lock, the checkpoint and its state (None for a new run) and the line to show about it."""
@@ -256,7 +285,7 @@ def claim_run_dir(cfg: Config) -> tuple[Any, Path | None, dict[str, Any] | None,
     lock = ckpt.lock_run_dir(run_dir)
     try:
         if cfg.resume:
-            path, state, skipped = ckpt.newest_complete(run_dir)
+            path, state, skipped = ckpt.newest_complete(run_dir, shards)
             why = f" ({'; '.join(skipped)})" if skipped else ""
             if path is None:
                 raise GspoError(

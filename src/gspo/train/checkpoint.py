@@ -94,13 +94,33 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(folder: Path) -> None:
-    """``manifest.json``: size and sha256 of every file under ``folder`` (fsynced, then itself)."""
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry (size and sha256), fsynced first."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def shard_files(folder: Path) -> list[str]:
+    """The shard files of a sharded checkpoint (``dcp/*.distcp``), as manifest names, in order."""
+    return sorted(p.relative_to(folder).as_posix() for p in (folder / DCP_DIR).glob("*.distcp"))
+
+
+def share(names: list[str], rank: int, world: int) -> list[str]:
+    """The files of ``names`` rank ``rank`` of ``world`` checksums (every world-th one: a checkpoint
+    written on any number of ranks is verified by the ranks resuming it, each its share)."""
+    return names[rank::world]
+
+
+def write_manifest(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> None:
+    """``manifest.json``: size and sha256 of every file under ``folder`` (fsynced, then itself);
+    ``known``: entries the ranks that wrote those files computed (each rank its own shards)."""
     entries = {}
     for f in _files(folder):
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        entries[f.relative_to(folder).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+        name = f.relative_to(folder).as_posix()
+        entry = (known or {}).get(name)
+        ok = entry is not None and entry["size"] == f.stat().st_size
+        entries[name] = entry if ok else file_entry(f)
     path = folder / MANIFEST
     path.write_text(json.dumps({"files": entries}, indent=1))
     with open(path, "rb") as fh:
@@ -124,16 +144,18 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int = 2,
     tmp: Path | None = None,
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically. ``save_model(path)`` writes the HF weights + tokenizer
-    (or, for a sharded checkpoint whose shards are already in ``tmp``, the config and tokenizer)."""
+    (or, for a sharded checkpoint whose shards are already in ``tmp``, the config and tokenizer;
+    ``known``: their manifest entries, each computed by the rank that wrote the file)."""
     root = run_dir / "checkpoints"
     final = root / f"step-{step:06d}"
     try:
         tmp = tmp if tmp is not None else begin_checkpoint(run_dir, step)
         save_model(tmp)
         torch.save(trainer_state, tmp / TRAINER_STATE)
-        write_manifest(tmp)  # last: a folder with a matching manifest is complete
+        write_manifest(tmp, known)  # last: a folder with a matching manifest is complete
     except BaseException:  # a full disk, Ctrl-C: no half checkpoint left behind (``latest`` is untouched)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -185,8 +207,9 @@ def step_folders(run_dir: Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name.split("-")[1]))
 
 
-def check_manifest(path: Path, required: tuple[str, ...] = ()) -> str:
-    """Why the files of ``path`` do not match its manifest ("" when they all do)."""
+def check_manifest(path: Path, required: tuple[str, ...] = (), hashed: set[str] | None = None) -> str:
+    """Why the files of ``path`` do not match its manifest ("" when they all do). ``hashed``: the
+    only files whose checksum is compared (default: all; the sizes of all are compared)."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
         entries = [(str(name), want.get("size"), want.get("sha256")) for name, want in files.items()]
@@ -203,18 +226,29 @@ def check_manifest(path: Path, required: tuple[str, ...] = ()) -> str:
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
-        if _sha256(f) != sha:
+        if (hashed is None or name in hashed) and _sha256(f) != sha:
             return f"{name} does not match its checksum in the manifest (modified or damaged)"
     return ""
+
+
+def check_share(path: Path, rank: int, world: int) -> str:
+    """Why this rank's share of ``path``'s shard files (:func:`share`) does not match the manifest."""
+    return check_manifest(path, hashed=set(share(shard_files(path), rank, world)))
+
+
+def _files_names(path: Path) -> list[str]:
+    return [f.relative_to(path).as_posix() for f in _files(path)]
 
 
 def _manifest_names(path: Path) -> list[str]:
     return list(json.loads((path / MANIFEST).read_text())["files"])
 
 
-def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
-    """``(trainer state, "")`` for a complete checkpoint, else ``(None, why not)``."""
-    why = check_manifest(path, (TRAINER_STATE, "config.json"))
+def verify(path: Path, shards: bool = True) -> tuple[dict[str, Any] | None, str]:
+    """``(trainer state, "")`` for a complete checkpoint, else ``(None, why not)``. ``shards``:
+    checksum the shard files too (else only their sizes: each rank checks its share, :func:`check_share`)."""
+    hashed = None if shards else set(_files_names(path)) - set(shard_files(path))
+    why = check_manifest(path, (TRAINER_STATE, "config.json"), hashed)
     names = [] if why else _manifest_names(path)
     if not why and not any(n.endswith(".safetensors") or n == f"{DCP_DIR}/.metadata" for n in names):
         why = f"{MANIFEST} lists no weights (*.safetensors, or {DCP_DIR}/ shards)"
@@ -236,11 +270,16 @@ def verify(path: Path) -> tuple[dict[str, Any] | None, str]:
     return state, ""
 
 
-def newest_complete(run_dir: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-    """The newest complete checkpoint, its trainer state, and why each newer one was skipped."""
+def newest_complete(
+    run_dir: Path, shards: bool = True, below: int | None = None
+) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """The newest complete checkpoint (of a step below ``below``, if given), its trainer state, and
+    why each newer one was skipped; ``shards``: as :func:`verify`."""
     skipped = []
     for path in reversed(step_folders(run_dir)):
-        state, why = verify(path)
+        if below is not None and int(path.name.removeprefix("step-")) >= below:
+            continue
+        state, why = verify(path, shards)
         if state is not None:
             return path, state, skipped
         skipped.append(f"{path.name}: {why}")

@@ -18,7 +18,7 @@ from torch import nn
 
 from gspo.data import RolloutEngine, Sampler
 from gspo.errors import GspoError
-from gspo.model.export import save_config_and_tokenizer
+from gspo.model.export import DCP_DIR, save_config_and_tokenizer
 from gspo.model.load import save_pretrained
 from gspo.model.unwrap import unwrap
 from gspo.plans import OptimPlan, ScorePlan, UpdatePlan
@@ -164,9 +164,9 @@ class Run:
         t, s, folder = self.trainer, self.state, self.folder
         _check_finite(t.policy, s.step, s.last_saved)
         gens = dist_utils.gather_objects(s.sample_gen.get_state(), self.dctx)
-        tmp = None
-        if folder.sharded:  # each rank writes its shards; rank 0 the rest, as below
-            tmp, opt_sd = self._save_shards()
+        tmp, known = None, None
+        if folder.sharded:  # each rank writes (and checksums) its shards; rank 0 the rest, as below
+            tmp, opt_sd, known = self._save_shards()
             write = lambda p: save_config_and_tokenizer(t.hf, self.tokenizer, p)  # noqa: E731
         else:
             model, full_sd = self.savable()
@@ -187,12 +187,14 @@ class Run:
                 "initial": s.initial,
             }
             state |= self.sampler.sampler.state(s.step)  # e.g. batches sampled ahead, from older versions
-            self._attempt(lambda: ckpt.save_checkpoint(folder.run_dir, s.step, write, state, tmp=tmp))
+            save = lambda: ckpt.save_checkpoint(folder.run_dir, s.step, write, state, tmp=tmp, known=known)  # noqa: E731
+            self._attempt(save)
         s.last_saved = s.step
 
-    def _save_shards(self) -> tuple[Path, dict[str, Any]]:
+    def _save_shards(self) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         """Every rank writes its model and optimizer shards into the new checkpoint's folder, which
-        rank 0 makes (collective). Returns the folder and the trainer state's optimizer entry."""
+        rank 0 makes, and checksums its own files (collective). Returns the folder, the trainer
+        state's optimizer entry and the manifest entries of every rank's shard files."""
         made: tuple[Path | None, str] = (None, "")
         if self.rank == 0:
             try:
@@ -205,11 +207,16 @@ class Run:
             raise GspoError(error)
         try:
             saved = self._attempt(lambda: sharded_ckpt.save(self.trainer.policy, self.trainer.optimizer, tmp))
+            own = {  # the files DCP's writer gave this rank (__<rank>_<n>.distcp)
+                f.relative_to(tmp).as_posix(): ckpt.file_entry(f)
+                for f in sorted((tmp / DCP_DIR).glob(f"__{self.rank}_*.distcp"))
+            }
+            known = {k: v for part in dist_utils.gather_objects(own, self.dctx) for k, v in part.items()}
         except BaseException:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return tmp, {"dcp": saved}
+        return tmp, {"dcp": saved}, known
 
     def _attempt(self, write: Callable[[], Any]) -> Any:
         """``write()``; a failure to write (e.g. a full disk) is one line naming what is kept."""
