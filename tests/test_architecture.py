@@ -88,3 +88,13 @@ def test_the_config_stops_at_the_top(package):
                 if "cfg" in names and (rel, node.name) not in ENTRY:
                     bad.append(f"{rel}:{node.lineno} {node.name}() takes cfg")
     assert not bad, "\n".join(bad)
+
+
+def test_one_name_one_class():
+    """A class name means one thing across the package (there were two ``Run`` and two ``Task``)."""
+    where: dict[str, list[str]] = {}
+    for rel, _, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(rel)
+    assert not {k: v for k, v in where.items() if len(v) > 1}

@@ -7,7 +7,7 @@ Values come from (later wins) the defaults here, a YAML file (``--config run.yam
 rules (its ``Annotated`` markers), the hard limits of :mod:`gspo.limits`, then each group's rules that
 relate fields. Bad input raises :class:`GspoError` naming the field.
 
-Groups (in field order): :class:`Run`, :class:`Task`, :class:`WarmStart`, :class:`Algorithm`,
+Groups (in field order): :class:`RunSetup`, :class:`ModelAndTask`, :class:`WarmStart`, :class:`Algorithm`,
 :class:`Mismatch`, :class:`Async`, :class:`SampleFilters`, :class:`PolicyForward`, :class:`Rollout`,
 :class:`MultiTurn`, :class:`Optimization`, :class:`LoRA`, :class:`Evaluation`, :class:`Distributed`.
 """
@@ -28,7 +28,7 @@ from gspo.config.algorithm import Algorithm, Async, Mismatch, PolicyForward, Sam
 from gspo.config.checks import Group, check_fields, check_types, field_kinds
 from gspo.config.parse import MAX_CONFIG_BYTES, FromText, coerce, load_yaml, load_yaml_lines, parse_values
 from gspo.config.rollout import MultiTurn, Rollout
-from gspo.config.run import Run, Task, WarmStart
+from gspo.config.run import ModelAndTask, RunSetup, WarmStart
 from gspo.config.training import Distributed, Evaluation, LoRA, Optimization
 from gspo.errors import GspoError
 
@@ -50,7 +50,7 @@ __all__ = [
 @dataclass
 class Config(
     Distributed, Evaluation, LoRA, Optimization, MultiTurn, Rollout, PolicyForward, SampleFilters,
-    Async, Mismatch, Algorithm, WarmStart, Task, Run, FromText,
+    Async, Mismatch, Algorithm, WarmStart, ModelAndTask, RunSetup, FromText,
 ):  # fmt: skip
     """Every group's fields, flat: ``cfg.lr``, ``dataclasses.replace(cfg, seed=1)``."""
 

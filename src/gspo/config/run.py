@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @with_config(DOCUMENTED)
 @dataclass
-class Run(Group):
+class RunSetup(Group):
     name: str | None = None
     """Run name; outputs go to ``<output_dir>/<name>``. Default: ``<algo>-<task>-s<seed>``."""
     output_dir: str = "runs"
@@ -51,7 +51,7 @@ class Run(Group):
 
 @with_config(DOCUMENTED)
 @dataclass
-class Task(Group):
+class ModelAndTask(Group):
     model: str = "embedded:tiny-moe"
     """``embedded:tiny-moe`` / ``embedded:tiny-dense`` (random init, built locally), a local HF
     directory or a hub id loaded with ``AutoModelForCausalLM.from_pretrained``."""
