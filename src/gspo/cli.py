@@ -104,20 +104,7 @@ def _add_export_parser(sub: Any) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
-    parser.add_argument("--version", action="version", version=f"gspo {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    parser._subcommands = sub.choices  # type: ignore[assignment]
-
-    p = sub.add_parser(
-        "train",
-        help="train a policy (default: embedded tiny MoE on a synthetic task)",
-        description="Train with GSPO / GSPO-token / GRPO. Flags override the YAML config.",
-    )
-    p.add_argument("--config", help="YAML file of config keys (flags given here override it)")
-    _add_config_flags(p)
-
+def _add_compare_parser(sub: Any) -> None:
     c = sub.add_parser(
         "compare",
         help="GSPO vs GSPO-token vs GRPO vs GRPO+Routing Replay over seeds, with CIs and a report",
@@ -173,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(c, skip=("name", "output_dir", "seed", "algo", "routing_replay", "resume", "overwrite"))
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gspo", description="GSPO reinforcement-learning post-training for causal LMs.")
+    parser.add_argument("--version", action="version", version=f"gspo {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser._subcommands = sub.choices  # type: ignore[assignment]
+
+    p = sub.add_parser(
+        "train",
+        help="train a policy (default: embedded tiny MoE on a synthetic task)",
+        description="Train with GSPO / GSPO-token / GRPO. Flags override the YAML config.",
+    )
+    p.add_argument("--config", help="YAML file of config keys (flags given here override it)")
+    _add_config_flags(p)
+
+    _add_compare_parser(sub)
     _add_plan_parser(sub)
     _add_export_parser(sub)
 
