@@ -26,7 +26,7 @@ from pydantic import ConfigDict, TypeAdapter, with_config
 
 from gspo.config.algorithm import Algorithm, Async, Mismatch, PolicyForward, SampleFilters
 from gspo.config.checks import Group, check_fields, check_types, field_kinds
-from gspo.config.parse import MAX_CONFIG_BYTES, FromText, coerce, load_yaml, load_yaml_lines, parse_values
+from gspo.config.parse import MAX_CONFIG_BYTES, coerce, load_yaml, load_yaml_lines, parse_values
 from gspo.config.rollout import MultiTurn, Rollout
 from gspo.config.run import ModelAndTask, RunSetup, WarmStart
 from gspo.config.training import Distributed, Evaluation, LoRA, Optimization
@@ -50,7 +50,7 @@ __all__ = [
 @dataclass
 class Config(
     Distributed, Evaluation, LoRA, Optimization, MultiTurn, Rollout, PolicyForward, SampleFilters,
-    Async, Mismatch, Algorithm, WarmStart, ModelAndTask, RunSetup, FromText,
+    Async, Mismatch, Algorithm, WarmStart, ModelAndTask, RunSetup,
 ):  # fmt: skip
     """Every group's fields, flat: ``cfg.lr``, ``dataclasses.replace(cfg, seed=1)``."""
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from annotated_types import Ge
 from pydantic import with_config
 
-from gspo.config.checks import DOCUMENTED, AtLeast, Group, OneOf, bad
+from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
 
 
 def loss_names() -> tuple[str, ...]:
@@ -31,9 +32,9 @@ class Algorithm(Group):
     ``sapo_token``, ``cispo``, ``gmpo``, ``luspo`` (GSPO with each sequence's term scaled by its
     length, arXiv 2602.05261) or ``vespo`` (REINFORCE scaled by a smooth kernel of the unnormalized
     sequence ratio, arXiv 2602.10693)."""
-    eps_low: Annotated[float | None, AtLeast(0)] = None
+    eps_low: Annotated[float | None, Ge(0)] = None
     """Lower clip range (default per algo: gspo 3e-4, grpo 0.2, luspo 2e-3; vespo has none)."""
-    eps_high: Annotated[float | None, AtLeast(0)] = None
+    eps_high: Annotated[float | None, Ge(0)] = None
     """Upper clip range (default per algo: gspo 4e-4, grpo 0.27, luspo 2.5e-3; vespo has none)."""
     aggregation: Annotated[str | None, OneOf((None, "seq_mean_token_mean", "token_mean"))] = None
     """Token aggregation of the token-level losses (grpo, sapo_token, cispo): ``seq_mean_token_mean``
@@ -48,13 +49,13 @@ class Algorithm(Group):
     the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
     ``recompute``."""
 
-    vespo_k_pos: Annotated[float | None, AtLeast(0)] = None
+    vespo_k_pos: Annotated[float | None, Ge(0)] = None
     """``vespo``: the kernel's power k for A >= 0 (default 2.0; the paper's c1)."""
-    vespo_lambda_pos: Annotated[float | None, AtLeast(0)] = None
+    vespo_lambda_pos: Annotated[float | None, Ge(0)] = None
     """``vespo``: the kernel's decay lambda for A >= 0 (default 3.0; the paper's c2)."""
-    vespo_k_neg: Annotated[float | None, AtLeast(0)] = None
+    vespo_k_neg: Annotated[float | None, Ge(0)] = None
     """``vespo``: the kernel's power k for A < 0 (default 3.0)."""
-    vespo_lambda_neg: Annotated[float | None, AtLeast(0)] = None
+    vespo_lambda_neg: Annotated[float | None, Ge(0)] = None
     """``vespo``: the kernel's decay lambda for A < 0 (default 2.0)."""
 
     @staticmethod
@@ -110,13 +111,13 @@ class Mismatch(Group):
     pi_old/pi_sampler), ``seq_mask`` (drop sequences with rho_i outside [mismatch_low,
     mismatch_high]), ``token_mask`` (IcePop: drop tokens whose ratio is outside the band; for GRPO),
     or ``none``."""
-    mismatch_cap: Annotated[float, AtLeast(1)] = 2.0
+    mismatch_cap: Annotated[float, Ge(1)] = 2.0
     """``seq_tis``: the largest sequence weight C."""
     mismatch_low: float = 0.5
     """``seq_mask`` / ``token_mask``: lowest ratio pi_old/pi_sampler kept."""
     mismatch_high: float | None = None
     """``seq_mask`` / ``token_mask``: highest ratio kept (default 2 for sequences, 5 for tokens: IcePop)."""
-    opsm_threshold: Annotated[float | None, AtLeast(0)] = None
+    opsm_threshold: Annotated[float | None, Ge(0)] = None
     """Off-policy sequence masking (OPSM, DeepSeek-V3.2): drop from the loss each sequence with a
     negative advantage whose mean per-token log-ratio log(pi_sampler / pi_theta) exceeds this
     threshold delta (nats per token; TRL suggests 0.5), for every loss, async and multi-turn included.
@@ -146,7 +147,7 @@ class Mismatch(Group):
 @with_config(DOCUMENTED)
 @dataclass
 class Async(Group):
-    async_staleness: Annotated[int, AtLeast(0)] = 0
+    async_staleness: Annotated[int, Ge(0)] = 0
     """Asynchronous rollouts: a sampler process (its own model copy, one thread) generates up to K
     policy versions ahead of the trainer, so generation and training overlap; step t's responses come
     from the weights after step t-1-K and the sampler's log-probs are pi_old. 0: synchronous."""
@@ -170,15 +171,15 @@ class SampleFilters(Group):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no gradient under group-normalized advantages) and
     draw more prompts until the batch is full (DAPO); see ``dynamic_sampling_max_rounds``."""
-    dynamic_sampling_max_rounds: Annotated[int, AtLeast(0)] = 4
+    dynamic_sampling_max_rounds: Annotated[int, Ge(0)] = 4
     """Extra sampling rounds dynamic sampling may draw per step; a batch still short after them is
     filled with dropped groups (zero advantage: no gradient, counted in ``rollout/filtered_groups``)."""
     overlong_filter: bool = False
     """Give responses cut off at ``max_new_tokens`` (no EOS) zero advantage: out of the loss (DAPO)."""
-    overlong_buffer: Annotated[int, AtLeast(0)] = 0
+    overlong_buffer: Annotated[int, Ge(0)] = 0
     """DAPO's soft overlong penalty: responses within the last N tokens before ``max_new_tokens`` get a
     reward penalty growing linearly to ``overlong_penalty`` (0 disables)."""
-    overlong_penalty: Annotated[float, AtLeast(0)] = 1.0
+    overlong_penalty: Annotated[float, Ge(0)] = 1.0
     """Largest soft overlong penalty (reward units), reached at ``max_new_tokens``."""
 
     @staticmethod

@@ -1,7 +1,8 @@
-"""Per-field rules, declared beside each field: ``steps: Annotated[int, AtLeast(1)] = 200``.
+"""Per-field rules, declared beside each field: ``steps: Annotated[int, Ge(1)] = 200``.
 
-pydantic ignores these markers: parsing a YAML file or a flag only converts types, and the rules run
-in :meth:`gspo.config.Config.validate` on the merged values, so a bad value in a file can still be
+Bounds are annotated_types' markers, checked by pydantic; choices are :class:`OneOf`. Parsing a YAML
+file or a flag only converts types, and the rules run in :meth:`gspo.config.Config.validate` on the
+merged values, so a bad value in a file can still be
 overridden by a flag. Every failure is a one-line :class:`GspoError` naming the field.
 """
 
@@ -14,9 +15,10 @@ import numbers
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ConfigDict
+from annotated_types import Ge, Gt, Interval
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from gspo.errors import GspoError
 
@@ -53,35 +55,37 @@ class OneOf(Rule):
         return f"must be one of {', '.join(str(a) for a in allowed if a is not None)}"
 
 
-@dataclass(frozen=True)
-class AtLeast(Rule):
-    """``>= low`` (None passes; NaN too, refused as not finite instead)."""
-
-    low: int
-    order = 1
-
-    def error(self, value: Any) -> str | None:
-        return f"must be >= {self.low}" if value is not None and value < self.low else None
+# bounds are annotated_types' own markers (``Ge``, ``Gt``, ``Interval``), checked by pydantic on the
+# merged values; ``late``: after gspo.limits.check_config (its temperature floor speaks first)
+BOUNDS: dict[type, tuple[int, bool, Callable[[Any], str]]] = {
+    Ge: (1, False, lambda b: f"must be >= {b.ge}"),
+    Gt: (2, True, lambda b: f"must be > {b.gt}"),
+    Interval: (3, True, lambda b: f"must be in [{b.ge}, {b.lt})"),  # Adam's betas
+}
 
 
-@dataclass(frozen=True)
-class Positive(Rule):
-    """``> 0``; late, so that the temperature floor of gspo.limits speaks first."""
-
-    order, late = 2, True
-
-    def error(self, value: Any) -> str | None:
-        return None if value > 0 else "must be > 0"
+def _kind(rule: Any) -> tuple[int, bool]:
+    """(order, late) of a field's rule: a :class:`Rule`'s own, or its bound's (``BOUNDS``)."""
+    return (rule.order, rule.late) if isinstance(rule, Rule) else BOUNDS[type(rule)][:2]
 
 
-@dataclass(frozen=True)
-class Fraction(Rule):
-    """In ``[0, 1)`` (Adam's betas)."""
+@functools.cache
+def _adapter(typ: type, bound: Any) -> TypeAdapter:
+    return TypeAdapter(Annotated[typ, bound])
 
-    order, late = 3, True
 
-    def error(self, value: Any) -> str | None:
-        return None if 0 <= value < 1 else "must be in [0, 1)"
+def _error(rule: Any, typ: type, value: Any) -> str | None:
+    """Why ``value`` breaks ``rule`` (None when it keeps it). A bound passes None, and NaN too: the
+    early pass refuses NaN as not finite, after the rules."""
+    if isinstance(rule, Rule):
+        return rule.error(value)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    try:
+        _adapter(typ, rule).validate_python(value)
+    except ValidationError:
+        return BOUNDS[type(rule)][2](rule)
+    return None
 
 
 class Group:
@@ -105,11 +109,13 @@ def field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
 
 
 @functools.cache
-def field_rules(cls: type) -> dict[str, tuple[Rule, ...]]:
-    """Field name -> the rules in its ``Annotated`` type, in field order."""
+def field_rules(cls: type) -> dict[str, tuple[Any, ...]]:
+    """Field name -> the rules (:class:`Rule`) and bounds (``BOUNDS``) in its ``Annotated`` type, in
+    field order."""
     hints = typing.get_type_hints(cls, include_extras=True)
+    kinds = (Rule, *BOUNDS)
     return {
-        f.name: tuple(m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Rule))
+        f.name: tuple(m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, kinds))
         for f in dataclasses.fields(cls)
     }
 
@@ -136,9 +142,10 @@ def check_types(cfg: Any) -> None:
 def check_fields(cfg: Any, late: bool) -> None:
     """The fields' own rules, kind by kind, each kind in field order; the early pass ends refusing inf
     and NaN, which pass every comparison that follows."""
-    rules = [(r, name) for name, rs in field_rules(type(cfg)).items() for r in rs if r.late == late]
-    for rule, name in sorted(rules, key=lambda rn: rn[0].order):  # stable: field order within a kind
-        msg = rule.error(getattr(cfg, name))
+    kinds = field_kinds(type(cfg))
+    rules = [(r, name) for name, rs in field_rules(type(cfg)).items() for r in rs if _kind(r)[1] == late]
+    for rule, name in sorted(rules, key=lambda rn: _kind(rn[0])[0]):  # stable: field order within a kind
+        msg = _error(rule, kinds[name][0], getattr(cfg, name))
         if msg:
             raise bad(cfg, name, msg)
     if not late:

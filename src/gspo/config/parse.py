@@ -1,5 +1,6 @@
 """Config values from text: a YAML file's scalars and the command line's strings, converted by pydantic
-to each field's type. Only types: the rules run later, on the merged values, in ``Config.validate``."""
+to each field's type. Only types: the rules and bounds run later, on the merged values, in
+``Config.validate``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
 from gspo.config.checks import field_kinds
@@ -26,35 +27,30 @@ def _refuse(msg: str) -> PydanticCustomError:
     return PydanticCustomError("gspo", msg)
 
 
-class FromText:
-    """Mixin of :class:`gspo.config.Config`: what a YAML scalar or flag string means for a field where
-    pydantic's lax mode differs (it takes ``t`` for a bool, ``True`` for a number, ``'2.0'`` for an
-    int, and no number for a str), and what it never is (a container, a NUL character)."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _from_text(cls, value: Any, info: ValidationInfo) -> Any:
-        typ, optional = field_kinds(cls)[info.field_name]
-        if isinstance(value, (dict, list, tuple, set)):  # e.g. a YAML mapping (or alias bomb) as a name
-            raise _refuse(f"expects {typ.__name__}, got a {type(value).__name__}")
-        if isinstance(value, str) and "\0" in value:
-            raise _refuse("holds a NUL character")
-        if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-            if optional:  # 'none' / 'null': how a flag says None
-                return None
-            raise _refuse("must not be empty")
-        if typ is bool:
-            word = value if isinstance(value, bool) else BOOL_WORDS.get(str(value).lower())
-            if word is None:
-                raise _refuse(f"expects bool, got {value!r:.80}")
-            return word
-        if typ in (int, float) and isinstance(value, bool):
-            raise _refuse(f"expects {typ.__name__}, got {value!r:.80}")
-        if typ is int and isinstance(value, float) and value.is_integer():
-            return int(value)  # YAML's 1.0e+50: a number the limits then refuse by name
-        if typ in (int, float) and isinstance(value, str):
-            return typ(value)  # Python's number syntax (ValueError: pydantic reports the field)
-        return str(value) if typ is str else value  # YAML's `name: 2024` is a name
+def from_text(typ: type, optional: bool, value: Any) -> Any:
+    """What a YAML scalar or flag string means for a field of type ``typ`` where pydantic's lax mode
+    differs (it takes ``t`` for a bool, ``True`` for a number, ``'2.0'`` for an int, and no number
+    for a str), and what it never is (a container, a NUL character)."""
+    if isinstance(value, (dict, list, tuple, set)):  # e.g. a YAML mapping (or alias bomb) as a name
+        raise _refuse(f"expects {typ.__name__}, got a {type(value).__name__}")
+    if isinstance(value, str) and "\0" in value:
+        raise _refuse("holds a NUL character")
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:  # 'none' / 'null': how a flag says None
+            return None
+        raise _refuse("must not be empty")
+    if typ is bool:
+        word = value if isinstance(value, bool) else BOOL_WORDS.get(str(value).lower())
+        if word is None:
+            raise _refuse(f"expects bool, got {value!r:.80}")
+        return word
+    if typ in (int, float) and isinstance(value, bool):
+        raise _refuse(f"expects {typ.__name__}, got {value!r:.80}")
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # YAML's 1.0e+50: a number the limits then refuse by name
+    if typ in (int, float) and isinstance(value, str):
+        return typ(value)  # Python's number syntax (ValueError: reported as the wrong type)
+    return str(value) if typ is str else value  # YAML's `name: 2024` is a name
 
 
 def _config() -> type:
@@ -64,8 +60,10 @@ def _config() -> type:
 
 
 @functools.cache
-def _adapter() -> TypeAdapter[Any]:
-    return TypeAdapter(_config())
+def _adapter(typ: type, optional: bool) -> TypeAdapter[Any]:
+    """The field type alone: its bounds (annotated_types, in the field's ``Annotated``) are checked
+    later, on the merged values."""
+    return TypeAdapter(typ | None if optional else typ)
 
 
 def parse_values(
@@ -73,27 +71,24 @@ def parse_values(
 ) -> dict[str, Any]:
     """``values`` converted to their fields' types (unknown keys refused): GspoError naming ``source``
     (with the key's line from ``lines`` when given) and the first bad key (in ``values``' order)."""
-    try:
-        cfg = _adapter().validate_python(dict(values))
-    except ValidationError as e:
-        order = {k: i for i, k in enumerate(values)}
-        err = min(e.errors(), key=lambda x: order.get(x["loc"][0] if x["loc"] else "", len(order)))
-        name = str(err["loc"][0]) if err["loc"] else "?"
+    kinds = field_kinds(_config())
+    out = {}
+    for name, value in values.items():
         where = f"{source}:{lines[name]}" if lines and name in lines else source
-        raise GspoError(_message(err, values, where)) from None
-    return {k: getattr(cfg, k) for k in values}
-
-
-def _message(err: Any, values: Mapping[str, Any], source: str) -> str:
-    name = str(err["loc"][0]) if err["loc"] else "?"
-    if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        close = [k for k in field_kinds(_config()) if k.startswith(name[:3])]
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        return f"{source}: unknown config key '{name}'{hint}"
-    if err["type"] == "gspo":
-        return f"{source}: config key '{name}' {err['msg']}"
-    typ = field_kinds(_config())[name][0]
-    return f"{source}: config key '{name}' expects {typ.__name__}, got {values.get(name)!r:.80}"
+        if name not in kinds:
+            close = [k for k in kinds if k.startswith(str(name)[:3])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise GspoError(f"{where}: unknown config key '{name}'{hint}")
+        typ, optional = kinds[name]
+        try:
+            out[name] = _adapter(typ, optional).validate_python(from_text(typ, optional, value))
+        except PydanticCustomError as e:
+            raise GspoError(f"{where}: config key '{name}' {e.message()}") from None
+        except (ValidationError, ValueError, OverflowError):
+            raise GspoError(
+                f"{where}: config key '{name}' expects {typ.__name__}, got {value!r:.80}"
+            ) from None
+    return out
 
 
 def coerce(name: str, value: Any, source: str) -> Any:

@@ -5,26 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from annotated_types import Ge, Gt
 from pydantic import with_config
 
-from gspo.config.checks import DOCUMENTED, AtLeast, Group, OneOf, Positive, bad
+from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
 from gspo.config.run import DTYPES
 
 
 @with_config(DOCUMENTED)
 @dataclass
 class Rollout(Group):
-    steps: Annotated[int, AtLeast(1)] = 200
+    steps: Annotated[int, Ge(1)] = 200
     """RL steps (one rollout batch each)."""
-    prompts_per_step: Annotated[int, AtLeast(1)] = 32
+    prompts_per_step: Annotated[int, Ge(1)] = 32
     """Prompts per rollout batch."""
-    group_size: Annotated[int, AtLeast(1)] = 8
+    group_size: Annotated[int, Ge(1)] = 8
     """Responses sampled per prompt (G)."""
-    max_new_tokens: Annotated[int, AtLeast(1)] = 12
+    max_new_tokens: Annotated[int, Ge(1)] = 12
     """Generation limit per response."""
-    temperature: Annotated[float, Positive()] = 1.0
+    temperature: Annotated[float, Gt(0)] = 1.0
     """Sampling temperature (also applied to the trainer's log-probs)."""
-    top_k: Annotated[int, AtLeast(0)] = 0
+    top_k: Annotated[int, Ge(0)] = 0
     """Sample from the ``top_k`` most likely tokens only (0: off). The trainer's log-probs are then
     taken over the same truncated support, renormalized (DeepSeek-V3.2's "keep sampling mask"), so
     pi_theta and pi_old are one family of distributions; see ``top_p``."""
@@ -38,10 +39,10 @@ class Rollout(Group):
     training, whose log-probs ``old_logp=rollout`` then takes as pi_old."""
     rollout_engine: Annotated[str, OneOf(("hf", "vllm"))] = "hf"
     """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
-    vllm_gpu_memory_utilization: Annotated[float, Positive()] = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Gt(0)] = 0.3
     """vLLM (GPU): the share of each GPU's memory vLLM may take for its weights and KV cache (its
     ``gpu_memory_utilization``); the trainer keeps the rest. More than is free at start is refused."""
-    vllm_tensor_parallel_size: Annotated[int, AtLeast(1)] = 1
+    vllm_tensor_parallel_size: Annotated[int, Ge(1)] = 1
     """vLLM: training ranks one vLLM instance spans (its ``tensor_parallel_size``). Under torchrun every
     rank runs vLLM in its own process (vLLM's ``external_launcher``); groups of this many consecutive
     ranks form one instance and sample their prompts together, so it must divide ``nproc`` and the
@@ -107,10 +108,10 @@ class MultiTurn(Group):
     one-step environment), or ``pkg.mod:Factory`` / ``file.py:Factory`` making an object with
     ``reset(example) -> prompt`` and ``step(model_turn) -> (observation | None, reward)`` (each call
     limited to ``reward_timeout_s``). Turns end at EOS; ``max_new_tokens`` is the per-turn budget."""
-    max_turns: Annotated[int, AtLeast(1)] = 4
+    max_turns: Annotated[int, Ge(1)] = 4
     """Multi-turn (``env``): model turns per trajectory; a trajectory still going after them is
     truncated (its reward so far; ``overlong_filter`` drops it from the loss)."""
-    max_trajectory_tokens: Annotated[int, AtLeast(1)] = 256
+    max_trajectory_tokens: Annotated[int, Ge(1)] = 256
     """Multi-turn (``env``): tokens after the prompt per trajectory, model turns and observations
     together (the overlong penalty counts against it); past it the trajectory is truncated."""
 

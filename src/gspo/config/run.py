@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from annotated_types import Ge, Gt
 from pydantic import with_config
 
-from gspo.config.checks import DOCUMENTED, AtLeast, Group, OneOf, Positive, bad
+from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -29,7 +30,7 @@ class RunSetup(Group):
     """dtype of the weights in ``final/``: ``auto`` is the dtype the model was stored in (its
     config.json; embedded models: ``dtype``), whatever ``dtype`` it trained in; checkpoints keep the
     trained dtype for exact resume."""
-    threads: Annotated[int, AtLeast(0)] = 0
+    threads: Annotated[int, Ge(0)] = 0
     """torch CPU threads per process (0: leave torch's default)."""
     resume: bool = False
     """Continue ``<output_dir>/<name>`` from its newest complete checkpoint instead of starting fresh."""
@@ -72,7 +73,7 @@ class ModelAndTask(Group):
     """Reward: ``exact_match``, ``math``, ``boxed``, ``code``, ``format:<regex>``, ``rg`` (the
     reasoning-gym dataset's own scorer; what ``exact_match`` means for ``rg:`` tasks), or a user
     function ``pkg.module:fn`` / ``path/file.py:fn`` taking (prompts, completions, answers)."""
-    reward_timeout_s: Annotated[float, AtLeast(0)] = 60.0
+    reward_timeout_s: Annotated[float, Ge(0)] = 60.0
     """Seconds one call of the reward function (user ``pkg.mod:fn`` / ``file.py:fn`` and the built-ins
     but ``code``, whose programs have their own limits) may take before the run stops with a message
     naming it (0: no limit; at most a week)."""
@@ -83,17 +84,17 @@ class ModelAndTask(Group):
     """Wrap prompts with the tokenizer's chat template (instruct models)."""
     system_prompt: str | None = None
     """System message used with ``chat_template``."""
-    max_prompt_tokens: Annotated[int, AtLeast(1)] = 256
+    max_prompt_tokens: Annotated[int, Ge(1)] = 256
     """Prompts longer than this are an error naming the example."""
 
 
 @with_config(DOCUMENTED)
 @dataclass
 class WarmStart(Group):
-    sft_steps: Annotated[int, AtLeast(0)] = 200
+    sft_steps: Annotated[int, Ge(0)] = 200
     """Supervised steps on (prompt, answer) before RL, so the policy starts with partial accuracy
     (0 to skip; use 0 for pretrained instruct models)."""
-    sft_lr: Annotated[float, Positive()] = 3e-3
+    sft_lr: Annotated[float, Gt(0)] = 3e-3
     """Learning rate of the supervised warm start."""
-    sft_batch_size: Annotated[int, AtLeast(1)] = 64
+    sft_batch_size: Annotated[int, Ge(1)] = 64
     """Examples per supervised step."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from annotated_types import Ge, Gt, Interval
 from pydantic import with_config
 
-from gspo.config.checks import DOCUMENTED, AtLeast, Fraction, Group, OneOf, Positive, bad
+from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
 
 LAYOUT = ("auto", "on", "off")
 
@@ -16,21 +17,21 @@ LAYOUT = ("auto", "on", "off")
 @with_config(DOCUMENTED)
 @dataclass
 class Optimization(Group):
-    num_minibatches: Annotated[int, AtLeast(1)] = 4
+    num_minibatches: Annotated[int, Ge(1)] = 4
     """Optimizer steps per rollout batch (the paper splits each batch into 4)."""
-    micro_batch_size: Annotated[int, AtLeast(0)] = 0
+    micro_batch_size: Annotated[int, Ge(0)] = 0
     """Sequences per forward/backward inside a minibatch (0: whole minibatch at once)."""
-    lr: Annotated[float, Positive()] = 3e-4
+    lr: Annotated[float, Gt(0)] = 3e-4
     """AdamW learning rate for RL."""
-    weight_decay: Annotated[float, AtLeast(0)] = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay."""
-    adam_beta1: Annotated[float, Fraction()] = 0.9
+    adam_beta1: Annotated[float, Interval(ge=0, lt=1)] = 0.9
     """AdamW beta1."""
-    adam_beta2: Annotated[float, Fraction()] = 0.99
+    adam_beta2: Annotated[float, Interval(ge=0, lt=1)] = 0.99
     """AdamW beta2."""
-    max_grad_norm: Annotated[float, AtLeast(0)] = 1.0
+    max_grad_norm: Annotated[float, Ge(0)] = 1.0
     """Gradient clipping by global norm (0 disables)."""
-    warmup_steps: Annotated[int, AtLeast(0)] = 0
+    warmup_steps: Annotated[int, Ge(0)] = 0
     """Linear learning-rate warmup in optimizer steps."""
     packing: Annotated[str, OneOf(LAYOUT)] = "auto"
     """Training forward layout: ``on`` packs all sequences of a micro-batch into one row (no padding
@@ -42,7 +43,7 @@ class Optimization(Group):
     gradients for less compute), ``off`` gives every row its own copy, ``auto`` shares when the model
     takes a 4D mask (sdpa or eager attention, no sliding window) and ``packing`` is off; large
     sequences fall back to separate rows (the shared mask is dense)."""
-    logp_chunk_size: Annotated[int, AtLeast(1)] = 512
+    logp_chunk_size: Annotated[int, Ge(1)] = 512
     """Positions per LM-head chunk when computing log-probs (memory vs speed)."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input in the training forward and recompute the layer in the
@@ -64,9 +65,9 @@ class Optimization(Group):
 @with_config(DOCUMENTED)
 @dataclass
 class LoRA(Group):
-    lora_rank: Annotated[int, AtLeast(0)] = 0
+    lora_rank: Annotated[int, Ge(0)] = 0
     """LoRA rank via PEFT (0: train all weights). MoE routers are never adapted."""
-    lora_alpha: Annotated[float, Positive()] = 16.0
+    lora_alpha: Annotated[float, Gt(0)] = 16.0
     """LoRA scaling alpha."""
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: ``all-linear`` or comma-separated names (e.g. ``q_proj,v_proj``)."""
@@ -75,11 +76,11 @@ class LoRA(Group):
 @with_config(DOCUMENTED)
 @dataclass
 class Evaluation(Group):
-    eval_every: Annotated[int, AtLeast(0)] = 10
+    eval_every: Annotated[int, Ge(0)] = 10
     """Held-out greedy accuracy every N RL steps (0: only at start and end)."""
-    eval_size: Annotated[int, AtLeast(1)] = 200
+    eval_size: Annotated[int, Ge(1)] = 200
     """Held-out examples."""
-    save_every: Annotated[int, AtLeast(0)] = 50
+    save_every: Annotated[int, Ge(0)] = 50
     """Checkpoint every N RL steps (always at the end)."""
     wandb: bool = False
     """Also log to Weights & Biases (needs ``pip install wandb``)."""
@@ -90,7 +91,7 @@ class Evaluation(Group):
 @with_config(DOCUMENTED)
 @dataclass
 class Distributed(Group):
-    nproc: Annotated[int, AtLeast(1)] = 1
+    nproc: Annotated[int, Ge(1)] = 1
     """Processes for data-parallel training (``gspo train --nproc N`` launches torchrun)."""
     parallel: Annotated[str, OneOf(("fsdp", "ddp"))] = "fsdp"
     """Data-parallel wrapper when more than one process: ``fsdp`` (FSDP2) or ``ddp``."""
