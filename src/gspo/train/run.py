@@ -299,6 +299,6 @@ def make_optimizer(
         weight_decay=plan.weight_decay,
         fused=True,
     )
-    warm = max(plan.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    warm = max(plan.warmup_steps, 1)  # lr x (s + 1) / warm over the first warm steps, then lr
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / warm, 1.0, total_iters=warm - 1)
     return optimizer, scheduler
