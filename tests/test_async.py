@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from gspo import Config, train
@@ -120,3 +121,20 @@ def _state(pid: int) -> str:
         return open(f"/proc/{pid}/status").read().split("State:")[1].split("\n")[0].lower()
     except OSError:
         return "zombie"
+
+
+def test_async_takes_the_vllm_engine_and_refuses_r3_in_one_line():
+    """vLLM samples in the async process (tests/test_vllm_async.py runs it); R3's routing does not
+    cross the process boundary yet: refused naming the field."""
+    from gspo.config import Config
+    from gspo.errors import GspoError
+
+    Config(async_staleness=1, rollout_engine="vllm", model="embedded:tiny-moe-h32").validate()
+    with pytest.raises(
+        GspoError, match=r"config field 'routing_replay_source': is not supported with async"
+    ) as e:
+        Config(
+            async_staleness=1, rollout_engine="vllm", model="embedded:tiny-moe-h32", routing_replay=True,
+            routing_replay_source="rollout",
+        ).validate()  # fmt: skip
+    assert "\n" not in str(e.value)

@@ -48,6 +48,11 @@ class RolloutEngine(Protocol):
         """Push the trainer's current weights into the engine (no-op when it shares the module)."""
         ...
 
+    def reseed(self, seed: int) -> None:
+        """Restart the engine's sampling randomness from ``seed`` (the async sampler seeds each step's
+        batch by its step, so a batch depends on its step and policy version only)."""
+        ...
+
     def sleep(self) -> None:
         """Release the engine's accelerator memory for the policy update (vLLM sleep mode on GPU; a
         no-op elsewhere). ``sync_weights`` and ``generate`` wake it."""

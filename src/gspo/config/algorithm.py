@@ -148,7 +148,8 @@ class Mismatch(Group):
 @dataclass
 class Async(Group):
     async_staleness: Annotated[int, Ge(0)] = 0
-    """Asynchronous rollouts: a sampler process (its own model copy, one thread) generates up to K
+    """Asynchronous rollouts: a sampler process (its own model copy and engine, HF or vLLM, one
+    thread) generates up to K
     policy versions ahead of the trainer, so generation and training overlap; step t's responses come
     from the weights after step t-1-K and the sampler's log-probs are pi_old. 0: synchronous."""
 
@@ -157,7 +158,7 @@ class Async(Group):
         if not cfg.async_staleness:
             return
         for f, ok in [
-            ("nproc", cfg.nproc == 1), ("rollout_engine", cfg.rollout_engine == "hf"),
+            ("nproc", cfg.nproc == 1), ("routing_replay_source", not (cfg.routing_replay and cfg.routing_replay_source == "rollout")),
             ("dynamic_sampling", not cfg.dynamic_sampling), ("lora_rank", cfg.lora_rank == 0),
             ("old_logp", cfg.old_logp != "recompute"), ("rollout_dtype", cfg.rollout_dtype in (None, cfg.dtype)),
         ]:  # fmt: skip

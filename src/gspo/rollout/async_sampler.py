@@ -216,7 +216,7 @@ def _sampler_main(
 
             task = task_from_config(plan.task)
         gen = torch.Generator()
-        # the engine samples from ``model`` itself: loading a version into it is the engine's sync
+        # the HF engine samples from ``model`` itself; vLLM streams it into its own copy at each sync
         sampler = SyncSampler(make_engine(plan.engine, model, tokenizer, gen), tokenizer, task, plan)
         for t in range(first_step, 1 << 62):
             need = max(t - 1 - K, 0)
@@ -224,8 +224,9 @@ def _sampler_main(
                 latest = versions.get()
             if loaded != need:
                 copy_tensors(params, slots[need % (K + 1)].items())
+                sampler.sync(need)  # an engine with its own copy (vLLM) takes the model's weights
                 loaded = need
-            gen.manual_seed(plan.seed * 1_000_003 + t)  # batch t depends on t and its version only
+            sampler.engine.reseed(plan.seed * 1_000_003 + t)  # batch t depends on t and its version only
             idx = prompt_order(len(prompt_ids), (t - 1) * P, P, plan.seed)  # as the trainer draws them
             examples = [task.train[i] for i in idx] if task is not None else []
             batches.put(_to_wire(t, need, sampler.sample(t, examples, [prompt_ids[i] for i in idx])))

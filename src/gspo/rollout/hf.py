@@ -92,6 +92,11 @@ class HFRolloutEngine:
         copy_tensors(dict(self.model.named_buffers()), src.named_buffers())
         return None
 
+    def reseed(self, seed: int) -> None:
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
     def sleep(self) -> None:  # shares the trainer's memory: nothing to release
         return None
 

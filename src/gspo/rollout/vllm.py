@@ -360,6 +360,9 @@ class VLLMRolloutEngine:
             raise GspoError(f"vLLM returned routing for {t.shape[0]} tokens, expected {n_tokens}")
         return t[:n_tokens]
 
+    def reseed(self, seed: int) -> None:
+        self.seed, self.calls = seed, 0  # each request's seed derives from these (_seed)
+
     # -- weights -------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:

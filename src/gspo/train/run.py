@@ -136,6 +136,8 @@ class Run:
         n = len(self.eval_ids)
         rows = slice(mine * n // engines, (mine + 1) * n // engines)
         scores = None
+        if self.sampler.sampler.staleness:  # the sampler runs elsewhere: nothing synced this engine
+            self.sampler.engine.sync_weights()
         with self.sampler.sampling(self.trainer.policy):  # (collective: every rank, prompts or not)
             if rows.stop > rows.start:
                 ids, examples = self.eval_ids[rows], self.task.eval[rows]
