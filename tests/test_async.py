@@ -138,3 +138,19 @@ def test_async_takes_the_vllm_engine_and_refuses_r3_in_one_line():
             routing_replay_source="rollout",
         ).validate()  # fmt: skip
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("rollout_dtype", [None, "bfloat16"])
+def test_async_samples_in_the_rollout_dtype(tmp_path, rollout_dtype):
+    """``rollout_dtype bfloat16``: the sampler's copy is bf16, so at step 1 (sampled by the current
+    weights, version 0) its log-probs differ from the float32 trainer's by bf16 rounding alone; a
+    float32 sampler's equal the trainer's (the correction logs the gap)."""
+    cfg = dict(TINY, steps=1, sft_steps=10, async_staleness=1, mismatch_correction="seq_tis", save_every=0)
+    res = train(
+        Config(name=f"d{rollout_dtype}", output_dir=str(tmp_path), rollout_dtype=rollout_dtype, **cfg)
+    )
+    gap = _rows(res.run_dir)[0]["mismatch/token_abs_logp_diff"]
+    if rollout_dtype is None:
+        assert gap < 1e-5
+    else:
+        assert 1e-4 < gap < 0.5  # bf16's rounding of logits (u = 2^-8 relative), not a stale policy

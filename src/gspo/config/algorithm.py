@@ -157,13 +157,18 @@ class Async(Group):
     def _rules(cfg: Any) -> None:
         if not cfg.async_staleness:
             return
-        for f, ok in [
-            ("nproc", cfg.nproc == 1), ("routing_replay_source", not (cfg.routing_replay and cfg.routing_replay_source == "rollout")),
-            ("dynamic_sampling", not cfg.dynamic_sampling), ("lora_rank", cfg.lora_rank == 0),
-            ("old_logp", cfg.old_logp != "recompute"), ("rollout_dtype", cfg.rollout_dtype in (None, cfg.dtype)),
+        r3 = cfg.routing_replay and cfg.routing_replay_source == "rollout"
+        for f, ok, why in [
+            ("nproc", cfg.nproc == 1, "the sampler process serves one trainer process"),
+            ("routing_replay_source", not r3, "R3's routing does not cross to the trainer from the sampler's process"),
+            ("dynamic_sampling", not cfg.dynamic_sampling, "the sampler draws each step's prompts ahead; "
+             "a round of fresh prompts for a step in progress cannot have been sampled ahead"),
+            ("lora_rank", cfg.lora_rank == 0, "the sampler's model copy takes whole weights, not adapters"),
+            ("old_logp", cfg.old_logp != "recompute", "a stale batch's pi_old is the policy that sampled it: "
+             "the sampler's log-probs"),
         ]:  # fmt: skip
             if not ok:
-                raise bad(cfg, f, "is not supported with async_staleness > 0 yet")
+                raise bad(cfg, f, f"is not supported with async_staleness > 0 ({why})")
 
 
 @with_config(DOCUMENTED)

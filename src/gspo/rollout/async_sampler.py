@@ -60,8 +60,9 @@ class AsyncSampler:
         self.model, self.G = model, plan.group_size
         pending = in_flight_from_state(state["in_flight"]) if state and "in_flight" in state else []
         self.pending: deque[Pending] = deque(pending)
+        dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # the sampler's precision
         self.slots = [
-            {n: p.detach().clone().share_memory_() for n, p in model.named_parameters()}
+            {n: p.detach().to(dtype).clone().share_memory_() for n, p in model.named_parameters()}
             for _ in range(self.K + 1)
         ]
         ctx = mp.get_context("spawn")
@@ -207,7 +208,8 @@ def _sampler_main(
     die_with_parent()
     torch.set_num_threads(1)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, plan.dtype)).eval()
+        dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # rollout_dtype: a lower precision
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         params = dict(model.named_parameters())
         K, P, latest, loaded = plan.async_staleness, plan.prompts_per_step, -1, -1
         task = None
