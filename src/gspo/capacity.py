@@ -166,10 +166,10 @@ class Shape:
 
 
 def shape_of(spec: str) -> Shape:
-    """``embedded:<name>``, a local HF folder (its config.json) or a known hub id (KNOWN_MODELS)."""
+    """``embedded:<name>``, ``gguf:PATH``, a local HF folder (its config.json) or a known hub id (KNOWN_MODELS)."""
     if spec in KNOWN_MODELS:
         return Shape.from_config(KNOWN_MODELS[spec], f"model {spec}")
-    if spec.startswith("embedded:"):
+    if spec.startswith(("embedded:", "gguf:")):  # (a GGUF file's config comes with its weights)
         from gspo.model.load import load_model_and_tokenizer
 
         config = load_model_and_tokenizer(spec, meta=True)[0].config.to_dict()

