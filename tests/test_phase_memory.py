@@ -2,6 +2,7 @@
 step as memory/{rollout,update,sync}_peak_* (GPU: allocated and reserved; CPU: peak RSS)."""
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,16 +20,18 @@ linux_peak = pytest.mark.skipif(
 @linux_peak
 def test_cpu_phase_peak_is_reset_at_each_phase():
     """A phase that touches 256 MiB peaks at least that far above where it started; the next phase,
-    after the tensor is freed, does not carry that peak over (the high-water mark was reset)."""
-    peaks: dict[str, float] = {}
-    start = proc_status_mib()["VmRSS"]
-    with phase_peak("big", peaks, "cpu"):
-        x = torch.ones(256 * MiB // 4)  # written: resident, not just reserved
-        del x
-    with phase_peak("small", peaks, "cpu"):
-        torch.ones(1024).sum()
-    assert peaks["memory/big_peak_rss_gib"] * 1024 >= start + 250
-    assert peaks["memory/small_peak_rss_gib"] < peaks["memory/big_peak_rss_gib"] - 200 / 1024
+    after the tensor is freed, does not carry that peak over (the high-water mark was reset). In a
+    fresh process: one that freed memory before (the rest of the suite) reuses those resident pages,
+    and its RSS need not grow at all."""
+    import subprocess
+
+    child = Path(__file__).parent / "phase_memory_child.py"
+    out = subprocess.run(
+        [sys.executable, str(child)], capture_output=True, text=True, timeout=120, check=True
+    )
+    start, big, small = map(float, out.stdout.split())
+    assert big >= start + 250
+    assert small < big - 200
 
 
 def test_gpu_path_resets_then_reads_the_allocator_peaks(monkeypatch):
