@@ -2,8 +2,8 @@
 
 Plain-Python references (lists + math, no torch) and hand-computed numbers in float64; analytic
 gradients compared with autograd at 1e-12; identities with GSPO / GRPO where they hold; hypothesis
-properties of every loss. The fixtures, :data:`VARIANTS` and the properties every loss shares are in
-tests/test_losses.py.
+the fixtures and :data:`VARIANTS` are tests/test_losses.py's; the hypothesis properties every loss
+shares run over :data:`VARIANTS` in tests/test_properties.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from loss_helpers import call, tensor_loss
 from test_losses import (
     ADV,
@@ -580,79 +578,6 @@ def test_gmpo_and_cispo_clip_fractions_match_reference_counts():
     lo = sum(1 for _, _, lr in toks if math.exp(lr) < 0.7)
     assert abs(mc["clip_frac_tok_high"].item() - hi / len(toks)) < ATOL
     assert abs(mc["clip_frac_tok_low"].item() - lo / len(toks)) < ATOL
-
-
-# ----------------------------------------------------------------------------------------------
-# properties (hypothesis)
-
-LOSS_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
-
-
-def _finite_max(dtype: torch.dtype) -> float:
-    return 3.3e38 if dtype == torch.bfloat16 else torch.finfo(dtype).max
-
-
-@st.composite
-def batches(draw, bound=None):
-    B = draw(st.integers(1, 4))
-    T = draw(st.integers(1, 6))
-    dtype = draw(st.sampled_from([torch.float32, F64, torch.bfloat16]))
-    if bound is None:
-        width = 32 if dtype == torch.float32 else 64
-        fl = st.floats(
-            -_finite_max(dtype), _finite_max(dtype), allow_nan=False, allow_infinity=False, width=width
-        )
-    else:
-        fl = st.floats(-bound, bound, allow_nan=False, allow_infinity=False)
-    vals = st.one_of(fl, st.floats(-3.0, 0.0, allow_nan=False))
-    logp = torch.tensor(draw(st.lists(vals, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
-    old = torch.tensor(draw(st.lists(vals, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
-    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
-    adv = torch.tensor(draw(st.lists(st.floats(-1e3, 1e3), min_size=B, max_size=B)), dtype=F64)
-    name = draw(st.sampled_from(sorted(VARIANTS)))
-    return logp, old, mask, adv, name, dtype
-
-
-@LOSS_SETTINGS
-@given(batches())
-def test_losses_finite_for_finite_inputs(b):
-    """Any finite inputs over the whole range of float32/float64/bf16 and random masks give finite
-    loss/grad/metrics and zero gradient on padding."""
-    logp, old, mask, adv, name, dtype = b
-    x = logp.to(dtype).requires_grad_(True)
-    loss, m = VARIANTS[name](x, old.to(dtype), adv.to(dtype), mask.to(dtype))
-    (g,) = torch.autograd.grad(loss, x)
-    assert torch.isfinite(loss) and torch.isfinite(g).all()
-    assert loss.dtype == torch.promote_types(dtype, torch.float32) and g.dtype == dtype
-    assert torch.all(g[~mask.bool()] == 0)
-    assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in m.values())
-
-
-@LOSS_SETTINGS
-@given(batches(bound=50.0), st.integers(0, 3), st.data())
-def test_losses_invariant_to_padding_content(b, extra, data):
-    """Rewriting masked positions (and appending padded columns) with garbage changes nothing."""
-    logp, old, mask, adv, name, _ = b
-    B, T = mask.shape
-    fn = VARIANTS[name]
-    x1 = logp.clone().requires_grad_(True)
-    l1, m1 = fn(x1, old, adv, mask)
-    (g1,) = torch.autograd.grad(l1, x1)
-    junk = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e300, -1e300, 0.0, 7.0])
-    n = B * (T + extra)
-    fill = torch.tensor(data.draw(st.lists(junk, min_size=n, max_size=n)), dtype=F64).view(B, T + extra)
-    fill_old = torch.tensor(data.draw(st.lists(junk, min_size=n, max_size=n)), dtype=F64).view(B, T + extra)
-    mask2 = torch.cat([mask, torch.zeros(B, extra, dtype=F64)], 1)
-    keep = mask2.bool()
-    x2 = torch.where(keep, torch.cat([logp, fill[:, T:]], 1), fill).requires_grad_(True)
-    old2 = torch.where(keep, torch.cat([old, fill[:, T:]], 1), fill_old)
-    l2, m2 = fn(x2, old2, adv, mask2)
-    (g2,) = torch.autograd.grad(l2, x2)
-    assert torch.allclose(l1, l2, atol=1e-12, rtol=1e-12)
-    assert torch.isfinite(g2).all() and torch.all(g2[~keep] == 0)
-    assert torch.allclose(g1, g2[:, :T], atol=1e-12, rtol=1e-12)
-    for k in m1:
-        assert torch.allclose(m1[k], m2[k], atol=1e-12, rtol=1e-12), k
 
 
 def test_max_log_ratio_clamp_matches_gspo_for_sapo_and_gmpo():

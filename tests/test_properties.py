@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from loss_helpers import call, tensor_loss
+from test_losses import VARIANTS
 
 from gspo.advantages import SCALES, group_advantages
 
@@ -14,6 +15,9 @@ F64 = torch.float64
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 # each example runs forward + backward
 LOSS_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
+# the properties every registered loss (and aggregation) must have: as many examples as the two
+# copies of these tests had together (over gspo/grpo here, over the other losses beside their math)
+EVERY_LOSS_SETTINGS = settings(max_examples=55, deadline=None, derandomize=True)
 
 LOSS_FNS = {
     "gspo": tensor_loss("gspo"),
@@ -29,7 +33,7 @@ def _finite_max(dtype: torch.dtype) -> float:
 
 
 @st.composite
-def batches(draw, bound=None):
+def batches(draw, bound=None, names=None):
     """Random [B,T] logp/old_logp (finite, up to +-bound; default the whole range of the drawn
     dtype), 0/1 mask, advantages. Values are exact in float64; callers cast to ``dtype``."""
     B = draw(st.integers(1, 4))
@@ -47,18 +51,18 @@ def batches(draw, bound=None):
     old = torch.tensor(draw(st.lists(vals, min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T)), dtype=F64).view(B, T)
     adv = torch.tensor(draw(st.lists(st.floats(-1e3, 1e3), min_size=B, max_size=B)), dtype=F64)
-    name = draw(st.sampled_from(sorted(LOSS_FNS)))
+    name = draw(st.sampled_from(sorted(names or LOSS_FNS)))
     return logp, old, mask, adv, name, dtype
 
 
-@LOSS_SETTINGS
-@given(batches())
+@EVERY_LOSS_SETTINGS
+@given(batches(names=VARIANTS))
 def test_losses_finite_for_finite_inputs(b):
     """Any finite inputs over the whole float range of float32/float64/bf16 (logp - old_logp may
     overflow) and random masks give finite loss/grad/metrics, zero grad on padding."""
     logp, old, mask, adv, name, dtype = b
     x = logp.to(dtype).requires_grad_(True)
-    loss, m = LOSS_FNS[name](x, old.to(dtype), adv.to(dtype), mask.to(dtype))
+    loss, m = VARIANTS[name](x, old.to(dtype), adv.to(dtype), mask.to(dtype))
     (g,) = torch.autograd.grad(loss, x)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert loss.dtype == torch.promote_types(dtype, torch.float32) and g.dtype == dtype
@@ -66,13 +70,13 @@ def test_losses_finite_for_finite_inputs(b):
     assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in m.values())
 
 
-@LOSS_SETTINGS
-@given(batches(bound=50.0), st.integers(0, 3), st.data())
+@EVERY_LOSS_SETTINGS
+@given(batches(bound=50.0, names=VARIANTS), st.integers(0, 3), st.data())
 def test_losses_invariant_to_padding_content(b, extra, data):
     """Rewriting masked positions (and appending padded columns) with garbage changes nothing."""
     logp, old, mask, adv, name, _ = b
     B, T = mask.shape
-    fn = LOSS_FNS[name]
+    fn = VARIANTS[name]
     x1 = logp.clone().requires_grad_(True)
     l1, m1 = fn(x1, old, adv, mask)
     (g1,) = torch.autograd.grad(l1, x1)
