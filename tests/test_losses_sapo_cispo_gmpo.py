@@ -1,9 +1,9 @@
 """Math tests for SAPO, SAPO-token, CISPO and GMPO, and for the ``weight`` argument of every loss.
 
 Plain-Python references (lists + math, no torch) and hand-computed numbers in float64; analytic
-gradients compared with autograd at 1e-12; identities with GSPO / GRPO where they hold; hypothesis
-the fixtures and :data:`VARIANTS` are tests/test_losses.py's; the hypothesis properties every loss
-shares run over :data:`VARIANTS` in tests/test_properties.py.
+gradients compared with autograd at 1e-12; identities with GSPO / GRPO where they hold. The fixtures
+and :data:`VARIANTS` are tests/test_losses.py's; the hypothesis properties every loss shares run over
+:data:`VARIANTS` in tests/test_properties.py.
 """
 
 from __future__ import annotations
