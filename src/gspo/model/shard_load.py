@@ -33,10 +33,16 @@ def stored_tensors(folder: Path) -> dict[str, tuple[Path, list[int]]]:
     return out
 
 
-def layout_of(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-    """For the in-memory tensors ``names`` (one layer's): each stored tensor the save-time conversion
-    makes of them, holding for every element its flat index in those tensors laid end to end."""
-    sd = transformers_model.save_state_dict(model)
+def _as_stored(model: nn.Module, sd: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """The stored tensors (names and shapes, on the meta device) the save-time conversion makes of
+    the in-memory tensors ``names`` (one layer's)."""
+    meta = {k: torch.empty(tuple(sd[k].shape), device="meta") for k in names}
+    return transformers_model.revert_weight_conversion(model, meta)
+
+
+def layout_of(model: nn.Module, sd: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """For the in-memory tensors ``names`` (one layer's, of ``sd``): each stored tensor the save-time
+    conversion makes of them, holding for every element its flat index in those tensors laid end to end."""
     index, offset = {}, 0
     for k in names:
         n = sd[k].numel()
@@ -54,8 +60,7 @@ def readable(model: nn.Module, folder: Path) -> str:
         return f"{folder} has no safetensors files"
     sd = transformers_model.save_state_dict(model)
     for group in layer_groups(sd):
-        meta = {k: torch.empty(tuple(sd[k].shape), device="meta") for k in group}
-        for name, t in transformers_model.revert_weight_conversion(model, meta).items():
+        for name, t in _as_stored(model, sd, group).items():
             if name not in stored:
                 return f"{folder} has no tensor {name!r}"
             if list(t.shape) != stored[name][1]:
@@ -72,20 +77,20 @@ def load_own_shards(model: nn.Module, folder: Path) -> None:
     stored = stored_tensors(folder)
     sd = transformers_model.save_state_dict(model)
     for group in layer_groups(sd):
-        meta = {k: torch.empty(tuple(sd[k].shape), device="meta") for k in group}
-        as_stored = transformers_model.revert_weight_conversion(model, meta)
-        if as_stored.keys() == meta.keys() and all(as_stored[k].shape == meta[k].shape for k in group):
+        as_stored = _as_stored(model, sd, group)
+        if as_stored.keys() == set(group) and all(as_stored[k].shape == sd[k].shape for k in group):
             for k in group:  # stored as kept in memory: read this rank's rows alone
                 _read_own_rows(sd[k], stored[k][0], k)
             continue
         total = sum(sd[k].numel() for k in group)
         flat = torch.empty(total, dtype=sd[group[0]].dtype)
         filled = torch.zeros(total, dtype=torch.bool)
-        for name, where in layout_of(model, group).items():
+        for name, where in layout_of(model, sd, group).items():
             with safe_open(str(stored[name][0]), "pt") as f:
                 value = f.get_tensor(name)
-            flat[where.flatten().long()] = value.flatten().to(flat.dtype)
-            filled[where.flatten().long()] = True
+            at = where.flatten().long()
+            flat[at] = value.flatten().to(flat.dtype)
+            filled[at] = True
         if not bool(filled.all()):
             raise GspoError(f"{folder}: the stored tensors do not cover {group[0]!r}'s layer")
         offset = 0
