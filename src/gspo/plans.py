@@ -141,6 +141,7 @@ class DistPlan:
     mixed_precision: str  # "none" or "bf16"
     lora: bool
     threads: int
+    expert_parallel_size: int = 1  # ranks an MoE's routed experts are split over (1: none)
 
 
 @dataclass(frozen=True)

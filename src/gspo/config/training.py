@@ -99,6 +99,10 @@ class Distributed(Group):
     """``bf16``: FSDP2's mixed precision: parameters gathered and layers run in bfloat16, float32 master
     weights, optimizer state and gradient reduction (log-probs and losses stay float32). Needs FSDP2
     (``nproc`` > 1, ``parallel fsdp``) and ``dtype float32``; one process can use ``dtype bfloat16``."""
+    expert_parallel_size: Annotated[int, Ge(1)] = 1
+    """``--ep N``: an MoE's routed experts sharded over groups of N ranks (each rank holds
+    num_experts / N of them; tokens reach their experts by all-to-all); dense parameters stay
+    FSDP2-sharded over every rank. 1: no expert parallelism (FSDP2 shards the experts too)."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
