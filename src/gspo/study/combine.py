@@ -18,7 +18,16 @@ from gspo.resolve import pi_old_source
 from gspo.study.metrics import PAPER_VOLATILITY, seed_means
 from gspo.study.plots import accuracy_by_regime_plot, regimes_plot
 from gspo.study.report import sampler_dtype
-from gspo.study.statistics import Interval, fmt_p, holm, interval, paired_interval, verdict, welch_interval
+from gspo.study.statistics import (
+    Interval,
+    endpoint_p,
+    fmt_p,
+    holm,
+    interval,
+    paired_interval,
+    verdict,
+    welch_interval,
+)
 
 # the regime table's paired differences: (a, b, metric)
 STUDY_PAIRS = [
@@ -111,7 +120,7 @@ def family_results(regs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 fam["name"], {"size": 0, "alpha": fam["alpha"], "test": fam["test"], "endpoints": []}
             )
             f["size"] = max(f["size"], fam["size"])
-            p = res["p_perm"] if res.get("test", "permutation") == "permutation" else res["p_t"]
+            p = endpoint_p(res)
             f["endpoints"].append(
                 {**res, "preset": r["preset"], "p": p, "declared_at": pre.get("file_commit")}
             )

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from gspo.study.statistics import (
     Comparison,
     adjust_family,
     compare_paired,
+    endpoint_p,
     fmt_p,
     interval,
     sign_flip_is_exact,
@@ -76,9 +78,32 @@ def column(per: PerSeed, v: str, key: str) -> dict[int, float | None]:
     return {s: r.get(key) for s, r in per.get(v, {}).items()}
 
 
-def confirmatory(per: PerSeed, preset: Preset) -> list[Comparison]:
-    """The preset's declared endpoints, tested and Holm-adjusted over its family (the family's
-    endpoints outside this preset count as p = 1 here; the study adjusts over all of them)."""
+def family_as_run(out: Path, preset: Preset) -> list[tuple[str, float]]:
+    """(preset, raw p) of the family's endpoints that other presets' compare folders beside ``out``
+    have run and bound to their declarations, so this preset's Holm adjustment is over the family
+    as run rather than with those endpoints padded as p = 1."""
+    if preset.family is None or not out.parent.is_dir():
+        return []
+    found = []
+    for d in sorted(out.parent.iterdir()):
+        try:
+            data = json.loads((d / "summary.json").read_text()) if d != out else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        pre = data.get("preregistration") if isinstance(data, dict) else None
+        if not isinstance(pre, dict) or data.get("preset") == preset.name:
+            continue
+        if (pre.get("family") or {}).get("name") != preset.family.name:
+            continue
+        found += [
+            (str(data.get("preset")), p) for r in pre.get("results", []) if (p := endpoint_p(r)) is not None
+        ]
+    return found
+
+
+def confirmatory(per: PerSeed, preset: Preset, others: Sequence[float] = ()) -> list[Comparison]:
+    """The preset's declared endpoints, tested and Holm-adjusted over its family: with ``others``,
+    the raw p of the family's endpoints other presets ran; endpoints never run count as p = 1."""
     if not preset.primary or preset.family is None:
         return []
     comps = []
@@ -87,7 +112,7 @@ def confirmatory(per: PerSeed, preset: Preset) -> list[Comparison]:
             e.metric, e.a, e.b, column(per, e.a, e.metric), column(per, e.b, e.metric), e.margin
         )
         comps.append(dataclasses.replace(c, direction=e.direction, test=preset.family.test))
-    adjust_family(comps, preset.family.size, preset.family.alpha)
+    adjust_family(comps, preset.family.size, preset.family.alpha, others)
     return comps
 
 
@@ -124,8 +149,8 @@ def _seeds_txt(c: Comparison) -> str:
 
 # the paper's claims (arXiv 2507.18071) as paired comparisons: (claim, a, b, metric, margin, reading)
 CLAIMS = [
-    ("GSPO trains more efficiently than GRPO (final held-out accuracy)", "gspo", "grpo", "acc_final", 0.0, "a - b > 0"),
-    ("GSPO trains more efficiently than GRPO (accuracy AUC)", "gspo", "grpo", "acc_auc", 0.0, "a - b > 0"),
+    ("GSPO ends with higher held-out accuracy than GRPO (final)", "gspo", "grpo", "acc_final", 0.0, "a - b > 0"),
+    ("GSPO's held-out accuracy curve lies above GRPO's (AUC)", "gspo", "grpo", "acc_auc", 0.0, "a - b > 0"),
     ("GRPO is less stable than GSPO (falls further from its best)", "grpo", "gspo", "drawdown", 0.0, "a - b > 0"),
     ("GRPO's updates are spikier than GSPO's", "grpo", "gspo", "spikes", 0.0, "a - b > 0"),
     ("GRPO on MoE needs Routing Replay (replay improves GRPO)", "grpo_replay", "grpo", "acc_final", 0.0, "a - b > 0"),
@@ -252,7 +277,18 @@ def _test_name(test: str, ns: list[int]) -> str:
     return f"sign-flip permutation (exact up to {EXACT_MAX_N} seeds, Monte Carlo with {MC_FLIPS} draws above)"
 
 
-def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, Any]) -> list[str]:
+def _family_text(preset: Preset, confirm: list[Comparison], others: list[tuple[str, float]]) -> str:
+    unrun = max(0, preset.family.size - len(confirm) - len(others)) if preset.family else 0
+    ran = f"Holm over the family as run: this preset's {len(confirm)} endpoint(s)"
+    if others:
+        names = ", ".join(sorted({n for n, _ in others}))
+        ran += f" and {len(others)} run by the folders beside this one ({names})"
+    return ran + (f"; the {unrun} not run count as p = 1." if unrun else ".")
+
+
+def _preregistration(
+    preset: Preset, confirm: list[Comparison], decl: dict[str, Any], others: list[tuple[str, float]]
+) -> list[str]:
     if not confirm or preset.family is None:
         return [
             "## Pre-registration",
@@ -277,7 +313,7 @@ def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, 
         )
         + f". Family `{f.name}`: {f.size} hypotheses, family-wise error {f.alpha} (Holm), test: "
         f"{_test_name(f.test, [c.interval.n for c in confirm])} (two-sided; the verdict "
-        "reads its sign). Endpoints of the family outside this preset count as p = 1 here.",
+        "reads its sign). " + _family_text(preset, confirm, others),
         "",
         "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | Holm-adjusted p | verdict |",
         "|---|---|---|---|---|---|---|",
@@ -424,12 +460,14 @@ def write_report(
     preset = preset or Preset(name="custom")
     per = collect(out, variants, seeds, crit)
     images = band_plots(out, variants, seeds, ci)
-    confirm, pairs = confirmatory(per, preset), exploratory(per)
+    others = family_as_run(out, preset)
+    confirm, pairs = confirmatory(per, preset, [p for _, p in others]), exploratory(per)
     decl = declaration(preset, run_records(out, per))
+    decl["family_as_run"] = [{"preset": n, "p": p} for n, p in others]
     bound = confirm if decl.get("preregistered") else []  # no verdict without a binding declaration
     timing_file = out / "timing.json"
     timing = json.loads(timing_file.read_text()) if timing_file.exists() else {}
-    lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl)
+    lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl, others)
     lines += _variant_tables(per, ci, crit) + _paired_table(pairs)
     lines += [
         "## The paper's claims and this run",

@@ -272,11 +272,22 @@ def compare_paired(
     )  # fmt: skip
 
 
-def adjust_family(comps: list[Comparison], family_size: int, alpha: float = ALPHA) -> None:
-    """Holm over a declared family: sets each declared comparison's ``p_adj`` and ``verdict``."""
-    for c, p in zip(comps, holm([c.p for c in comps], family_size), strict=True):
+def adjust_family(
+    comps: list[Comparison], family_size: int, alpha: float = ALPHA, others: Sequence[float] = ()
+) -> None:
+    """Holm over a declared family: sets each declared comparison's ``p_adj`` and ``verdict``.
+    ``others``: raw p-values of the family's endpoints measured elsewhere (other presets' runs), so
+    the adjustment is over the family as run; endpoints never run count as p = 1."""
+    adjusted = holm([c.p for c in comps] + list(others), family_size)
+    for c, p in zip(comps, adjusted[: len(comps)], strict=True):
         c.p_adj = p
         c.verdict = verdict(c.interval.mean, p, c.direction or "greater", c.margin, alpha)
+
+
+def endpoint_p(result: dict[str, Any]) -> float | None:
+    """The raw p of a stored endpoint result (a ``summary.json`` preregistration result), by its
+    declared test."""
+    return result["p_perm"] if result.get("test", "permutation") == "permutation" else result["p_t"]
 
 
 def fmt_p(p: float | None) -> str:
