@@ -60,10 +60,12 @@ def test_a_bad_declaration_is_a_one_line_error(tmp_path, bad, match):
 
 def test_old_presets_are_exploratory_and_new_ones_declared():
     """The presets that ran before issue 21 declared nothing (declaring now, after seeing their
-    results, would not be a pre-registration); the long-response and confirmatory ones do."""
+    results, would not be a pre-registration); long-response-dense and the confirmatory ones do.
+    long-response's declaration was withdrawn before it ran (superseded by confirm-long-response)."""
+    assert "WITHDRAWN" in load_preset("long-response").description
     for name in list_presets():
         p = load_preset(name)
-        if name.startswith("confirm-") or name.startswith("long-response"):
+        if name.startswith("confirm-") or name == "long-response-dense":
             assert p.primary and p.family is not None, name
             assert len(p.seeds) >= 16, name
         else:
