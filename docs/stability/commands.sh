@@ -28,6 +28,11 @@ gspo compare --study "$(for p in $PRESETS; do printf 'docs/stability/%s,' $p; do
 
 # The pre-registered confirmatory family issue21-confirm (fresh seeds 100+), run from a frozen
 # checkout of the commit each preset was declared at; then the family's Holm table.
+# Each ran from its own frozen checkout (git worktree add /tmp/frozen-<preset> <commit>):
+#   confirm-lr-6e-4        72b2f99 (declared at 7297a2c, unchanged since)
+#   confirm-lr-1e-3        72b2f99 (declared at 7297a2c, unchanged since)
+#   confirm-long-response  35d766f (re-declared there before any seed ran)
+#   confirm-staleness-8    f0f8eef (re-declared there before any seed ran)
 gspo compare --preset confirm-lr-6e-4 --out runs/confirm-lr-6e-4
 gspo compare --preset confirm-lr-1e-3 --out runs/confirm-lr-1e-3
 gspo compare --preset confirm-long-response --out runs/confirm-long-response
@@ -39,6 +44,7 @@ done
 gspo compare --study docs/stability/confirm-lr-6e-4,docs/stability/confirm-lr-1e-3,docs/stability/confirm-long-response,docs/stability/confirm-staleness-8 --out docs/stability/confirm
 
 # Long responses on the dense twin (its own pre-registered endpoint, seeds 0-15), from a frozen checkout
+# of 25832a9
 gspo compare --preset long-response-dense --workers 2 --out runs/long-response-dense
 mkdir -p docs/stability/long-response-dense
 cp runs/long-response-dense/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/long-response-dense/*.png docs/stability/long-response-dense/
