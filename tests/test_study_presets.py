@@ -125,3 +125,60 @@ def test_compare_warm_start_opens_the_task_as_train_does(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         warm_start_job(base, 3, tmp_path / "out", None, tmp_path / "warm")
     assert seen["args"][2] == 3 and seen["args"][-1] == 7.5  # seed, reward_timeout_s
+
+
+ARMS = """
+description: d
+runtime: r
+seeds: [0]
+variants: [gspo, grpo_tight, gspo_noclip]
+arms:
+  grpo_tight: {algo: grpo, eps_low: 0.02, eps_high: 0.027}
+  gspo_noclip: {algo: gspo, eps_low: 1.0, eps-high: 1.0e6}
+primary:
+  - {metric: acc_final, contrast: grpo_tight - gspo_noclip, direction: greater}
+family: {name: fam, size: 1}
+"""
+
+
+def test_a_preset_defines_its_own_arms_and_the_runs_take_them(tmp_path):
+    from gspo.config import Config
+    from gspo.study.runner import Jobs
+
+    p = _preset(tmp_path, ARMS)
+    assert p.arms["grpo_tight"] == {
+        "routing_replay": False,
+        "algo": "grpo",
+        "eps_low": 0.02,
+        "eps_high": 0.027,
+    }
+    assert set(p.settings()) >= {"gspo", "grpo", "grpo_tight", "gspo_noclip"}
+    base = Config(steps=1, sft_steps=0, eval_size=4)
+    jobs = Jobs(base, [0], p.variants, tmp_path / "out", None, tmp_path / "warm", arms=p.arms)
+    tight, noclip, gspo = (jobs.run_cfg(v, 0, None) for v in ("grpo_tight", "gspo_noclip", "gspo"))
+    assert (tight.algo, tight.eps_low, tight.eps_high) == ("grpo", 0.02, 0.027)
+    assert (noclip.algo, noclip.eps_low, noclip.eps_high) == ("gspo", 1.0, 1.0e6)
+    assert (gspo.eps_low, gspo.eps_high) == (None, None)  # the built-in variant is unchanged
+
+
+@pytest.mark.parametrize(
+    "arms, match",
+    [
+        ("arms: [grpo]", "must be a mapping"),
+        ("arms: {grpo: {algo: grpo}}", "must be a new name"),
+        ("arms: {x: {eps_low: 0.1}}", "with 'algo'"),
+        ("arms: {x: {algo: grpo, eps_lo: 0.1}}", "eps_lo"),
+    ],
+)
+def test_a_bad_arm_is_a_one_line_error(tmp_path, arms, match):
+    with pytest.raises(GspoError, match=match):
+        _preset(tmp_path, f"description: d\nseeds: [0]\nvariants: [gspo]\n{arms}\n")
+
+
+def test_an_unknown_variant_names_the_arms_it_could_have_been(tmp_path):
+    from gspo.study.runner import run_compare
+
+    path = tmp_path / "p.yaml"
+    path.write_text("description: d\nseeds: [0]\nvariants: [gspo, mine]\narms: {other: {algo: grpo}}\n")
+    with pytest.raises(GspoError, match=r"--variants: unknown mine \(known: .*other"):
+        run_compare(None, {}, preset=str(path), out_dir=str(tmp_path / "o"))

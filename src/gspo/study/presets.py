@@ -58,6 +58,7 @@ _KEYS = {
     "primary",
     "family",
     "declared_at",
+    "arms",
 }
 # a warm_target is checked every 10 warm-start steps from step 50, on 200 held-out-like prompts
 WARM_CHECK_EVERY, WARM_CHECK_AFTER, WARM_CHECK_PROMPTS = 10, 50, 200
@@ -108,6 +109,11 @@ class Preset:
     primary: list[Endpoint] = field(default_factory=list)  # empty: everything exploratory
     family: Family | None = None
     declared_at: str | None = None
+    arms: dict[str, dict[str, Any]] = field(default_factory=dict)  # the preset's own variants
+
+    def settings(self) -> dict[str, dict[str, Any]]:
+        """Every variant this preset can run: the built-in :data:`VARIANTS` and its own ``arms``."""
+        return VARIANTS | self.arms
 
 
 def list_presets() -> list[str]:
@@ -135,6 +141,7 @@ def load_preset(spec: str) -> Preset:
         raise GspoError(f"{at('config')}: 'config' must be a mapping of config keys (got {cfg!r:.60})")
     conf = {k.replace("-", "_"): coerce(k.replace("-", "_"), v, at("config")) for k, v in cfg.items()}
     variants = _names(data.get("variants", DEFAULT_VARIANTS), at("variants"), "variants")
+    arms = _arms(data.get("arms"), at("arms"))
     primary_list = data.get("primary") or []
     if not isinstance(primary_list, list):
         raise GspoError(f"{at('primary')}: 'primary' must be a list of endpoints (got {primary_list!r:.60})")
@@ -152,7 +159,28 @@ def load_preset(spec: str) -> Preset:
         primary=primary,
         family=_family(data.get("family"), path.stem, len(primary), at("family")) if primary else None,
         declared_at=_text(data.get("declared_at"), at("declared_at"), "declared_at") or None,
+        arms=arms,
     )
+
+
+def _arms(v: Any, where: str) -> dict[str, dict[str, Any]]:
+    """A preset's own variants: name -> config overrides (e.g. GRPO with another clip range). Each
+    names its ``algo``; a built-in variant's name cannot be redefined."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise GspoError(f"{where}: 'arms' must be a mapping of name -> config overrides (got {v!r:.60})")
+    arms = {}
+    for name, conf in v.items():
+        if not isinstance(name, str) or not name.strip() or name in VARIANTS:
+            raise GspoError(f"{where}: arm {name!r:.40} must be a new name (built-in: {', '.join(VARIANTS)})")
+        if not isinstance(conf, dict) or "algo" not in conf:
+            raise GspoError(f"{where}: arm {name!r}: expected a mapping of config keys with 'algo'")
+        arms[name] = {"routing_replay": False} | {
+            k.replace("-", "_"): coerce(k.replace("-", "_"), x, f"{where}: arm {name!r}")
+            for k, x in conf.items()
+        }
+    return arms
 
 
 def _text(v: Any, where: str, key: str) -> str:

@@ -301,13 +301,13 @@ def run_compare(
     seeds = list(p.seeds if seeds is None else seeds)
     variants = list(p.variants if variants is None else variants)
     target = p.warm_target if warm_target is None else warm_target
-    _check_args(seeds, variants, workers, target)
+    _check_args(seeds, variants, workers, target, p.settings())
     base = _base_config(p, config_path, overrides, workers)
     out = out_folder(out_dir or f"runs/compare-{p.name}")
     warm_path = out_folder(warm_dir, "--warm-dir") if warm_dir else out.parent / "warm-starts"
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
-    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p))
+    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p), arms=p.arms)
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
     t_start = time.time()
     load = _LoadSampler()
@@ -322,10 +322,12 @@ def run_compare(
     return write_report(out, variants, seeds, base, preset=p, ci=ci, criteria=criteria or Criteria())
 
 
-def _check_args(seeds: list[int], variants: list[str], workers: int, target: float | None) -> None:
-    unknown = [v for v in variants if v not in VARIANTS]
+def _check_args(
+    seeds: list[int], variants: list[str], workers: int, target: float | None, known: dict[str, Any]
+) -> None:
+    unknown = [v for v in variants if v not in known]
     if unknown:
-        raise GspoError(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+        raise GspoError(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     if not seeds or not variants:
         raise GspoError("--seeds and --variants must name at least one each")
     if len(set(seeds)) != len(seeds):
@@ -361,11 +363,12 @@ class Jobs:
     warm_dir: Path
     overwrite: bool = False
     record: dict[str, Any] = field(default_factory=dict)  # what the runs are run for (run_record)
+    arms: dict[str, dict[str, Any]] = field(default_factory=dict)  # the preset's own variants
     timing: dict[str, float] = field(default_factory=dict)
     warm_folders: dict[str, str | None] = field(default_factory=dict)
 
     def run_cfg(self, v: str, seed: int, warm: str | None) -> Config:
-        kw = dict(name=f"{v}-s{seed}", output_dir=str(self.out), seed=seed, **VARIANTS[v])
+        kw = dict(name=f"{v}-s{seed}", output_dir=str(self.out), seed=seed, **(VARIANTS | self.arms)[v])
         if warm is not None:
             kw.update(model=warm, sft_steps=0)
             if self.base.tokenizer is None:
