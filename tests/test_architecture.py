@@ -15,7 +15,7 @@ LAYERS = [
     {"errors", "plans", "data", "procs", "compat", "memory"},  # the ground floor
     {"advantages", "loss_inputs", "losses", "correction"},  # the algorithm: pure tensor functions
     {"model", "tasks"},
-    {"capacity", "limits"},  # what fits: read by the config's checks and the engines
+    {"capacity", "capacity_comm", "limits"},  # what fits: read by the config's checks and the engines
     {"envs"},
     {"rollout"},
     {"train"},

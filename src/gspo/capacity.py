@@ -62,6 +62,9 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-30B-A3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                                num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False),
+    "Qwen/Qwen3-235B-A22B": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                                 num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=1536, tie_word_embeddings=False),
 }  # fmt: skip
 
 
@@ -145,6 +148,14 @@ class Shape:
             else self.experts * (3 * h * self.moe_intermediate + h)
         )
         return attn + mlp
+
+    def expert_params(self) -> int:
+        """Parameters of one layer's routed experts (gate, up and down of each; the router is not one)."""
+        return self.experts * 3 * self.hidden * self.moe_intermediate
+
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embeddings, LM head (unless tied), final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     def params(self) -> int:
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
@@ -233,12 +244,12 @@ class Estimate:
         }  # fmt: skip
 
 
-def _rows_per_forward(cfg: Any, world: int) -> int:
+def rows_per_forward(cfg: Any, world: int) -> int:
     per_minibatch = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
     return min(cfg.micro_batch_size or per_minibatch, per_minibatch)
 
 
-def _tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
+def tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
     """Tokens of one training forward and the attention pairs it computes: responses of a group
     share their prompt's forward where prefix sharing applies (group_size > 1); packed rows form one
     sequence with a block mask (transformers' sdpa, the attention gspo loads, takes it dense)."""
@@ -250,18 +261,30 @@ def _tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
     return rows * (P + T), rows * (P + T) ** 2
 
 
-def _unsharded(shape: Shape, compute: int) -> float:
+def gathered_layer_params(shape: Shape, ep: int = 1) -> float:
+    """Parameters of one decoder layer a rank holds unsharded while it runs: the whole layer, or
+    under expert parallelism over ``ep`` ranks its dense part and num_experts/ep of its experts."""
+    return shape.layer_params() - shape.expert_params() * (1 - 1 / ep)
+
+
+def _unsharded(shape: Shape, compute: int, ep: int = 1) -> float:
     """FSDP2's working set: the root group (embeddings, LM head), and per gathered decoder layer its
     all-gather buffer and unsharded parameters (this layer and the prefetched next one), then in
     backward its unsharded gradients and the reduce-scatter buffer (reduced in float32)."""
     root = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-    return root * compute + shape.layer_params() * (4 * compute + 2 * 4)
+    return root * compute + gathered_layer_params(shape, ep) * (4 * compute + 2 * 4)
+
+
+def ep_buffers(shape: Shape, tokens: int, ep: int, compute: int) -> float:
+    """Expert parallelism's all-to-all buffers for one MoE layer in flight: the routed copies of a
+    micro-batch's tokens (tokens x top_k x hidden, compute dtype) sent and received."""
+    return 2.0 * tokens * shape.top_k * shape.hidden * compute if ep > 1 and shape.experts else 0.0
 
 
 def _update_parts(cfg: Any, shape: Shape, world: int, compute: int) -> tuple[float, float, int]:
     """Activations and LM-head buffers of one micro-batch at the update's peak, and its rows."""
-    rows = _rows_per_forward(cfg, world)
-    tokens, pairs = _tokens_and_pairs(cfg, rows)
+    rows = rows_per_forward(cfg, world)
+    tokens, pairs = tokens_and_pairs(cfg, rows)
     per_layer = tokens * shape.saved_floats_per_token() * compute
     attn = pairs * shape.heads * 4  # sdpa with a mask keeps float32 probabilities
     if cfg.activation_checkpointing:
@@ -276,6 +299,13 @@ def _update_parts(cfg: Any, shape: Shape, world: int, compute: int) -> tuple[flo
     return activations, lm_part, rows
 
 
+def expert_parallel(cfg: Any, shape: Shape, world: int) -> int:
+    """Ranks each MoE layer's experts are split over: ``expert_parallel_size`` for an MoE under
+    FSDP2 on more than one rank, else 1."""
+    sharded = cfg.parallel == "fsdp" and world > 1 and shape.experts
+    return cfg.expert_parallel_size if sharded else 1
+
+
 def largest_tensor(shape: Shape) -> int:
     """Elements of the model's largest single tensor: the embedding (or LM head), a dense MLP
     projection, or a MoE layer's fused gate-and-up experts (transformers 5: experts x 2i x h)."""
@@ -284,17 +314,20 @@ def largest_tensor(shape: Shape) -> int:
 
 
 def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None) -> Estimate:
-    """Per-rank memory of ``cfg`` on ``world`` GPUs of ``gpu_bytes`` (FSDP2 shards by ``world``)."""
+    """Per-rank memory of ``cfg`` on ``world`` GPUs of ``gpu_bytes`` (FSDP2 shards by ``world``;
+    under expert parallelism the experts too, over the ranks holding the same ones)."""
     bw = BYTES[cfg.dtype]
     compute = 2 if cfg.mixed_precision == "bf16" else bw
     shards = world if cfg.parallel == "fsdp" and world > 1 else 1
+    ep = expert_parallel(cfg, shape, world)
     n = shape.params()
     weights, optimizer, grads = n * bw / shards, 2 * n * bw / shards, n * bw / shards
-    unsharded = _unsharded(shape, compute) if shards > 1 else 0.0
     activations, lm_part, rows = _update_parts(cfg, shape, world, compute)
+    tokens = tokens_and_pairs(cfg, rows)[0]
+    unsharded = _unsharded(shape, compute, ep) + ep_buffers(shape, tokens, ep, compute) if shards > 1 else 0.0
     several = cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches > rows
     held_grads = grads if several else 0.0
-    s = _sampler(cfg, shape, world, gpu_bytes, compute, shards)
+    s = _sampler(cfg, shape, world, gpu_bytes, compute, shards, ep)
     states = weights + optimizer
     update = states + held_grads + unsharded + activations + lm_part + s.kept
     # start-up: FSDP2 from disk (rank 0 reads the model into host memory) broadcasts one full
@@ -322,7 +355,7 @@ class _Sampler:
 
 
 def _sampler(
-    cfg: Any, shape: Shape, world: int, gpu_bytes: float | None, compute: int, shards: int
+    cfg: Any, shape: Shape, world: int, gpu_bytes: float | None, compute: int, shards: int, ep: int = 1
 ) -> _Sampler:
     """The sampler's memory in each phase. A weight sync streams the trainer's weights one decoder
     layer (or the embedding) at a time, gathered in the trainer's dtype, plus their converted copy:
@@ -336,9 +369,8 @@ def _sampler(
         sleeps = _sleeps(gpu_bytes)  # asleep (level 2) in the update; only its weights woken for a sync
         # the start check runs a 24-token probe through the trainer's module: under FSDP2 the root
         # group and two decoder layers gathered in the compute dtype, and the probe's logits
-        check = (_unsharded(shape, compute) - shape.layer_params() * 2 * 4 if shards > 1 else 0.0) + (
-            24 * shape.vocab * 4 * 2
-        )
+        gathered = _unsharded(shape, compute, ep) - gathered_layer_params(shape, ep) * 2 * 4
+        check = (gathered if shards > 1 else 0.0) + 24 * shape.vocab * 4 * 2
         return _Sampler(
             share, 0.0 if sleeps else share, own if sleeps else share, sync, share + max(sync, check)
         )
@@ -387,22 +419,34 @@ def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[flo
     return value * unit, f"{flag} {value:g}"
 
 
-def report(cfg: Any, spec: str, gpus: int, gpu_bytes: float, given: str = "") -> tuple[str, bool]:
-    """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs of ``gpu_bytes`` each (``given``: the flag
-    as the user wrote it), phase by phase, and whether every phase fits (no margin beyond the GPU)."""
+def report(
+    cfg: Any,
+    spec: str,
+    gpus: int,
+    gpu_bytes: float,
+    given: str = "",
+    nodes: int = 1,
+    shape: Shape | None = None,
+) -> tuple[str, bool]:
+    """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs (over ``nodes``) of ``gpu_bytes`` each
+    (``given``: the flag as the user wrote it), phase by phase, and whether every phase fits (no
+    margin beyond the GPU)."""
     if not (isinstance(gpu_bytes, (int, float)) and math.isfinite(gpu_bytes) and gpu_bytes > 0):
         raise GspoError(f"GPU memory must be a positive number of bytes (got {gpu_bytes!r})")
-    shape = shape_of(spec)
+    shape = shape or shape_of(spec)
     e = estimate(cfg, shape, gpus, gpu_bytes)
+    ep = expert_parallel(cfg, shape, gpus)
     gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
     kind = f"MoE, {shape.experts} experts top-{shape.top_k}" if shape.experts else "dense"
     sharded = cfg.parallel == "fsdp" and gpus > 1
     shard = f"FSDP2 over {gpus}" if sharded else ("DDP" if gpus > 1 else "1 process")
+    shard += f", experts over EP groups of {ep}" if ep > 1 else ""
+    where = f"{nodes} nodes x {gpus // nodes} GPUs" if nodes > 1 else f"{gpus} GPU(s)"
     P, T = cfg.max_prompt_tokens, response_tokens(cfg)
     vllm = cfg.rollout_engine == "vllm"
     states = e.weights + e.optimizer
     lines = [
-        f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {gpus} GPU(s) x "
+        f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {where} x "
         f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {cfg.dtype}"
         + (", bf16 compute" if cfg.mixed_precision == "bf16" else "")
         + (", activation checkpointing" if cfg.activation_checkpointing else ""),
@@ -443,7 +487,9 @@ def report(cfg: Any, spec: str, gpus: int, gpu_bytes: float, given: str = "") ->
     verdict = "fits" if fits else "does NOT fit"
     if vllm:
         need = shape.params() * BYTES[cfg.rollout_dtype or cfg.dtype] / cfg.vllm_tensor_parallel_size
-        lines.append(f"vLLM weights in its share {gib(need).strip()} of {gib(e.sampler).strip()}")
+        tp, kv = cfg.vllm_tensor_parallel_size, shape.kv_heads
+        copies = f"; tensor parallel {tp} over {kv} KV heads: each on {tp // kv} ranks" if tp > kv else ""
+        lines.append(f"vLLM weights in its share {gib(need).strip()} of {gib(e.sampler).strip()}{copies}")
         if need >= e.sampler:
             fits, verdict = (
                 False,
