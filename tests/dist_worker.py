@@ -27,6 +27,47 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=name == "adamw-fused")
 
 
+def _record_gradients(model, opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    """The gradients each ``opt.step()`` applies, whole (collective: every rank steps together)."""
+    from gspo.model.unwrap import full_tensor
+
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def record(*_):
+        seen.append(
+            {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
+
+    opt.register_step_pre_hook(record)
+    return seen
+
+
+PROBE_IDS = torch.tensor([[5, 9, 13, 7, 21, 6, 11, 4]])
+
+
+def _replayed_topk_equal(model, data) -> bool:
+    """Every router, forced to a fixed routing of this rank's rows, is seen by capture_routing to
+    use exactly that routing (R2 and R3 force the routers the same way: ``replay_routing``)."""
+    from gspo.model import routing as R
+    from gspo.model.logprobs import make_layout
+    from gspo.model.unwrap import unwrap
+
+    hf = unwrap(model, "hf")
+    lay = make_layout(
+        data.prompt_ids_BP, data.prompt_mask_BP, data.response_ids_BT, data.response_mask_BT, "rows"
+    )
+    B, L = lay.input_ids_RL.shape
+    E, k = hf.config.num_experts, hf.config.num_experts_per_tok
+    g = torch.Generator().manual_seed(11)
+    forced = {
+        name: torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B * L)]).view(B, L, k)
+        for name in R.find_routers(hf)
+    }
+    with torch.no_grad(), R.replay_routing(hf, forced), R.capture_routing(hf) as rec:
+        model(lay, data.response_ids_BT, data.response_mask_BT)
+    return all(torch.equal(rec[n], forced[n]) for n in forced)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -37,6 +78,7 @@ def main() -> None:
     from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
     from gspo.model.logprobs import PolicyLogprobs
+    from gspo.model.unwrap import full_tensor
     from gspo.resolve import dist_plan, plan_update
     from gspo.train import distributed as D
     from gspo.train.update import policy_update
@@ -65,6 +107,7 @@ def main() -> None:
         trainable = [p for p in model.parameters() if p.requires_grad]
         rollout = D.rollout_model(model)
         opt = make_optimizer(run["opt"], trainable, run["lr"])
+        grads = _record_gradients(model, opt)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         metrics = D.mean_metrics(
             policy_update(model, opt, sched, local, plan_update(cfg, model, True), world), ctx
@@ -76,8 +119,16 @@ def main() -> None:
         D.load_optimizer_state_dict(model, opt, osd_all, ctx)
         osd2 = D.optimizer_state_dict(model, opt, ctx)
         with D.gathered(model):  # what the sampler sees: the trained module's weights, gathered
-            rsd = {k: v.detach().clone() for k, v in rollout.named_parameters(remove_duplicate=False)}
+            # (expert-parallel experts stay split: gathered whole as the sampler copy's sync does)
+            rsd = {
+                k: full_tensor(v.detach()).clone()
+                for k, v in rollout.named_parameters(remove_duplicate=False)
+            }
             tied = rollout.lm_head.weight is rollout.get_input_embeddings().weight
+            # rank 0 alone runs a forward (as the held-out eval does): no collective inside
+            probe_logits = rollout(input_ids=PROBE_IDS).logits.detach().clone() if rank == 0 else None
+        if run.get("replay_check"):
+            replay_ok = _replayed_topk_equal(model, local)
         if rank == 0:
             # per weight, relative to itself (0 where both are 0): a cast to bf16 is within 2^-8
             tiny = torch.finfo(torch.float32).tiny
@@ -100,6 +151,9 @@ def main() -> None:
                 "opt_diff": opt_diff,
                 "opt_keys": sorted(osd["state"]),
                 "rollout_tied": tied,
+                "probe_logits": probe_logits,
+                "grads": grads,
+                "replay_ok": replay_ok if run.get("replay_check") else None,
             }
         dist.barrier()
     if ctx is not None and ctx.rank == 0:

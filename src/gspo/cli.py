@@ -16,22 +16,28 @@ from typing import Any
 from gspo.config import Config, field_docs, field_type, parse_values
 from gspo.errors import GspoError
 
+#: short flags of config fields (besides the long ``--field-name``) that ``gspo train`` takes
+ALIASES: dict[str, tuple[str, ...]] = {"expert_parallel_size": ("--ep",)}
 
-def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+
+def _add_config_flags(
+    parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), aliases: bool = False
+) -> None:
     docs = field_docs()
     for f in dataclasses.fields(Config):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, *(ALIASES.get(f.name, ()) if aliases else ()))
         typ = field_type(f.name)
         default = f.default
         help_ = f"{docs.get(f.name, '')} [default: {default}]".replace("%", "%%")
         if typ is bool:
             parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_
             )
         else:
-            parser.add_argument(flag, dest=f.name, default=None, metavar=typ.__name__.upper(), help=help_)
+            parser.add_argument(*flags, dest=f.name, default=None, metavar=typ.__name__.upper(), help=help_)
 
 
 def _overrides(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -173,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with GSPO / GSPO-token / GRPO. Flags override the YAML config.",
     )
     p.add_argument("--config", help="YAML file of config keys (flags given here override it)")
-    _add_config_flags(p)
+    _add_config_flags(p, aliases=True)
 
     _add_compare_parser(sub)
     _add_plan_parser(sub)

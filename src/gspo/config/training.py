@@ -115,3 +115,13 @@ class Distributed(Group):
                 )
             if cfg.dtype != "float32":
                 raise bad(cfg, "mixed_precision", "needs dtype float32 (the master weights it keeps)")
+        ep = cfg.expert_parallel_size
+        if ep > 1:
+            if cfg.parallel != "fsdp":
+                raise bad(
+                    cfg, "expert_parallel_size", "needs parallel fsdp (DDP keeps every expert on every rank)"
+                )
+            if cfg.lora_rank:
+                raise bad(cfg, "expert_parallel_size", "is not supported with LoRA (lora_rank > 0)")
+            if cfg.nproc > 1 and cfg.nproc % ep:
+                raise bad(cfg, "expert_parallel_size", f"must divide nproc ({cfg.nproc})")

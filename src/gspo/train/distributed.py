@@ -77,6 +77,11 @@ def setup(plan: DistPlan) -> DistContext:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(plan, local_rank)
+    if world % plan.expert_parallel_size:  # before any weight is read
+        raise GspoError(
+            f"config field 'expert_parallel_size': must divide the world size ({world} processes) "
+            f"(got {plan.expert_parallel_size})"
+        )
     if world > 1:
         die_with_parent()  # SIGTERM when the torchrun agent dies: a kill -9-ed launcher leaves no rank on
         if device.type == "cuda":
@@ -155,10 +160,13 @@ def wrap(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     mp = MixedPrecisionPolicy()  # the parameters' own dtype throughout
     if plan.mixed_precision == "bf16":  # compute in bf16; float32 master weights and gradient reduction
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if plan.expert_parallel_size > 1:
+        mesh = _shard_experts(policy, plan, ctx, mp)
+    else:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for layer in _decoder_layers(policy.model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
@@ -168,6 +176,32 @@ def wrap(
         _load_from_rank0(policy, source, ctx)
     _first_forward(policy, ctx.device)
     return policy
+
+
+def _shard_experts(policy: nn.Module, plan: DistPlan, ctx: DistContext, mp: Any) -> Any:
+    """Expert parallelism (``--ep N``): each rank keeps ``num_experts / N`` whole experts of every MoE
+    layer and exchanges tokens by all-to-all within its group of N ranks; FSDP2 shards each experts
+    module over the ``world / N`` ranks holding the same experts. Returns the mesh of the dense
+    parameters: sharded over the N ranks of a group, replicated over the groups (one group, N =
+    world: sharded over every rank), on the experts' (efsdp, ep) mesh so that every parameter lives
+    on one mesh (the gradient norm and the optimizer need that)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gspo.compat.transformers_ep import meshes as ep_meshes
+    from gspo.model.expert_parallel import check_divides, shard_experts
+
+    hf = unwrap(policy, "hf")
+    ep = plan.expert_parallel_size
+    check_divides(hf, ep, ctx.world_size)
+    meshes = ep_meshes(ctx.world_size, ep)
+    for experts in shard_experts(hf, meshes).values():
+        fully_shard(experts, mesh=meshes["efsdp"], mp_policy=mp)
+        # an expert's gradient sums the tokens of its N-rank group (the all-to-all's backward) and
+        # FSDP2 sums over the world / N groups: divide by the world, as every other gradient is
+        experts.set_gradient_divide_factor(float(ctx.world_size))
+        if meshes["efsdp"].size() > 1:  # PREMUL_SUM (a divide factor other than the group size):
+            experts.set_force_sum_reduction_for_comms(True)  # NCCL only; sum, then divide locally
+    return meshes["dense"]
 
 
 def _load_own_shards(policy: nn.Module, folder: Path, ctx: DistContext) -> None:
@@ -237,6 +271,8 @@ def gathered(model: nn.Module) -> Iterator[None]:
     evaluates alone. Costs one full model per rank while held (none outside FSDP2)."""
     from torch.distributed.fsdp import FSDPModule
 
+    from gspo.model.expert_parallel import whole_experts
+
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
     layers = [m for m in groups if m is not model]  # generation never calls the root's forward
     for m in layers:
@@ -244,7 +280,8 @@ def gathered(model: nn.Module) -> Iterator[None]:
     try:
         for m in groups:
             m.unshard()
-        yield
+        with whole_experts(model):  # expert parallelism: every expert local, no all-to-all
+            yield
     finally:
         for m in groups:
             m.reshard()
