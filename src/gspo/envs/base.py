@@ -12,6 +12,12 @@ next model turn continues after them. The trajectory's reward is the sum of its 
 :class:`Limits` end a trajectory that goes on too long (``truncated``): the turn limit, the per-turn
 token budget and the per-trajectory budget (model and observation tokens after the prompt).
 A plain single-turn task is :class:`TaskEnv`: one step, scored by the task's reward, done.
+
+Under ``--chat-template`` (:mod:`gspo.envs.chat`) an observation goes back as chat messages: the
+step's ``messages`` when it gives them (e.g. ``[{"role": "tool", "content": "46"}]``), else one
+``tool`` message holding ``observation``. An environment with tools may declare them as an attribute
+``chat_tools`` (a list of OpenAI-style JSON function schemas, passed to the template as ``tools=``).
+Both are optional: an environment without them works unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class Step:
 
     observation: str | None  # text the model sees next; None: the trajectory is over
     reward: float = 0.0  # added to the trajectory's reward
+    # the observation as chat messages ({"role", "content"}), rendered by the chat template under
+    # --chat-template; None: one "tool" message holding `observation`. Ignored without a template.
+    messages: list[dict[str, Any]] | None = None
 
 
 class Env(Protocol):
@@ -104,8 +113,31 @@ def check_step(out: Any, name: str) -> Step:
         raise GspoError(f"environment {name}: step() reward must be a finite number, got {r!r}")
     obs = out.observation
     if obs is not None:  # a lone surrogate cannot be tokenized: replaced, as invalid bytes are
-        obs = obs.encode("utf-8", "replace").decode("utf-8")
-    return Step(obs, float(r))
+        obs = _valid_text(obs)
+    msgs = out.messages
+    if obs is not None and msgs is not None:
+        msgs = _check_messages(msgs, name)
+    return Step(obs, float(r), msgs if obs is not None else None)
+
+
+def _valid_text(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _check_messages(msgs: Any, name: str) -> list[dict[str, Any]]:
+    """``Step.messages``: a non-empty list of ``{"role": str, "content": str, ...}`` (copied, text made
+    valid UTF-8); anything else is a one-line :class:`GspoError` naming the environment."""
+    ok = isinstance(msgs, list) and bool(msgs)
+    ok = ok and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in msgs
+    )
+    if not ok:
+        raise GspoError(
+            f"environment {name}: step() messages must be a non-empty list of "
+            f'{{"role": str, "content": str}} dicts, got {str(msgs)[:60]!r}'
+        )
+    return [dict(m, content=_valid_text(m["content"])) for m in msgs]
 
 
 def check_prompt(out: Any, name: str) -> Prompt:

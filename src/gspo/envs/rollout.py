@@ -7,6 +7,11 @@ observation tokens; the sampler's log-probs are there on the model's tokens only
 (prompt, earlier turns and observations, as token ids: nothing is re-tokenized). Deterministic given
 the engine's generator: exact resume holds as for single-turn rollouts. The trajectories are scored
 with the single-turn responses, by :func:`gspo.train.scoring.score_rollout`.
+
+With ``--chat-template`` (and a tokenizer that has one) the trajectory is a chat conversation
+(:mod:`gspo.envs.chat`): the prompt declares the environment's tools, each observation is the
+template's rendering of the environment's messages (a ``tool`` message), and the model's turns stay
+the tokens it sampled. Without it, observations are tokenized as plain text after the turn.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any
 import torch
 
 from gspo.data import RolloutEngine, SampleBatch
-from gspo.envs.base import Env, Limits
+from gspo.envs.base import Env, Limits, Step
+from gspo.envs.chat import Conversation
 from gspo.envs.load import EnvFailure, EnvSpec, env_spec, make_env, reset, step
 from gspo.errors import GspoError
 from gspo.plans import EnvPlan
@@ -40,27 +46,58 @@ def limits_of(plan: EnvPlan) -> Limits:
     return Limits(plan.max_turns, plan.max_new_tokens, plan.max_trajectory_tokens)
 
 
-def encoder(tokenizer: Any, plan: EnvPlan) -> Callable[[Prompt], list[int]]:
+class Encoder:
     """A prompt from ``env.reset`` -> token ids, as the trainer encodes prompts (template, limits).
     A prompt with more characters than ``max_prompt_tokens`` of the tokenizer's longest tokens could
-    hold is refused before it is tokenized (a 10 MB prompt would take seconds to tokenize)."""
-    from gspo.tasks.prompts import encode_prompts
+    hold is refused before it is tokenized (a 10 MB prompt would take seconds to tokenize).
+    ``chat``: the chat format of a ``--chat-template`` run whose tokenizer has a template (None:
+    observations are plain text)."""
 
-    longest: list[int] = []  # the longest token's characters, found once, when first needed
+    def __init__(self, tokenizer: Any, plan: EnvPlan) -> None:
+        from gspo.envs.chat import ChatFormat
 
-    def encode(prompt: Prompt) -> list[int]:
+        self.tokenizer, self.plan = tokenizer, plan
+        self.longest = 0  # the longest token's characters, found once, when first needed
+        templated = plan.prompt.chat_template and getattr(tokenizer, "chat_template", None)
+        self.chat = ChatFormat(tokenizer, plan.prompt.system_prompt) if templated else None
+
+    def check_size(self, prompt: Prompt) -> None:
         n = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
-        if n > plan.max_prompt_tokens:  # else it may fit whatever the tokenizer
-            if not longest:
-                longest.append(_longest_token_chars(tokenizer))
-            if n > plan.max_prompt_tokens * longest[0]:
+        if n > self.plan.max_prompt_tokens:  # else it may fit whatever the tokenizer
+            self.longest = self.longest or _longest_token_chars(self.tokenizer)
+            if n > self.plan.max_prompt_tokens * self.longest:
                 raise GspoError(
                     f"returned a prompt of {n:,} characters, more than max_prompt_tokens="
-                    f"{plan.max_prompt_tokens} tokens of at most {longest[0]} characters can hold"
+                    f"{self.plan.max_prompt_tokens} tokens of at most {self.longest} characters can hold"
                 )
-        return encode_prompts(tokenizer, [Example(prompt, "")], plan.prompt)[0]
 
-    return encode
+    def __call__(self, prompt: Prompt) -> list[int]:
+        from gspo.tasks.prompts import encode_prompts
+
+        self.check_size(prompt)
+        return encode_prompts(self.tokenizer, [Example(prompt, "")], self.plan.prompt)[0]
+
+    def start_chat(
+        self, prompt: Prompt, tools: list[dict[str, Any]] | None
+    ) -> tuple[Conversation, list[int]]:
+        """The conversation of ``prompt`` with ``tools`` declared, and its token ids (limits checked)."""
+        assert self.chat is not None
+        try:
+            self.check_size(prompt)
+        except GspoError as e:
+            raise GspoError(f"reset() {e}") from None
+        conv = self.chat.start(prompt, tools)
+        ids = conv.prompt_ids()
+        if not ids or len(ids) > self.plan.max_prompt_tokens:
+            raise GspoError(
+                f"reset() returned a prompt of {len(ids)} tokens with the chat template, not in 1.."
+                f"max_prompt_tokens={self.plan.max_prompt_tokens}"
+            )
+        return conv, ids
+
+
+def encoder(tokenizer: Any, plan: EnvPlan) -> Encoder:
+    return Encoder(tokenizer, plan)
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -94,6 +131,7 @@ class _Traj:
     turns: int = 0
     truncated: bool = False
     failed: bool = False
+    chat: Conversation | None = None  # the conversation so far, under a chat template
 
 
 def run_episodes(
@@ -109,25 +147,10 @@ def run_episodes(
 ) -> EnvSampleBatch:
     """One trajectory per example (repeat an example G times for a group), played to its end.
     ``prompt_ids`` are the examples' prompts encoded; a different prompt from ``env.reset`` is
-    encoded with ``encode`` (the trainer's :func:`~gspo.tasks.prompts.encode_prompts`)."""
-    trajs, prompt_ids = [], [list(p) for p in prompt_ids]
-    for b, ex in enumerate(examples):
-        try:
-            env = make_env(spec)
-            prompt = reset(spec, env, ex)
-        except EnvFailure:  # reward_on_error zero: no model turn, reward 0, counted
-            trajs.append(_Traj(None, list(prompt_ids[b]), [], [], [], failed=True))
-            continue
-        if prompt != ex.prompt:
-            if encode is None:
-                raise GspoError(
-                    f"environment {spec.name}: reset() changed the prompt, which this caller cannot encode"
-                )
-            try:
-                prompt_ids[b] = encode(prompt)
-            except GspoError as e:
-                raise GspoError(f"environment {spec.name}: reset() {e}") from None
-        trajs.append(_Traj(env, list(prompt_ids[b]), [], [], []))
+    encoded with ``encode`` (the trainer's :func:`~gspo.tasks.prompts.encode_prompts`); an
+    :class:`Encoder` with a chat format renders every trajectory as a conversation."""
+    trajs = [_start(spec, ex, ids, encode) for ex, ids in zip(examples, prompt_ids, strict=True)]
+    prompt_ids = [list(t.context) for t in trajs]
     live = [i for i, t in enumerate(trajs) if not t.failed]
     while live:
         budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
@@ -143,6 +166,50 @@ def run_episodes(
     if n_bad and n_bad == len(trajs):
         raise GspoError(f"environment {spec.name} failed on all {n_bad} trajectories of the batch")
     return _to_batch(trajs, prompt_ids, tokenizer.pad_token_id, n_bad)
+
+
+def _start(spec: EnvSpec, ex: Example, ids: list[int], encode: Callable[[Prompt], list[int]] | None) -> _Traj:
+    """A trajectory's environment and prompt ids: ``ids`` (the example's prompt encoded) unless
+    ``reset()`` changes the prompt or a chat template renders it (with the environment's tools)."""
+    try:
+        env = make_env(spec)
+        prompt = reset(spec, env, ex)
+    except EnvFailure:  # reward_on_error zero: no model turn, reward 0, counted
+        return _Traj(None, list(ids), [], [], [], failed=True)
+    chat = encode.chat if isinstance(encode, Encoder) else None
+    if chat is None and prompt == ex.prompt:
+        return _Traj(env, list(ids), [], [], [])
+    if encode is None:
+        raise GspoError(
+            f"environment {spec.name}: reset() changed the prompt, which this caller cannot encode"
+        )
+    conv = None
+    try:
+        if isinstance(encode, Encoder) and chat is not None:
+            conv, ids = encode.start_chat(prompt, _chat_tools(env))
+        else:
+            ids = encode(prompt)
+    except GspoError as e:
+        raise GspoError(f"environment {spec.name}: {e if conv or chat else f'reset() {e}'}") from None
+    return _Traj(env, list(ids), [], [], [], chat=conv)
+
+
+def _chat_tools(env: Env) -> list[dict[str, Any]] | None:
+    """The environment's optional ``chat_tools`` (JSON schemas for the template's ``tools=``)."""
+    try:
+        tools = getattr(env, "chat_tools", None)
+    except Exception as e:  # noqa: BLE001 (a user environment's property may raise anything)
+        raise GspoError(f"chat_tools raised {type(e).__name__}: {str(e)[:200]}") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(x, dict) for x in tools)):
+        raise GspoError(f"chat_tools must be a list of JSON-schema dicts, got {type(tools).__name__}")
+    return tools
+
+
+def _chat_observation(s: Step, max_chars: int) -> list[dict[str, Any]]:
+    """A step's observation as chat messages (its own, or one ``tool`` message), each cut to
+    ``max_chars`` characters."""
+    msgs = s.messages or [{"role": "tool", "content": s.observation}]
+    return [dict(m, content=m["content"][:max_chars]) for m in msgs]
 
 
 def _turn(
@@ -172,7 +239,10 @@ def _turn(
         t.truncated = True
         return False
     # cut the text first: tokenizing a 50 MB observation to keep `room` tokens would hang the step
-    obs = tokenizer(s.observation[: 64 * room + 64], add_special_tokens=False).input_ids[:room]
+    if t.chat is None:
+        obs = tokenizer(s.observation[: 64 * room + 64], add_special_tokens=False).input_ids[:room]
+    else:
+        obs = t.chat.observe(text, _chat_observation(s, 64 * room + 64))[:room]
     t.ids += obs
     t.model += [0] * len(obs)
     t.logp += [0.0] * len(obs)

@@ -13,6 +13,11 @@ The observation is the tool's output, ``<output>...</output>`` after a tag or JS
 unknown tool, unbalanced parentheses, an expression the calculator refuses) gets an ``error: ...``
 observation, never an exception. A turn without a tool call is the answer: the task's reward scores
 it and the trajectory is done.
+
+Under ``--chat-template`` (:mod:`gspo.envs.chat`) the tools are declared to the template
+(:attr:`ToolEnv.chat_tools`, JSON schemas), the model is expected to call them in the Hermes/Qwen
+``<tool_call>`` JSON format (the other formats are still parsed), and the output goes back as a
+``tool`` message holding the bare output (``46``, ``error: ...``), which the template wraps.
 """
 
 from __future__ import annotations
@@ -191,11 +196,21 @@ def parse_tool_call(text: str) -> ToolCall | str | None:
 
 def run_tool_call(call: ToolCall | str, tools: tuple[str, ...]) -> str:
     """The observation text of a parsed call (``error: ...`` for a malformed or refused one)."""
+    return _wrap(call, tool_output(call, tools))
+
+
+def _wrap(call: ToolCall | str, out: str) -> str:
+    """A tool's output as plain-text observation: ``=out`` after a call-form call, else ``<output>``."""
+    return f"={out}" if isinstance(call, ToolCall) and call.style == "call" else f"<output>{out}</output>"
+
+
+def tool_output(call: ToolCall | str, tools: tuple[str, ...]) -> str:
+    """The bare output of a parsed call (``error: ...`` for a malformed or refused one), at most
+    ``MAX_OUTPUT_CHARS`` characters (then marked truncated)."""
     if isinstance(call, str):
-        return f"<output>error: {call}</output>"
-    wrap = (lambda s: f"={s}") if call.style == "call" else (lambda s: f"<output>{s}</output>")  # noqa: E731
+        return f"error: {call}"
     if call.tool not in tools:
-        return wrap(f"error: tool {call.tool} is not available (tools: {', '.join(tools)})")
+        return f"error: tool {call.tool} is not available (tools: {', '.join(tools)})"
     try:
         out = calculator(call.argument) if call.tool == "calc" else python_tool(call.argument)
     except ToolError as e:
@@ -204,7 +219,27 @@ def run_tool_call(call: ToolCall | str, tools: tuple[str, ...]) -> str:
         out = f"error: {type(e).__name__}"
     if len(out) > MAX_OUTPUT_CHARS:
         out = out[:MAX_OUTPUT_CHARS] + "...(truncated)"
-    return wrap(out)
+    return out
+
+
+def _schema(name: str, description: str, arg: str, arg_description: str) -> dict[str, Any]:
+    params = {"type": "object", "properties": {arg: {"type": "string", "description": arg_description}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": params | {"required": [arg]}},
+    }
+
+
+# each tool as the chat template's `tools=` declares it (OpenAI function schema)
+TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
+    "calc": _schema(
+        "calc",
+        "Evaluate an arithmetic expression (+ - * / // % **, parentheses, numbers).",
+        "expression",
+        "the expression, e.g. 12+34",
+    ),
+    "python": _schema("python", "Run Python code and return what it prints.", "code", "the program"),
+}
 
 
 class ToolEnv:
@@ -220,6 +255,11 @@ class ToolEnv:
         self.reward, self.tools, self.reward_name = reward, tools, reward_name
         self.example: Example | None = None
 
+    @property
+    def chat_tools(self) -> list[dict[str, Any]]:
+        """The tools' JSON schemas, declared to a chat template (``tools=``)."""
+        return [TOOL_SCHEMAS[t] for t in self.tools]
+
     def reset(self, example: Example) -> Prompt:
         self.example = example
         return example.prompt
@@ -230,7 +270,8 @@ class ToolEnv:
         except (ValueError, RecursionError) as e:  # JSON nested too deep, or a number past int's limit
             call = f"tool_call cannot be parsed ({type(e).__name__})"
         if call is not None:
-            return Step(run_tool_call(call, self.tools), 0.0)
+            out = tool_output(call, self.tools)
+            return Step(_wrap(call, out), 0.0, [{"role": "tool", "content": out}])
         ex = self.example
         assert ex is not None, "step before reset"
         return Step(None, score_turn(self.reward, self.reward_name, ex, model_turn))
