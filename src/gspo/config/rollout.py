@@ -107,7 +107,10 @@ class MultiTurn(Group):
     answer the task's reward scores), ``tools:calc``, ``tools:python``, ``task`` (the task as a
     one-step environment), or ``pkg.mod:Factory`` / ``file.py:Factory`` making an object with
     ``reset(example) -> prompt`` and ``step(model_turn) -> (observation | None, reward)`` (each call
-    limited to ``reward_timeout_s``). Turns end at EOS; ``max_new_tokens`` is the per-turn budget."""
+    limited to ``reward_timeout_s``). Environment packages: ``skyrl-gym:NAME``,
+    ``openenv:pkg.mod:Class`` (an in-process OpenEnv Environment) and ``verifiers:NAME`` (a
+    verifiers taskset and its environment, gspo playing the agent). Turns end at EOS;
+    ``max_new_tokens`` is the per-turn budget."""
     max_turns: Annotated[int, Ge(1)] = 4
     """Multi-turn (``env``): model turns per trajectory; a trajectory still going after them is
     truncated (its reward so far; ``overlong_filter`` drops it from the loss)."""

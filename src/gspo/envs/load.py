@@ -3,7 +3,9 @@
 ``tools`` (calculator + Python), ``tools:calc`` / ``tools:python`` (one of them), ``task`` (the
 single-turn task as a one-step environment), or a user factory ``pkg.mod:Name`` /
 ``path/file.py:Name``: a class or function called with no arguments that returns a fresh
-environment (``reset(example)``, ``step(model_turn)``, :mod:`gspo.envs.base`). User environments get
+environment (``reset(example)``, ``step(model_turn)``, :mod:`gspo.envs.base`), or a package's
+environment, ``verifiers:NAME``, ``openenv:pkg.module:Class``, ``skyrl-gym:NAME``
+(:mod:`gspo.envs.packages`), called as user environments are. User environments get
 ``reward_timeout_s`` per call (the constructor, ``reset`` and ``step``); past it, or when they raise
 or return a wrong type, the run stops with one line naming the environment (``reward_on_error zero``:
 the trajectory ends with reward 0 and is counted, except for time-outs, which always stop, and a bad
@@ -60,11 +62,17 @@ def env_spec(
         if "python" in names:
             _check_sandbox()
         return EnvSpec(lambda: ToolEnv(reward, names, reward_name), spec, None, on_error, builtin=True)
+    from gspo.envs.packages import package_factory
+
+    packaged = package_factory(spec, _import)
+    if packaged is not None:
+        return EnvSpec(packaged, spec, timeout_s or None, on_error)
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise GspoError(
             f"config field 'env': unknown environment {spec!r} (tools, tools:calc, tools:python, task, "
-            "pkg.module:Factory or path/file.py:Factory)"
+            "pkg.module:Factory, path/file.py:Factory, verifiers:NAME, openenv:pkg.module:Class or "
+            "skyrl-gym:NAME)"
         )
     module = _import(spec, target)
     factory = getattr(module, attr, None)
