@@ -14,11 +14,13 @@ from gspo.tasks import build_task
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 YAMLS = sorted(RECIPES.glob("*.yaml"))
-QWEN3_CONTEXT = 40960  # max_position_embeddings of Qwen3-0.6B and Qwen3-30B-A3B
+QWEN3_CONTEXT = 40960  # max_position_embeddings of Qwen3-0.6B, Qwen3-30B-A3B and Qwen3-235B-A22B
 WORLD = {
     "qwen3-0.6b-gsm8k.yaml": [1, 8],
     "qwen3-30b-a3b-1node.yaml": [8],
     "qwen3-30b-a3b-multinode.yaml": [32],
+    "qwen3-30b-a3b-2node.yaml": [16],
+    "qwen3-235b-a22b-4node.yaml": [32],
 }
 
 
@@ -77,7 +79,8 @@ ROWS = {
         lambda i, ok: f"<think>add</think> so \\boxed{{\\frac{{{2 if ok else 3}}}{{{i + 2}}}}}",
     ),
 }
-ROWS["qwen3-30b-a3b-1node.yaml"] = ROWS["qwen3-30b-a3b-multinode.yaml"]  # the same data and reward
+for _name in ("qwen3-30b-a3b-1node.yaml", "qwen3-30b-a3b-2node.yaml", "qwen3-235b-a22b-4node.yaml"):
+    ROWS[_name] = ROWS["qwen3-30b-a3b-multinode.yaml"]  # the same data and reward
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))

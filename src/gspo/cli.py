@@ -83,14 +83,36 @@ def _add_plan_parser(sub: Any) -> None:
         "it does not fit.",
     )
     pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
-    pl.add_argument("--gpus", type=int, default=8, help="GPUs (ranks) [default: 8]")
+    pl.add_argument(
+        "--gpus", type=int, help="GPUs (ranks) on one node [default: 8]; past one node: --nodes, --gpus-per-node"
+    )
+    pl.add_argument("--nodes", type=int, default=1, help="nodes, each started by torchrun [default: 1]")
+    pl.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="ranks on each node (torchrun's --nproc_per_node); needed with --nodes > 1",
+    )
+    pl.add_argument(
+        "--tp", dest="vllm_tensor_parallel_size", metavar="INT",
+        help="vllm_tensor_parallel_size: ranks of one vLLM instance, on one node",
+    )  # fmt: skip
+    from gspo.capacity_comm import INTER_GBPS, INTRA_GBPS
+
+    pl.add_argument(
+        "--intra-gbps", type=float, default=INTRA_GBPS, help="within a node, Gb/s (1e9 bits/s) per GPU and "
+        f"direction [default: {INTRA_GBPS:g}: NVLink 4 of H100/H200, 900 GB/s both ways = 450 GB/s each way]",
+    )  # fmt: skip
+    pl.add_argument(
+        "--inter-gbps", type=float, default=INTER_GBPS, help="across nodes, Gb/s per GPU and direction "
+        f"[default: {INTER_GBPS:g}: one 400 Gb/s NDR InfiniBand NIC per GPU, 50 GB/s]",
+    )  # fmt: skip
     pl.add_argument(
         "--gpu-memory-gib",
         type=float,
         help="memory of one GPU in GiB, as torch.cuda and nvidia-smi report it",
     )
     pl.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (1e9 bytes) [default: 80]")
-    _add_config_flags(pl, skip=("nproc",))
+    _add_config_flags(pl, skip=("nproc",), aliases=True)  # --ep
 
 
 def _add_export_parser(sub: Any) -> None:
@@ -323,15 +345,17 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from gspo.capacity import gpu_bytes_of, report
+    from gspo.capacity import gpu_bytes_of, report, shape_of
+    from gspo.capacity_comm import check_layout, comm_report, launch_lines, link_of
     from gspo.config import make_config
 
-    if ns.gpus < 1:
-        raise GspoError("--gpus must be >= 1")
+    link = link_of(ns.nodes, ns.gpus_per_node, ns.gpus, ns.intra_gbps, ns.inter_gbps)
     gpu, given = gpu_bytes_of(ns.gpu_memory_gb, ns.gpu_memory_gib)  # bytes, whichever unit was given
-    cfg = make_config(ns.config, {**_overrides(ns, ("nproc",)), "nproc": ns.gpus})
-    text, fits = report(cfg, cfg.model, ns.gpus, gpu, given)
-    print(text)
+    cfg = make_config(ns.config, {**_overrides(ns, ("nproc",)), "nproc": link.world})
+    shape = shape_of(cfg.model)
+    check_layout(cfg, shape, link)
+    text, fits = report(cfg, cfg.model, link.world, gpu, given, link.nodes, shape)
+    print("\n".join([text, *comm_report(cfg, shape, link, gpu), *launch_lines(link, ns.config)]))
     if not fits:
         raise GspoError(f"does not fit in {gpu / 2**30:.1f} GiB per GPU ({given}; see the table above)")
     return 0
