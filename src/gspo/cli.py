@@ -78,13 +78,17 @@ def _add_plan_parser(sub: Any) -> None:
         "plan",
         help="per-GPU memory of a run before it starts, and whether it fits",
         description="Estimate each GPU's memory (weights, gradients, AdamW, activations, sampler, weight "
-        "sync) for a model, a world size and the training settings, without loading any weight. The "
+        "sync) for a model, a world size and the training settings, without loading any weight, and the "
+        "bytes each rank sends per micro-batch and per step with their time (over --nodes, with and "
+        "without --ep). The "
         "model: an embedded one, a local HF folder, or a hub id whose numbers gspo ships. Exit 2 when "
         "it does not fit.",
     )
     pl.add_argument("--config", help="YAML file of config keys (flags given here override it)")
     pl.add_argument(
-        "--gpus", type=int, help="GPUs (ranks) on one node [default: 8]; past one node: --nodes, --gpus-per-node"
+        "--gpus",
+        type=int,
+        help="GPUs (ranks) on one node [default: 8]; past one node: --nodes, --gpus-per-node",
     )
     pl.add_argument("--nodes", type=int, default=1, help="nodes, each started by torchrun [default: 1]")
     pl.add_argument(
