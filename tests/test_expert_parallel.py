@@ -9,6 +9,7 @@ parameters' meshes. Bad ``--ep`` values are refused in one line naming the field
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -189,3 +190,72 @@ def test_transformers_expert_parallel_names_exist():
     assert transformers_ep.applies()
     for module, attr in transformers_ep.UPSTREAM:
         compat.resolve(module, attr)
+
+
+def test_dense_model_or_indivisible_experts_refused_from_the_config():
+    """The plan refuses, from the model's config alone (before any weight is read), EP on a dense
+    model or over a number of ranks that does not split the experts."""
+    from gspo.resolve import dist_plan
+
+    for model, ep, msg in (
+        ("embedded:tiny-dense", 2, "dense"),
+        ("embedded:tiny-moe", 3, r"experts per layer \(8\)"),
+    ):
+        with pytest.raises(GspoError, match=f"'expert_parallel_size': .*{msg}"):
+            dist_plan(Config(model=model, expert_parallel_size=ep).validate())
+    assert dist_plan(Config(model="embedded:tiny-moe", expert_parallel_size=2)).expert_parallel_size == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# through gspo train: HF weights in, sharded checkpoints, resume, final/ and gspo export out
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    """A 4-step ``--nproc 2 --ep 2`` run from an HF folder (each rank reads its own experts), and the
+    same run killed after its step-2 checkpoint and resumed."""
+    from gspo.model.load import save_pretrained
+    from tests.test_sharded_checkpoints import _killed_after_step_2, _train
+
+    tmp = tmp_path_factory.mktemp("ep-train")
+    tok = build_char_tokenizer()
+    save_pretrained(build_tiny_moe(len(tok), seed=3), tok, tmp / "model")
+    ep = ("--nproc", "2", "--ep", "2", "--steps", "4")
+    straight = _train(tmp, "straight", *ep)
+    part = _killed_after_step_2(straight, tmp / "part" / straight.name)
+    _train(tmp, "part", *ep, "--resume")
+    first = _train(tmp, "first", *ep[:4], "--steps", "1")  # keeps its step-0 checkpoint
+    return tmp, straight, part, first
+
+
+def test_expert_parallel_run_resumes_bit_for_bit(ep_runs):
+    """Killed after step 2 and resumed with ``--ep 2``: final/ equals the uninterrupted run's bit for
+    bit, and so do the rewards of every step; each rank wrote its own shard file."""
+    from tests.test_sharded_checkpoints import _weights
+
+    _, straight, part, _ = ep_runs
+    a, b = _weights(straight / "final"), _weights(part / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    key = "rollout/reward_mean"
+    assert [r[key] for r in rows if key in r] == [r[key] for r in want if key in r]
+    shards = sorted(p.name for p in (straight / "checkpoints" / "step-000002" / "dcp").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_expert_parallel_checkpoints_hold_every_expert(ep_runs):
+    """The step-0 checkpoint, exported by ``gspo export`` in one process, holds exactly the folder's
+    weights (every expert of every rank read in place), and the step-4 export equals final/."""
+    from safetensors.torch import load_file
+
+    from tests.test_sharded_checkpoints import _gspo, _weights
+
+    tmp, straight, _, first = ep_runs
+    _gspo(tmp, "export", str(first / "checkpoints" / "step-000000"), "--out", "step0")
+    want, got = load_file(tmp / "model" / "model.safetensors"), _weights(tmp / "step0")
+    assert got.keys() == want.keys() and any(".experts." in k for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _gspo(tmp, "export", str(straight / "checkpoints" / "step-000004"), "--out", "step4")
+    a, b = _weights(straight / "final"), _weights(tmp / "step4")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -83,7 +83,24 @@ def sft_plan(cfg: Config) -> SftPlan:
 
 
 def dist_plan(cfg: Config) -> DistPlan:
+    if cfg.expert_parallel_size > 1:
+        _check_experts(cfg)
     return _take(DistPlan, cfg, lora=bool(cfg.lora_rank))
+
+
+def _check_experts(cfg: Config) -> None:
+    """``expert_parallel_size`` must split the model's routed experts: checked from its config alone,
+    before any weight is read (a hub id whose numbers gspo does not ship: when the model is wrapped)."""
+    from gspo.capacity import shape_of
+
+    try:
+        experts = shape_of(cfg.model).experts
+    except GspoError:
+        return
+    ep = cfg.expert_parallel_size
+    if not experts or experts % ep:
+        why = f"must divide its experts per layer ({experts})" if experts else "is a dense model (no experts)"
+        raise GspoError(f"config field 'expert_parallel_size': {cfg.model} {why} (got {ep})")
 
 
 def model_plan(cfg: Config) -> ModelPlan:
