@@ -428,3 +428,64 @@ def test_skyrl_gym_wrong_step_output_is_one_line(env_dir):
             _play("skyrl-gym:gspo_test_bad", [Example("q", "1"), Example("r", "1")], _guess_in_order, "zero")
     finally:
         skyrl_gym.envs.registration.deregister("gspo_test_bad")
+
+
+# ------------------------------------------------------------------------------------------------
+# --chat-template: the package's messages go back in their own roles, rendered by the template
+
+
+def _chat_play(spec_s, examples, turns):
+    from test_chat_tools import _limits, _plan, _Turns, make_tokenizer
+
+    from gspo.envs.rollout import encoder
+
+    tok = make_tokenizer()
+    plan = _plan(env=spec_s, max_turns=6, max_trajectory_tokens=2000)
+    enc = encoder(tok, plan)
+    spec = env_spec(spec_s, lambda *a: [0.0], 5.0, "error")
+    eb = run_episodes(_Turns(tok, turns), tok, spec, examples, [enc(e.prompt) for e in examples], _limits(plan), 1.0,
+                      encode=enc)  # fmt: skip
+    return tok, eb
+
+
+def test_skyrl_gym_observations_keep_their_role_under_the_chat_template():
+    _need("skyrl-gym")
+    from test_chat_tools import _check_against_template
+
+    tok, eb = _chat_play("skyrl-gym:gsm8k_multi_turn", [Example("a: sum?", "5")] * 2, ["#### 4", "#### 5"])
+    hint = skyrl_gym_hint()
+    conversation = [
+        {"role": "user", "content": "a: sum?"},
+        {"role": "assistant", "content": "#### 4"},
+        {"role": "user", "content": hint},
+        {"role": "assistant", "content": "#### 5"},
+    ]
+    _check_against_template(tok, eb, conversation, None)
+    assert eb.reward_B.tolist() == pytest.approx([1.04, 1.04])
+
+
+def skyrl_gym_hint():
+    import skyrl_gym
+
+    env = skyrl_gym.make(
+        "gsm8k_multi_turn", env_config={}, extras={"reward_spec": {"ground_truth": "5"}, "extra_info": {}}
+    )
+    env.init([])
+    return env.step("#### 4")["observations"][0]["content"]
+
+
+def test_verifiers_messages_are_the_users_under_the_chat_template(env_dir):
+    _need("verifiers")
+    import gspo_vf_guess as mod
+    from test_chat_tools import _check_against_template
+
+    mod.LOG.clear()
+    tok, eb = _chat_play("verifiers:gspo_vf_guess", [Example("seed 9", "")] * 2, ["0", "1", "2", "3"])
+    secret, log = mod.LOG[0]
+    conversation = [{"role": "user", "content": "guess a digit"}]
+    for message, reply in log:
+        conversation += ([{"role": "user", "content": message}] if message else []) + [
+            {"role": "assistant", "content": reply}
+        ]
+    _check_against_template(tok, eb, conversation, None)
+    assert eb.reward_B[0].item() == pytest.approx(float(log[-1][1] == str(secret)) - 0.1 * len(log))

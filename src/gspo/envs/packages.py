@@ -18,6 +18,7 @@ Packages are imported when the environment is loaded; a missing one is a one-lin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
@@ -30,7 +31,7 @@ from gspo.envs.base import Env, Step
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example, Prompt
 
-MAX_TASKS = 100_000  # verifiers tasks read from a taskset (an infinite one is cut there)
+INFINITE_TASKS = 1024  # tasks read from an infinite verifiers taskset (a finite one is read whole)
 
 
 def package_factory(spec: str, importer: Callable[[str, str], Any]) -> Callable[[], Env] | None:
@@ -65,19 +66,26 @@ def _seed(example: Example) -> int:
     return zlib.crc32(text.encode("utf-8", "replace"))
 
 
-def _message_text(messages: Any, what: str) -> str:
-    """Chat messages (dicts or objects with ``content``) or a string -> the text the model sees."""
+def _as_chat(messages: Any, what: str, role: str = "user") -> list[dict[str, str]]:
+    """Chat messages (dicts or objects with ``role`` and ``content``) or a string (one ``role``
+    message) -> ``{"role", "content"}`` dicts, what the chat template renders."""
     if isinstance(messages, str):
-        return messages
+        return [{"role": role, "content": messages}]
     if not isinstance(messages, list):
         raise TypeError(f"{what} is {type(messages).__name__}, expected chat messages or a string")
-    parts = []
+    out = []
     for m in messages:
-        content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
+        get = m.get if isinstance(m, dict) else lambda k, m=m: getattr(m, k, None)
+        content, r = get("content"), get("role")
         if not isinstance(content, str):
             raise TypeError(f"{what} has a message whose content is {type(content).__name__}, expected str")
-        parts.append(content)
-    return "\n".join(parts)
+        out.append({"role": r if isinstance(r, str) and r else role, "content": content})
+    return out
+
+
+def _message_text(messages: Any, what: str) -> str:
+    """The text the model sees of chat messages or a string (plain text: the contents, one a line)."""
+    return "\n".join(m["content"] for m in _as_chat(messages, what))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +128,8 @@ class SkyRLGymEnv:
             raise TypeError(f"step() returned {type(out).__name__}, expected a dict with reward and done")
         if out["done"]:
             return Step(None, out["reward"])
-        return Step(_message_text(out.get("observations") or [], "step() observations"), out["reward"])
+        chat = _as_chat(out.get("observations") or [], "step() observations")
+        return Step("\n".join(m["content"] for m in chat), out["reward"], chat or None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +217,8 @@ def _verifiers(spec: str, name: str, importer: Any) -> Callable[[], Env]:
     vf = _require("verifiers.v1", "verifiers", spec)
     try:
         venv = vf.load_environment(vf.resolve_env_config({"taskset": {"id": name}}))
-        tasks = list(venv.taskset.take(MAX_TASKS))
+        taskset = venv.taskset
+        tasks = list(taskset if taskset.bounded else taskset.take(INFINITE_TASKS))
     except Exception as e:  # noqa: BLE001 (the package's own failure, in one line)
         raise GspoError(
             f"config field 'env': {spec}: loading the verifiers environment failed: {_one_line(e)}"
@@ -232,6 +242,16 @@ class VerifiersEnv:
         self.episode: asyncio.Task | None = None
         self.trace: Any = None
 
+    def __del__(self) -> None:
+        # a trajectory the limits cut leaves its episode waiting for a turn: cancel it, quietly
+        if self.loop.is_closed():
+            return
+        if self.episode is not None and not self.episode.done() and not self.loop.is_running():
+            self.episode.cancel()
+            with contextlib.suppress(BaseException):
+                self.loop.run_until_complete(asyncio.gather(self.episode, return_exceptions=True))
+        self.loop.close()
+
     def reset(self, example: Example) -> Prompt:
         task = self.tasks[_seed(example) % len(self.tasks)]
         vf = self.vf
@@ -244,7 +264,7 @@ class VerifiersEnv:
         if kind == "done":
             raise RuntimeError("the environment's run() asked for no model turn")
         if message is not None:  # a prompt-less task: the environment opens the conversation
-            return message
+            return _message_text(message, "the environment's message")
         data = task.data
         prompt = (
             data.prompt if isinstance(data.prompt, str) else _message_text(data.prompt, "the task's prompt")
@@ -259,7 +279,10 @@ class VerifiersEnv:
         assert self.reply is not None, "step before reset"
         self.reply.set_result(model_turn)
         kind, value = self._advance()
-        return Step(None, value) if kind == "done" else Step(value or "", 0.0)
+        if kind == "done":
+            return Step(None, value)
+        chat = _as_chat(value, "the environment's message")  # the environment speaks as the user
+        return Step("\n".join(m["content"] for m in chat), 0.0, chat)
 
     async def _play(self, task: Any) -> float:
         agents = _Agents(self)
@@ -283,19 +306,19 @@ class VerifiersEnv:
 
     async def model_turn(self, message: Any) -> str:
         """A seat's request: hand ``message`` (None: answer the task's prompt) to gspo, await the turn."""
-        text = None if message is None else _message_text(message, "the environment's message")
         self.reply = self.loop.create_future()
         assert self.want is not None
-        self.want.set_result(text)
+        self.want.set_result(message)
         turn = await self.reply
-        self._record(text, turn)
+        self._record(message, turn)
         return turn
 
-    def _record(self, message: str | None, turn: str) -> None:
+    def _record(self, message: Any, turn: str) -> None:
         from verifiers.v1.graph import MessageNode
 
         nodes = self.trace.nodes
         if message is not None:
+            message = _message_text(message, "the environment's message")
             nodes.append(
                 MessageNode(
                     message=self.vf.UserMessage(content=message), parent=len(nodes) - 1 if nodes else None
