@@ -19,7 +19,7 @@ import torch
 from gspo.config import Config
 from gspo.data import SampleBatch, left_pad
 from gspo.envs.base import Step
-from gspo.envs.chat import hermes_call, tool_call_text, tools_system_text
+from gspo.envs.chat import demo_tokens, hermes_call, tool_call_text, tools_system_text
 from gspo.envs.load import EnvSpec, env_spec
 from gspo.envs.rollout import encoder, run_episodes
 from gspo.envs.tools import TOOL_SCHEMAS
@@ -159,6 +159,13 @@ def test_trajectory_is_the_templates_conversation_and_the_mask_is_the_models_tur
     assert (
         obs == "\n<|im_start|>user\n<tool_response>\n46\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
+    # a demonstration of the same conversation is the same tokens and masks (the warm start's rows)
+    p_ids, ids, model, obs = demo_tokens(
+        encoder(tok, _plan()).chat, "add:12+34=", tools, [(call, True), ("46", False), ("46", True)]
+    )
+    n = len(ids)
+    assert p_ids == eb.prompt_ids[0] and ids == eb.response_ids_BT[0, :n].tolist()
+    assert model == eb.response_mask_BT[0, :n].tolist() and obs == eb.obs_mask_BT[0, :n].tolist()
     # a call written as tool_call_text is exactly what the template renders from structured tool_calls
     structured = dict(conv[1], content="", tool_calls=[{"type": "function", "function": {
         "name": "calc", "arguments": {"expression": "12+34"}}}])  # fmt: skip
@@ -166,41 +173,56 @@ def test_trajectory_is_the_templates_conversation_and_the_mask_is_the_models_tur
     assert a == tok.apply_chat_template([conv[0], structured, *conv[2:]], tools=tools, tokenize=False)
 
 
-def test_hf_engine_sampled_trajectories_equal_the_template_and_the_trainers_logprobs():
-    """The real HF engine sampling a random tiny Qwen3 (any token, special ones included), an
-    environment that answers with its own tool messages or a bare string: every trajectory is the
-    template's tokens of its conversation, its masks split model and template tokens, and the trainer's
-    log-probs on the model tokens are the sampler's."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def tiny_qwen(tok, **kw):
+    """The embedded tiny dense Qwen3 (head_dim 32, which vLLM's CPU attention needs) over ``tok``."""
+    from gspo.model.load import build_tiny_dense
 
-    from gspo.model.logprobs import make_layout, response_logprobs
-    from gspo.rollout.hf import HFRolloutEngine
+    kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None) | kw
+    return build_tiny_dense(len(tok), 0, **(dict(head_dim=32, max_position_embeddings=2048) | kw)).eval()
 
-    tok = make_tokenizer(merges=False)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048)  # fmt: skip
-    model = Qwen3ForCausalLM(cfg).eval()
 
-    class Observe:
-        chat_tools = [TOOL_SCHEMAS["calc"]]
+class _Observe:
+    """Answers every turn: with its own tool message (odd turns) or a bare string (even turns)."""
 
-        def __init__(self):
-            self.n = 0
+    chat_tools = [TOOL_SCHEMAS["calc"]]
 
-        def reset(self, ex):
-            return ex.prompt
+    def __init__(self):
+        self.n = 0
 
-        def step(self, turn):
-            self.n += 1
-            return Step("=12", 0.5, [{"role": "tool", "content": "12"}]) if self.n % 2 else Step("=7", 0.0)
+    def reset(self, ex):
+        return ex.prompt
 
-    plan = _plan(env="x", max_new_tokens=10, max_trajectory_tokens=200, max_prompt_tokens=1000)
+    def step(self, turn):
+        self.n += 1
+        return Step("=12", 0.5, [{"role": "tool", "content": "12"}]) if self.n % 2 else Step("=7", 0.0)
+
+
+SAMPLED_PLAN = dict(env="x", max_new_tokens=10, max_trajectory_tokens=200, max_prompt_tokens=1000)
+
+
+def eos_prone(model, tok):
+    """``model`` with its (tied) EOS row scaled up: the EOS logit's spread grows, so a random model ends
+    many turns within a few tokens (trajectories of several turns) and runs on in others."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tok.eos_token_id] *= 20
+    return model
+
+
+def _sample(tok, engine):
+    plan = _plan(**SAMPLED_PLAN)
     enc = encoder(tok, plan)
     ex = [Example(p, "") for p in ("add:1+2=", "add:30+4=") for _ in range(4)]
     ids = [enc(e.prompt) for e in ex]
-    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
-    eb = run_episodes(eng, tok, EnvSpec(Observe, "observe", None), ex, ids, _limits(plan), 1.0, encode=enc)
+    return ex, run_episodes(
+        engine, tok, EnvSpec(_Observe, "observe", None), ex, ids, _limits(plan), 1.0, encode=enc
+    )
+
+
+def _check_sampled(tok, model, ex, eb):
+    """Every sampled trajectory is the template's tokens of its conversation (the model's turns as
+    sampled, special tokens included), and the trainer's log-probs on the model tokens are the sampler's."""
+    from gspo.model.logprobs import make_layout, response_logprobs
+
     assert (eb.turns_B > 1).any() and eb.obs_mask_BT.sum() > 0
     for b in range(len(ex)):
         n = int((eb.response_mask_BT[b] + eb.obs_mask_BT[b]).sum())
@@ -223,7 +245,7 @@ def test_hf_engine_sampled_trajectories_equal_the_template_and_the_trainers_logp
             )
             if i + 1 < len(turns):
                 conv.append({"role": "tool", "content": "12" if i % 2 == 0 else "=7"})
-        full = tok.apply_chat_template(conv, tools=Observe.chat_tools, tokenize=True)
+        full = tok.apply_chat_template(conv, tools=_Observe.chat_tools, tokenize=True)
         full = full["input_ids"] if hasattr(full, "keys") else full
         got = eb.prompt_ids[b] + r
         assert got == full[: len(got)], b
@@ -234,6 +256,34 @@ def test_hf_engine_sampled_trajectories_equal_the_template_and_the_trainers_logp
     with torch.no_grad():
         logp = response_logprobs(model, p_ids, p_mask, eb.response_ids_BT, eb.response_mask_BT, layout=lay)
     assert (logp - eb.sampler_logp_BT).abs().max() < 1e-5
+
+
+def test_hf_engine_sampled_trajectories_equal_the_template_and_the_trainers_logprobs():
+    """The real HF engine sampling a random tiny Qwen3 (any token, special ones included) in an
+    environment that answers with its own tool messages or a bare string."""
+    from gspo.rollout.hf import HFRolloutEngine
+
+    tok = make_tokenizer(merges=False)
+    model = eos_prone(tiny_qwen(tok), tok)
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
+    _check_sampled(tok, model, *_sample(tok, eng))
+
+
+def test_vllm_engine_sampled_trajectories_equal_the_template_and_the_trainers_logprobs():
+    """The same with real vLLM (its venv: ``.venv-vllm``, see tests/test_vllm_multiturn.py)."""
+    pytest.importorskip("vllm")
+    from gspo.resolve import engine_plan
+    from gspo.rollout.vllm import VLLMRolloutEngine
+
+    tok = make_tokenizer(merges=False)
+    model = eos_prone(tiny_qwen(tok), tok)
+    plan = engine_plan(Config(rollout_engine="vllm", model="tiny", dtype="float32", seed=0, **SAMPLED_PLAN))
+    eng = VLLMRolloutEngine.from_trainer(plan, model, tok, block_size=32)
+    try:
+        ex, eb = _sample(tok, eng)
+    finally:
+        eng.close()
+    _check_sampled(tok, model, ex, eb)
 
 
 def test_smollm2_template_without_tools_gets_them_in_the_system_message(capsys):
@@ -316,3 +366,23 @@ def test_without_chat_template_the_observation_is_plain_text():
         == tok("<output>46</output>", add_special_tokens=False).input_ids
     )
     assert eb.prompt_ids[0] == tok("add:12+34=").input_ids
+
+
+def test_gspo_train_with_chat_tool_turns_end_to_end(tmp_path):
+    """``gspo train --chat-template --env tools:calc`` on a local HF folder (tiny Qwen3, the Qwen2.5 tool
+    template): rollouts, scoring, the update and the held-out evaluation run on chat trajectories."""
+    import json
+
+    from gspo import train
+
+    tok = make_tokenizer()
+    tiny_qwen(tok, max_position_embeddings=1024).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    res = train(Config(
+        model=str(tmp_path / "m"), chat_template=True, task="add_long", env="tools:calc", max_prompt_tokens=600,
+        max_new_tokens=12, max_turns=2, max_trajectory_tokens=120, sft_steps=0, steps=1, prompts_per_step=2,
+        group_size=2, eval_size=4, threads=1, progress=False, output_dir=str(tmp_path), name="chat",
+    ))  # fmt: skip
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and "env/turns_mean" in rows[-1]
+    assert rows[-1]["mismatch/token_abs_logp_diff"] < 1e-5

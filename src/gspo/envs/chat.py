@@ -163,3 +163,25 @@ class Conversation:
                     f"token {eos!r} once a {observation[-1]['role']!r} message follows them"
                 )
         return tok(self.text[pos + len(eos) :], add_special_tokens=False).input_ids
+
+
+def demo_tokens(
+    fmt: ChatFormat, prompt: Prompt, tools: Messages | None, demo: list[tuple[str, bool]]
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``(prompt_ids, ids, model_mask, obs_mask)`` of a demonstration (``(text, is_model_turn)``
+    segments after the prompt; an observation's text is one ``tool`` message) as a chat-template
+    rollout makes it: the model's turns as the tokenizer's tokens of their text and EOS, the rest
+    the template's. The warm start on these teaches exactly the token sequence RL samples from."""
+    conv = fmt.start(prompt, tools)
+    prompt_ids, tok = conv.prompt_ids(), fmt.tokenizer
+    ids: list[int] = []
+    model: list[int] = []
+    last = ""
+    for text, is_model in demo:
+        if is_model:
+            t, last = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id], text
+        else:
+            t = conv.observe(last, [{"role": "tool", "content": text}])
+        ids += t
+        model += [int(is_model)] * len(t)
+    return prompt_ids, ids, model, [1 - m for m in model]
