@@ -339,17 +339,27 @@ def test_a_template_that_cannot_carry_tool_turns_is_one_line(template, eos, matc
     assert "\n" not in str(e.value)
 
 
-def test_bad_step_messages_are_one_line_naming_the_environment():
+@pytest.mark.parametrize(
+    "tools,messages,match",
+    [
+        (None, [{"role": "tool", "content": 3}], r"environment mine: step\(\) messages must be"),
+        (None, [], r"environment mine: step\(\) messages must be"),
+        ("calc", None, r"environment mine: chat_tools must be a list of JSON-schema dicts, got str"),
+    ],
+)
+def test_bad_step_messages_and_tools_are_one_line_naming_the_environment(tools, messages, match):
     class Env:
+        chat_tools = tools
+
         def reset(self, ex):
             return ex.prompt
 
         def step(self, turn):
-            return Step("x", 0.0, [{"role": "tool", "content": 3}])
+            return Step("x", 0.0, messages)
 
     tok = make_tokenizer()
-    with pytest.raises(GspoError, match=r"environment mine: step\(\) messages must be") as e:
-        _play(tok, ["a"], plan=_plan(env="x"), spec=EnvSpec(Env, "mine", None))
+    with pytest.raises(GspoError, match=match) as e:
+        _play(tok, ["a", "b"], plan=_plan(env="x"), spec=EnvSpec(Env, "mine", None))
     assert "\n" not in str(e.value)
 
 
