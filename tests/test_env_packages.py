@@ -489,3 +489,14 @@ def test_verifiers_messages_are_the_users_under_the_chat_template(env_dir):
         ]
     _check_against_template(tok, eb, conversation, None)
     assert eb.reward_B[0].item() == pytest.approx(float(log[-1][1] == str(secret)) - 0.1 * len(log))
+
+
+def test_verifiers_taskset_that_needs_a_runtime_is_refused_at_load(env_dir):
+    """A reward that reads the runtime would be skipped by verifiers without one: refused, not 0."""
+    _need("verifiers")
+    (env_dir / "gspo_vf_runtime.py").write_text(
+        VERIFIERS_GUESS.replace("async def solved(self, trace)", "async def solved(self, trace, runtime)")
+    )
+    with pytest.raises(GspoError, match=re.escape("its reward 'solved' reads the task's runtime")) as e:
+        env_spec("verifiers:gspo_vf_runtime", lambda *a: [0.0], 5.0, "error")
+    assert "\n" not in str(e.value) and "verifiers:gspo_vf_runtime" in str(e.value)

@@ -225,7 +225,27 @@ def _verifiers(spec: str, name: str, importer: Any) -> Callable[[], Env]:
         ) from None
     if not tasks:
         raise GspoError(f"config field 'env': {spec}: the verifiers taskset has no tasks")
+    unsupported = _needs_runtime(type(taskset), taskset.config, tasks[0])
+    if unsupported:
+        raise GspoError(
+            f"config field 'env': {spec}: {unsupported}, which gspo's in-process play does not provide"
+        )
     return lambda: VerifiersEnv(vf, venv, tasks)
+
+
+def _needs_runtime(taskset_cls: type, config: Any, task: Any) -> str | None:
+    """What a verifiers taskset needs beyond a conversation (a sandbox, tool servers, a reward that
+    reads the runtime), said as the reason it cannot run here; None when it needs nothing more.
+    Scored without a runtime, verifiers would skip such a reward: a silently wrong reward."""
+    if getattr(task, "NEEDS_CONTAINER", False):
+        return "its tasks need a container"
+    if taskset_cls.toolsets(config) or type(task).toolsets(task.config):
+        return "it serves tools (MCP toolsets)"
+    for fn in task.hooks("reward"):
+        param = inspect.signature(fn).parameters.get("runtime")
+        if param is not None and param.default is inspect.Parameter.empty:
+            return f"its reward {fn.__name__!r} reads the task's runtime"
+    return None
 
 
 class VerifiersEnv:
