@@ -142,6 +142,7 @@ class DistPlan:
     lora: bool
     threads: int
     expert_parallel_size: int = 1  # ranks an MoE's routed experts are split over (1: none)
+    dp_replicate_size: int = 1  # HSDP: replicas of the sharded parameters (1: sharded over all ranks)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ class Distributed(Group):
     """``--ep N``: an MoE's routed experts sharded over groups of N ranks (each rank holds
     num_experts / N of them; tokens reach their experts by all-to-all); dense parameters stay
     FSDP2-sharded over every rank. 1: no expert parallelism (FSDP2 shards the experts too)."""
+    dp_replicate_size: Annotated[int, Ge(1)] = 1
+    """HSDP: parameters FSDP2-sharded within groups of ``world / N`` ranks and replicated over the N
+    groups (gradients reduce-scattered within a group, then all-reduced across groups). Set N to the
+    number of nodes so that only the gradient all-reduce crosses nodes. 1: sharded over every rank.
+    Under ``expert_parallel_size E`` the dense parameters are replicated over the ``world / E``
+    groups of E ranks already, so N is 1 or ``world / E`` there."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
@@ -125,3 +131,10 @@ class Distributed(Group):
                 raise bad(cfg, "expert_parallel_size", "is not supported with LoRA (lora_rank > 0)")
             if cfg.nproc > 1 and cfg.nproc % ep:
                 raise bad(cfg, "expert_parallel_size", f"must divide nproc ({cfg.nproc})")
+        reps = cfg.dp_replicate_size
+        if reps > 1:
+            if cfg.parallel != "fsdp":
+                raise bad(cfg, "dp_replicate_size", "needs parallel fsdp (HSDP is FSDP2 over a 2-D mesh)")
+            if cfg.nproc > 1 and (cfg.nproc % reps or (ep > 1 and reps != cfg.nproc // ep)):
+                want = f"1 or nproc / expert_parallel_size = {cfg.nproc // ep}" if ep > 1 else "a divisor"
+                raise bad(cfg, "dp_replicate_size", f"must be {want} of nproc ({cfg.nproc})")

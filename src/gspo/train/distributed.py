@@ -72,16 +72,26 @@ def _distributed(ctx: DistContext) -> bool:
     return ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
+def _check_world(plan: DistPlan, world: int) -> None:
+    ep, reps = plan.expert_parallel_size, plan.dp_replicate_size
+    if world % ep:
+        raise GspoError(
+            f"config field 'expert_parallel_size': must divide the world size ({world} processes) (got {ep})"
+        )
+    if world % reps or (ep > 1 and reps not in (1, world // ep)):
+        want = f"1 or world / expert_parallel_size = {world // ep}" if ep > 1 else "a divisor"
+        raise GspoError(
+            f"config field 'dp_replicate_size': must be {want} of the world size ({world} processes) "
+            f"(got {reps})"
+        )
+
+
 def setup(plan: DistPlan) -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(plan, local_rank)
-    if world % plan.expert_parallel_size:  # before any weight is read
-        raise GspoError(
-            f"config field 'expert_parallel_size': must divide the world size ({world} processes) "
-            f"(got {plan.expert_parallel_size})"
-        )
+    _check_world(plan, world)  # before any weight is read
     if world > 1:
         die_with_parent()  # SIGTERM when the torchrun agent dies: a kill -9-ed launcher leaves no rank on
         if device.type == "cuda":
@@ -165,6 +175,11 @@ def wrap(
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if plan.expert_parallel_size > 1:
         mesh = _shard_experts(policy, plan, ctx, mp)
+    elif plan.dp_replicate_size > 1:  # HSDP: replicated over the first dim, sharded over the second
+        reps = plan.dp_replicate_size
+        mesh = init_device_mesh(
+            ctx.device.type, (reps, ctx.world_size // reps), mesh_dim_names=("dp", "fsdp")
+        )
     else:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for layer in _decoder_layers(policy.model):
