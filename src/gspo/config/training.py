@@ -102,7 +102,8 @@ class Distributed(Group):
     expert_parallel_size: Annotated[int, Ge(1)] = 1
     """``--ep N``: an MoE's routed experts sharded over groups of N ranks (each rank holds
     num_experts / N of them; tokens reach their experts by all-to-all); dense parameters stay
-    FSDP2-sharded over every rank. 1: no expert parallelism (FSDP2 shards the experts too)."""
+    FSDP2-sharded within each group of N ranks (over every rank when N = nproc) and replicated over
+    the groups. 1: no expert parallelism (FSDP2 shards the experts too). docs/scaling.md."""
     dp_replicate_size: Annotated[int, Ge(1)] = 1
     """HSDP: parameters FSDP2-sharded within groups of ``world / N`` ranks and replicated over the N
     groups (gradients reduce-scattered within a group, then all-reduced across groups). Set N to the
