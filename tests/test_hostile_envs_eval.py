@@ -387,3 +387,14 @@ def test_eval_prints_no_progress_bar_or_upstream_warning(model_dir, capsys):
     out, err = capsys.readouterr()
     assert err == "" and len(out.strip().splitlines()) == 1, err[-2000:]
     assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+
+
+def test_a_bad_environment_is_refused_before_any_weight_is_read(tmp_path):
+    """The environment is resolved before the model loads: with a model path that does not exist,
+    the error is the environment's (the model's would come first if it were read first)."""
+    from gspo.config import make_config
+    from gspo.launch import train
+
+    cfg = make_config(None, dict(model=str(tmp_path / "no-model"), env="no_such_module:Env", sft_steps=0))
+    with pytest.raises(GspoError, match="config field 'env'"):
+        train(cfg)

@@ -46,22 +46,22 @@ def load_start(plan: LoadPlan, device: torch.device, meta: bool = False) -> Star
     torch.manual_seed(plan.seed)
     random.seed(plan.seed)
     np.random.seed(plan.seed)
+    task = task_from_config(plan.task)  # (tasks draw from their own generators, not the global ones)
+    if plan.env is not None:  # a bad environment spec fails before any weight is read
+        from gspo.envs.rollout import spec_of
+
+        spec_of(plan.env, task)
     model, tokenizer = load_model_and_tokenizer(plan.model, plan.tokenizer, plan.dtype, plan.seed, meta)
     if not meta:
         model.to(device)
     if not plan.keep_dropout:
         disable_dropout(model)
-    task = task_from_config(plan.task)
     ctx_len = getattr(model.config, "max_position_embeddings", None)
     if ctx_len is not None and plan.max_prompt_tokens + plan.max_new_tokens > ctx_len:
         raise GspoError(
             f"config fields 'max_prompt_tokens' + 'max_new_tokens' = "
             f"{plan.max_prompt_tokens + plan.max_new_tokens} exceed the model's context of {ctx_len}"
         )
-    if plan.env is not None:  # a bad environment spec fails now, not after the warm start
-        from gspo.envs.rollout import spec_of
-
-        spec_of(plan.env, task)
     return Start(
         model,
         tokenizer,
