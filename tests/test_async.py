@@ -30,24 +30,24 @@ def _record_versions_and_batches(monkeypatch) -> tuple[dict[int, dict], dict[int
     from gspo.rollout.async_sampler import AsyncSampler
 
     weights, batches = {}, {}
-    publish, sample = AsyncSampler._publish, AsyncSampler.sample
+    publish, filled = AsyncSampler._publish, AsyncSampler.filled
 
-    def recording_publish(self, version):
+    def recording_publish(self, version, **k):
         weights[version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        return publish(self, version)
+        return publish(self, version, **k)
 
-    def recording_sample(self, step, *a, **k):
-        s = sample(self, step, *a, **k)
-        batches[step] = s.batch
-        return s
+    def recording_filled(self, step):
+        out = filled(self, step)
+        batches[step] = out[0].batch
+        return out
 
     monkeypatch.setattr(AsyncSampler, "_publish", recording_publish)
-    monkeypatch.setattr(AsyncSampler, "sample", recording_sample)
+    monkeypatch.setattr(AsyncSampler, "filled", recording_filled)
     return weights, batches
 
 
-def _sampled_by(model, weights: dict[int, dict], batch) -> list[int]:
-    """The versions whose weights give ``batch``'s responses the sampler's log-probs (to 1e-5)."""
+def _sampled_by(model, weights: dict[int, dict], batch, tol: float = 1e-5) -> list[int]:
+    """The versions whose weights give ``batch``'s responses the sampler's log-probs (to ``tol``)."""
     from gspo.data import left_pad
     from gspo.model.logprobs import response_logprobs
 
@@ -59,7 +59,8 @@ def _sampled_by(model, weights: dict[int, dict], batch) -> list[int]:
             for n, p in model.named_parameters():
                 p.copy_(sd[n])
             lp = response_logprobs(model, p_ids, p_mask, batch.response_ids_BT, batch.response_mask_BT)
-        if float((lp - batch.sampler_logp_BT)[m].abs().max()) < 1e-5:
+        gap = float((lp - batch.sampler_logp_BT)[m].abs().max())
+        if gap < tol:
             found.append(v)
     return found
 
@@ -154,3 +155,96 @@ def test_async_samples_in_the_rollout_dtype(tmp_path, rollout_dtype):
         assert gap < 1e-5
     else:
         assert 1e-4 < gap < 0.5  # bf16's rounding of logits (u = 2^-8 relative), not a stale policy
+
+
+def test_async_lora_samples_from_the_merged_adapters(tmp_path, monkeypatch):
+    """LoRA: the sampler's plain model receives merged weights (W + scaling B A per adapted layer), so
+    step t's sampler log-probs are those of the trainer's adapter forward at version t-1-K, and of no
+    other version (the adapters move at every step)."""
+    import copy
+
+    reward = f"{os.path.dirname(__file__)}/fixture_rewards.py:length_parity"  # a gradient at every step
+    cfg = dict(TINY, steps=4, save_every=0, async_staleness=1, lora_rank=4, lr=3e-3, reward=reward)
+    with monkeypatch.context() as mp:
+        weights, batches = _record_versions_and_batches(mp)
+        res = train(Config(name="lora", output_dir=str(tmp_path), **cfg))
+    rows = _rows(res.run_dir)
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1] and min(r["loss/grad_norm"] for r in rows) > 0
+    model = copy.deepcopy(res.model)  # the PEFT model: base + adapters, unmerged
+    for t, batch in batches.items():
+        # merged vs unmerged: 1e-5 apart (rounding of W x + s B A x); other versions: 1 and more
+        assert _sampled_by(model, weights, batch, tol=1e-4) == [max(t - 2, 0)], f"step {t}"
+
+
+def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_path, monkeypatch):
+    """Dynamic sampling with async: the sampler process scores its rounds and sends a batch of
+    informative groups (all from version t-1-K: every row's log-probs are that version's), the
+    data position moves past every prompt drawn, the overlong filter's cut responses have no
+    advantage, and a run killed with 2 batches in flight and resumed ends bit for bit where the
+    uninterrupted one does (batch t depends on its version and t only)."""
+    import copy
+    import shutil
+
+    from gspo.model.load import build_char_tokenizer
+    from gspo.train import loop
+
+    cfg = dict(
+        TINY, steps=4, save_every=2, dynamic_sampling=True, overlong_filter=True,
+        max_new_tokens=6, prompts_per_step=4, lr=3e-3,
+    )  # fmt: skip
+    trained, update = [], loop.policy_update
+    with monkeypatch.context() as mp:
+        weights, batches = _record_versions_and_batches(mp)
+
+        def recording_update(policy, opt, sched, data, *a):
+            trained.append(data)
+            return update(policy, opt, sched, data, *a)
+
+        mp.setattr(loop, "policy_update", recording_update)
+        full = train(Config(name="dyn", output_dir=str(tmp_path), **cfg))
+    rows = _rows(full.run_dir)
+    rounds = [r["rollout/sampling_rounds"] for r in rows]
+    assert max(rounds) > 1, rounds  # some step drew more prompts
+    state = torch.load(full.run_dir / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=True)
+    assert state["data_pos"] == 4 * sum(rounds[:4])
+    model, K = copy.deepcopy(full.model), TINY["async_staleness"]
+    eos, n_cut = build_char_tokenizer().eos_token_id, 0
+    for t, data in enumerate(trained, start=1):
+        r = rows[t - 1]
+        informative = data.reward_B.view(-1, 4).std(1, correction=0) > 0
+        assert int(informative.sum()) == 4 - r["rollout/filled_groups"]  # informative groups first
+        cut_B = ~((data.response_ids_BT == eos) & data.response_mask_BT.bool()).any(1)
+        n_cut += int(cut_B.sum())
+        assert (data.adv_B[cut_B] == 0).all()
+        assert _sampled_by(model, weights, batches[t]) == [max(t - 1 - K, 0)], f"step {t}"
+    assert n_cut > 0  # the filter had responses to drop
+    killed = tmp_path / "part" / "dyn"
+    shutil.copytree(full.run_dir, killed)
+    shutil.rmtree(killed / "checkpoints" / "step-000004")
+    shutil.rmtree(killed / "final")
+    (killed / "checkpoints" / "latest").write_text("step-000002")
+    again = train(Config(name="dyn", output_dir=str(tmp_path / "part"), resume=True, **cfg))
+    for (k, v), w in zip(full.model.state_dict().items(), again.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (dict(nproc=2, env="calculator"), "nproc"),
+        (dict(nproc=2, rollout_engine="vllm"), "nproc"),
+        (dict(dynamic_sampling=True, env="calculator"), "dynamic_sampling"),
+        (dict(old_logp="recompute"), "old_logp"),
+    ],
+)
+def test_what_async_still_refuses_says_why_in_one_line(extra, field):
+    """N ranks, LoRA, dynamic sampling and the overlong filter run async (tests above,
+    tests/test_async_ranks.py); what cannot follow is refused naming the field, with why."""
+    from gspo.config import Config
+    from gspo.errors import GspoError
+
+    for ok in (dict(nproc=2), dict(lora_rank=4), dict(dynamic_sampling=True, overlong_filter=True)):
+        Config(async_staleness=1, **ok).validate()
+    with pytest.raises(GspoError, match=rf"config field '{field}': is not supported with async.*\(.+\)") as e:
+        Config(async_staleness=1, **extra).validate()
+    assert "\n" not in str(e.value)

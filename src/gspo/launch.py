@@ -183,11 +183,24 @@ def _sampler_side(
     sampler = make_sampler(
         resolve.sample_plan(cfg), engine, start.tokenizer, start.task, model=unwrap(policy, "model"),
         train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
+        score=_async_score(cfg),
     )  # fmt: skip
     gathers = cfg.rollout_engine == "hf" and module is unwrap(policy, "model")
     # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
     tp = cfg.vllm_tensor_parallel_size if getattr(engine, "tp_group", None) else 1
     return SamplerSide(engine, module, sampler, gathers, tp)
+
+
+def _async_score(cfg: Config) -> Callable[..., Any] | None:
+    """Async dynamic sampling: the trainer's scoring, for the sampler process to keep the
+    informative groups with (picklable: a module function and a frozen plan)."""
+    if not (cfg.async_staleness and cfg.dynamic_sampling):
+        return None
+    import functools
+
+    from gspo.train.scoring import score_rollout
+
+    return functools.partial(score_rollout, plan=resolve.score_plan(cfg))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ class SamplePlan:
     engine: EnginePlan  # the async process builds its own engine from this
     task: TaskPlan  # ... and loads the task from this
     env: EnvPlan | None = None  # multi-turn
+    dynamic_sampling: bool = False  # async: the process draws rounds until the batch is informative
+    dynamic_sampling_max_rounds: int = 4  # ... at most this many extra rounds
 
 
 @dataclass(frozen=True)

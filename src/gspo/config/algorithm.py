@@ -149,9 +149,11 @@ class Mismatch(Group):
 class Async(Group):
     async_staleness: Annotated[int, Ge(0)] = 0
     """Asynchronous rollouts: a sampler process (its own model copy and engine, HF or vLLM, one
-    thread) generates up to K
-    policy versions ahead of the trainer, so generation and training overlap; step t's responses come
-    from the weights after step t-1-K and the sampler's log-probs are pi_old. 0: synchronous."""
+    thread) generates up to K policy versions ahead of the trainer, so generation and training
+    overlap; step t's responses come from the weights after step t-1-K and the sampler's log-probs
+    are pi_old. With N ranks one sampler process serves them all (rank 0 publishes the weights and
+    splits each batch); with LoRA it receives merged weights; with dynamic sampling it draws and
+    scores the extra rounds itself. 0: synchronous."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
@@ -159,13 +161,15 @@ class Async(Group):
             return
         r3 = cfg.routing_replay and cfg.routing_replay_source == "rollout"
         for f, ok, why in [
-            ("nproc", cfg.nproc == 1, "the sampler process serves one trainer process"),
             ("routing_replay_source", not r3, "R3's routing does not cross to the trainer from the sampler's process"),
-            ("dynamic_sampling", not cfg.dynamic_sampling, "the sampler draws each step's prompts ahead; "
-             "a round of fresh prompts for a step in progress cannot have been sampled ahead"),
-            ("lora_rank", cfg.lora_rank == 0, "the sampler's model copy takes whole weights, not adapters"),
             ("old_logp", cfg.old_logp != "recompute", "a stale batch's pi_old is the policy that sampled it: "
              "the sampler's log-probs"),
+            ("nproc", cfg.nproc == 1 or not cfg.env, "a trajectory batch counts its errors per batch, not "
+             "per row, so it cannot be split over ranks"),
+            ("nproc", cfg.nproc == 1 or cfg.rollout_engine == "hf", "the sampler's vLLM beside a vLLM on every "
+             "rank (the evaluation's) is not tested"),
+            ("dynamic_sampling", not (cfg.dynamic_sampling and cfg.env), "the sampler process joins rounds of "
+             "single-turn responses only"),
         ]:  # fmt: skip
             if not ok:
                 raise bad(cfg, f, f"is not supported with async_staleness > 0 ({why})")

@@ -17,30 +17,59 @@ Weights travel through ``K + 1`` shared-memory slots (version ``v`` in slot ``v 
 trainer can be at most ``K`` versions past the one the sampler reads, so a slot is never overwritten
 while it is read. The sampler process dies with the trainer (daemon + parent-death signal) and
 ignores Ctrl-C, which the trainer handles.
+
+N trainer ranks (FSDP2 or DDP): one sampler process, beside rank 0. Every rank joins the publication
+(each tensor gathered whole in turn, :func:`~gspo.model.unwrap.full_tensor`: one tensor more than a
+shard at a time) and rank 0 alone writes the slot, so one stream reaches the sampler. The sampler
+makes the whole step's batch (all ``prompts_per_step`` prompts) and rank 0 scatters it: rank ``r``
+takes the groups of the prompts the synchronous path gives it (``r * P/N .. (r+1) * P/N``), so N ranks
+train on the batch one process would.
+
+LoRA: the sampler's plain model receives merged weights, ``W + scaling * B @ A`` per adapted layer,
+computed one layer at a time from the trainer's adapters (nothing else of PEFT crosses).
+
+Dynamic sampling (DAPO): the sampler process scores its own rounds (the trainer's scoring, passed in
+as ``score``), draws more prompts until the batch holds ``prompts_per_step`` informative groups (or
+the rounds run out) and sends the filled batch with the training prompts it holds and the data
+position after every prompt it drew; batch ``t`` still depends on version ``t-1-K`` and ``t`` only.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import multiprocessing as mp
 from torch import nn
 
 from gspo.data import SampleBatch, SamplerOutput
 from gspo.errors import GspoError
+from gspo.model.unwrap import full_tensor, is_peft, unwrap
 from gspo.plans import SamplePlan
 from gspo.procs import die_with_parent
 from gspo.rollout.hf import copy_tensors
 
-Pending = tuple[int, int, SamplerOutput]  # (step, the policy version it was sampled from, its responses)
+
+@dataclass
+class Ahead:
+    """A batch sampled ahead: step ``step``'s responses from ``version``'s weights."""
+
+    step: int
+    version: int
+    out: SamplerOutput
+    idx: list[int]  # the training prompt of each group, in order
+    data_end: int  # the data position after every prompt drawn for it (dynamic sampling draws more)
 
 
 class AsyncSampler:
-    """The trainer's side: publish weights after each update, receive batches in step order."""
+    """The trainer's side: publish weights after each update, receive batches in step order (rank 0
+    talks to the process; the other ranks join the publication and take their share of each batch)."""
 
     def __init__(
         self,
@@ -51,66 +80,110 @@ class AsyncSampler:
         version: int,
         state: dict[str, Any] | None = None,
         make_engine: Callable[..., Any] | None = None,
+        score: Callable[..., Any] | None = None,
     ) -> None:
         """``model``: the trainer's HF model, after ``version`` updates; ``state``: what a checkpoint
         kept (:meth:`state`), whose batches in flight a resumed run must use; ``make_engine``: the
         engine factory (:func:`gspo.rollout.factory.make_engine`), which the process builds its own
-        engine with, once, from ``plan.engine``."""
+        engine with, once, from ``plan.engine``; ``score``: the trainer's scoring of a batch (dynamic
+        sampling: the process keeps the informative groups)."""
         self.K = self.staleness = plan.async_staleness
-        self.model, self.G = model, plan.group_size
-        pending = in_flight_from_state(state["in_flight"]) if state and "in_flight" in state else []
-        self.pending: deque[Pending] = deque(pending)
-        dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # the sampler's precision
-        self.slots = [
-            {n: p.detach().to(dtype).clone().share_memory_() for n, p in model.named_parameters()}
-            for _ in range(self.K + 1)
-        ]
+        self.model, self.G, self.P = model, plan.group_size, plan.prompts_per_step
+        self.rank, self.world = _rank_world()
+        self.dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # the sampler's precision
+        self.slots: list[dict[str, torch.Tensor]] = []
+        self.proc: Any = None
+        pending = in_flight_from_state(state["in_flight"], self.P) if state and "in_flight" in state else []
+        self.pending: deque[Ahead] = deque(pending)
+        if pending and [b.step for b in pending] != list(range(version + 1, version + self.K + 1)):
+            raise GspoError("the checkpoint's async batches in flight do not follow its step")
+        self._publish(version, start=False)  # every rank: the slots are made from the first stream
+        if self.rank != 0:
+            return
         ctx = mp.get_context("spawn")
         self.versions: Any = ctx.Queue()
         self.batches: Any = ctx.Queue()
-        first = version + self.K + 1 if pending else 1  # the first step the sampler makes a batch for
-        if pending and [b[0] for b in pending] != list(range(version + 1, version + self.K + 1)):
-            raise GspoError("the checkpoint's async batches in flight do not follow its step")
-        args = (plan, make_engine, model.config, tokenizer, prompt_ids, self.slots, self.versions)
+        first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
+        args = (plan, make_engine, score, model.config, tokenizer, prompt_ids, self.slots, self.versions)
         self.proc = ctx.Process(target=_sampler_main, args=(*args, self.batches, first), daemon=True)
         self.proc.start()
-        self._publish(version)
+        self.versions.put(version)
 
     def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput:
-        """The responses of ``step`` (blocking), with how stale and how long waited. The batch stays in
-        flight until the update of ``step`` is synced (a step that fails before its update keeps it)."""
+        """This rank's share of the responses of ``step`` (blocking; collective on N ranks), with how
+        stale and how long waited. The batch stays in flight until the update of ``step`` is synced
+        (a step that fails before its update keeps it)."""
+        s, _, _ = self.filled(step)
+        if s.batch.prompt_ids != [p for p in prompt_ids for _ in range(self.G)]:
+            raise GspoError(f"async sampler: its batch for step {step} does not answer step {step}'s prompts")
+        return s
+
+    def filled(self, step: int) -> tuple[SamplerOutput, list[int], int]:
+        """This rank's share of step ``step``'s batch, the training prompts of its groups and the data
+        position after the step (dynamic sampling: the prompts the sampler drew for it)."""
         t0 = time.time()
+        if self.world == 1:
+            a = self._next(step)
+        else:  # rank 0 scatters the shares, or the one line that stops every rank
+            shares: list[Any] | None = None
+            if self.rank == 0:
+                try:
+                    shares = _shares(self._next(step), self.world, self.G)
+                except GspoError as e:
+                    shares = [str(e)] * self.world
+            mine = _scatter(shares)
+            if isinstance(mine, str):
+                raise GspoError(mine)
+            a = _from_wire(mine)
+        info = a.out.info | {"async/staleness": float(step - 1 - a.version)}
+        info["async/queue_wait_s"] = time.time() - t0
+        return SamplerOutput(a.out.batch, a.out.gen_s, info), a.idx, a.data_end
+
+    def _next(self, step: int) -> Ahead:
         while not self.pending:
             self.pending.append(self._receive())
-        got, version, s = self.pending[0]
-        if got != step or s.batch.prompt_ids != [p for p in prompt_ids for _ in range(self.G)]:
-            raise GspoError(f"async sampler: its batch for step {got} does not answer step {step}'s prompts")
-        info = {"async/staleness": float(step - 1 - version), "async/queue_wait_s": time.time() - t0}
-        return SamplerOutput(s.batch, s.gen_s, info)
+        a = self.pending[0]
+        if a.step != step:
+            raise GspoError(f"async sampler: its batch for step {a.step} does not answer step {step}")
+        return a
 
     def sync(self, version: int) -> None:
-        """Step ``version`` has used its batch; hand the weights after it to the sampler."""
-        while self.pending and self.pending[0][0] <= version:
+        """Step ``version`` has used its batch; hand the weights after it to the sampler (every rank)."""
+        while self.pending and self.pending[0].step <= version:
             self.pending.popleft()
         self._publish(version)
 
     def state(self, step: int) -> dict[str, Any]:
-        """The batches of steps ``step+1 .. step+K`` (waits for them): a checkpoint after ``step`` must
-        hold them, since they were sampled from versions it does not keep."""
-        while not self.pending or self.pending[-1][0] < step + self.K:
+        """The batches of steps ``step+1 .. step+K`` (rank 0; waits for them): a checkpoint after
+        ``step`` must hold them, since they were sampled from versions it does not keep."""
+        while not self.pending or self.pending[-1].step < step + self.K:
             self.pending.append(self._receive())
-        return {"in_flight": in_flight_to_state([b for b in self.pending if step < b[0] <= step + self.K])}
+        return {"in_flight": in_flight_to_state([b for b in self.pending if step < b.step <= step + self.K])}
 
     def close(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
 
-    def _publish(self, version: int) -> None:
-        copy_tensors(self.slots[version % (self.K + 1)], self.model.named_parameters())
-        self.versions.put(version)
+    def _publish(self, version: int, start: bool = True) -> None:
+        """Version ``version``'s weights into its slot (every rank gathers; rank 0 writes)."""
+        stream = merged_weights(self.model)
+        if self.rank != 0:
+            for _ in stream:  # the gathers are collective: every rank walks the stream
+                pass
+            return
+        if not self.slots:  # the first stream makes the slots (full shapes, the sampler's dtype)
+            first = {n: t.to(self.dtype, copy=True).share_memory_() for n, t in stream}
+            empty = lambda: {n: torch.empty_like(t).share_memory_() for n, t in first.items()}  # noqa: E731
+            self.slots = [first if i == version % (self.K + 1) else empty() for i in range(self.K + 1)]
+        else:
+            copy_tensors(self.slots[version % (self.K + 1)], stream)
+        if start:
+            self.versions.put(version)
 
-    def _receive(self) -> Pending:
+    def _receive(self) -> Ahead:
         while True:
             try:
                 msg = self.batches.get(timeout=1.0)
@@ -125,42 +198,105 @@ class AsyncSampler:
             return _from_wire(msg)
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _scatter(shares: list[Any] | None) -> Any:
+    """Rank 0's ``shares[r]`` on rank ``r``."""
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, shares, src=0)
+    return out[0]
+
+
+def _shares(a: Ahead, world: int, G: int) -> list[tuple[Any, ...]]:
+    """``a`` split by groups over ``world`` ranks as the synchronous path splits its prompts."""
+    n = len(a.idx) // world
+    return [_to_wire(a, slice(r * n, (r + 1) * n), G) for r in range(world)]
+
+
+# ------------------------------------------------------------------------------------------------
+# the weights the sampler's plain model takes
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter of the plain transformers model, each gathered whole in
+    turn (collective under FSDP2: every rank walks it); under LoRA the adapters are merged into their
+    base weights (``W + scaling * B @ A``), one layer at a time, under the base model's names."""
+    if not is_peft(model):
+        for n, p in model.named_parameters():
+            yield n, full_tensor(p.detach())
+        return
+    hf = unwrap(model, "hf")  # the transformers model with LoRA layers in place of its linears
+    modules = dict(hf.named_modules())
+    for n, p in hf.named_parameters():
+        if ".lora_" in n:
+            continue
+        w = full_tensor(p.detach())
+        if n.endswith(".base_layer.weight"):
+            w = w + _lora_delta(modules[n.removesuffix(".base_layer.weight")]).to(w.dtype)
+        yield n.replace(".base_layer.", "."), w
+
+
+def _lora_delta(layer: nn.Module) -> torch.Tensor:
+    """``scaling * B @ A`` of a PEFT LoRA linear's active adapters (the merge PEFT's own
+    ``merge_and_unload`` makes), from whole adapter matrices."""
+    delta = 0
+    for name in layer.active_adapters:
+        A, B = full_tensor(layer.lora_A[name].weight), full_tensor(layer.lora_B[name].weight)
+        delta = delta + (B.float() @ A.float()) * layer.scaling[name]
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+# ------------------------------------------------------------------------------------------------
+# batches across the process boundary and into checkpoints
+
+
 # A batch crosses the process boundary as numpy arrays, pickled by value: torch tensors would go
 # through shared-memory file descriptors, ~4 ms per batch on this CPU (a twentieth of a tiny step).
-def _to_wire(t: int, version: int, s: SamplerOutput) -> tuple[Any, ...]:
+def _to_wire(a: Ahead, groups: slice | None = None, G: int = 1) -> tuple[Any, ...]:
+    """``a`` (its ``groups`` alone, G rows each) as plain values and numpy arrays."""
     from gspo.envs.rollout import env_fields
 
-    rb = s.batch
+    rb, idx = a.out.batch, a.idx
     arrays = (rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT.float())
-    return (t, version, rb.prompt_ids, *(a.numpy() for a in arrays), s.gen_s, env_fields(rb))
+    prompts = rb.prompt_ids
+    if groups is not None:  # a trajectory batch never splits (refused: its error count is not per row)
+        rows = slice(groups.start * G, groups.stop * G)
+        arrays, prompts, idx = tuple(x[rows] for x in arrays), prompts[rows], idx[groups]
+    meta = (a.out.gen_s, a.out.info, idx, a.data_end)
+    return (a.step, a.version, prompts, *(x.numpy() for x in arrays), env_fields(rb), meta)
 
 
-def _from_wire(msg: tuple[Any, ...]) -> Pending:
+def _from_wire(msg: tuple[Any, ...]) -> Ahead:
     from gspo.envs.rollout import with_env_fields
 
-    t, version, prompt_ids, ids, mask, logp, gen_s, env = msg
-    rb = SampleBatch(prompt_ids, *(torch.from_numpy(a) for a in (ids, mask, logp)))
-    return (
-        t,
-        version,
-        SamplerOutput(with_env_fields(rb, env), gen_s, {}),
-    )  # multi-turn trajectories: gspo.envs
+    t, version, prompt_ids, ids, mask, logp, env, (gen_s, info, idx, data_end) = msg
+    rb = SampleBatch(prompt_ids, *(torch.from_numpy(x) for x in (ids, mask, logp)))
+    rb = with_env_fields(rb, env)  # multi-turn trajectories: gspo.envs
+    return Ahead(t, version, SamplerOutput(rb, gen_s, info), list(idx), data_end)
 
 
-def in_flight_to_state(pending: list[Pending]) -> list[dict[str, Any]]:
+def in_flight_to_state(pending: list[Ahead]) -> list[dict[str, Any]]:
     """In-flight batches as tensors and plain values (a checkpoint is read with ``weights_only``)."""
     return [
         {
-            "step": t,
-            "version": v,
-            "prompt_ids": s.batch.prompt_ids,
-            "response_ids": s.batch.response_ids_BT,
-            "response_mask": s.batch.response_mask_BT,
-            "sampler_logp": s.batch.sampler_logp_BT,
-            "gen_s": float(s.gen_s),
-            **_env_state(s.batch),
+            "step": a.step,
+            "version": a.version,
+            "prompt_ids": a.out.batch.prompt_ids,
+            "response_ids": a.out.batch.response_ids_BT,
+            "response_mask": a.out.batch.response_mask_BT,
+            "sampler_logp": a.out.batch.sampler_logp_BT,
+            "gen_s": float(a.out.gen_s),
+            "info": dict(a.out.info),
+            "prompt_idx": list(a.idx),
+            "data_end": a.data_end,
+            **_env_state(a.out.batch),
         }
-        for t, v, s in pending
+        for a in pending
     ]
 
 
@@ -172,55 +308,67 @@ def _env_state(rb: SampleBatch) -> dict[str, Any]:
     return {} if env is None else {"env": {k: torch.as_tensor(v) for k, v in env.items()}}
 
 
-def in_flight_from_state(items: list[dict[str, Any]]) -> list[Pending]:
+def in_flight_from_state(items: list[dict[str, Any]], P: int) -> list[Ahead]:
+    """:func:`in_flight_to_state` undone (a checkpoint written before dynamic sampling could run
+    async has no prompt indices: its step ``t`` drew prompts ``(t-1) P .. t P``)."""
     from gspo.envs.rollout import with_env_fields
 
     out = []
     for d in items:
         rb = SampleBatch(d["prompt_ids"], d["response_ids"], d["response_mask"], d["sampler_logp"])
         rb = with_env_fields(rb, d.get("env"))  # a multi-turn batch (gspo.envs)
-        out.append((d["step"], d["version"], SamplerOutput(rb, d["gen_s"], {})))
+        out_s = SamplerOutput(rb, d["gen_s"], dict(d.get("info", {})))
+        idx, end = d.get("prompt_idx", []), d.get("data_end", d["step"] * P)
+        out.append(Ahead(d["step"], d["version"], out_s, list(idx), end))
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the sampler process
 
 
 def _sampler_main(
     plan: SamplePlan,
     make_engine: Callable[..., Any],
+    score: Callable[..., Any] | None,
     config: Any,
     tokenizer: Any,
     prompt_ids: list[list[int]],
     slots: list[dict[str, torch.Tensor]],
     versions: Any,
     batches: Any,
-    first_step: int,
+    first: tuple[int, int],
 ) -> None:
-    """The sampler process: one engine over its own model, then for step t = first_step, ...: wait
+    """The sampler process: one engine over its own model, then for step t = first[0], ...: wait
     for version max(t-1-K, 0), load it into the model, sample step t's responses (the synchronous
-    sampler, its generator seeded by t), send them."""
+    sampler, its generator seeded by t; dynamic sampling: its rounds), send them."""
     import signal
 
     from transformers import AutoModelForCausalLM
 
     from gspo.rollout.sampler import SyncSampler
-    from gspo.tasks.prompts import prompt_order
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and then ends this process
     die_with_parent()
     torch.set_num_threads(1)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # torchrun's: this is no rank
+        os.environ.pop(k, None)
     try:
         dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # rollout_dtype: a lower precision
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         params = dict(model.named_parameters())
-        K, P, latest, loaded = plan.async_staleness, plan.prompts_per_step, -1, -1
+        K, latest, loaded = plan.async_staleness, -1, -1
         task = None
-        if plan.env is not None:  # multi-turn: this process plays the trajectories (gspo.envs)
+        if plan.env is not None or score is not None:  # this process plays trajectories or scores rounds
             from gspo.tasks import task_from_config
 
             task = task_from_config(plan.task)
         gen = torch.Generator()
         # the HF engine samples from ``model`` itself; vLLM streams it into its own copy at each sync
         sampler = SyncSampler(make_engine(plan.engine, model, tokenizer, gen), tokenizer, task, plan)
-        for t in range(first_step, 1 << 62):
+        draw = _Draws(sampler, score, task, tokenizer, prompt_ids, plan)
+        pos = first[1]
+        for t in range(first[0], 1 << 62):
             need = max(t - 1 - K, 0)
             while latest < need:
                 latest = versions.get()
@@ -229,8 +377,78 @@ def _sampler_main(
                 sampler.sync(need)  # an engine with its own copy (vLLM) takes the model's weights
                 loaded = need
             sampler.engine.reseed(plan.seed * 1_000_003 + t)  # batch t depends on t and its version only
-            idx = prompt_order(len(prompt_ids), (t - 1) * P, P, plan.seed)  # as the trainer draws them
-            examples = [task.train[i] for i in idx] if task is not None else []
-            batches.put(_to_wire(t, need, sampler.sample(t, examples, [prompt_ids[i] for i in idx])))
+            a = draw.step(t, need, pos)
+            pos = a.data_end
+            batches.put(_to_wire(a))
     except Exception as e:  # noqa: BLE001 (reported to the trainer as one line)
         batches.put(f"{type(e).__name__}: {e}")
+
+
+class _Draws:
+    """One step's batch in the sampler process: the step's prompts (as the trainer draws them), and
+    with dynamic sampling more rounds until ``prompts_per_step`` groups are informative."""
+
+    def __init__(
+        self,
+        sampler: Any,
+        score: Callable[..., Any] | None,
+        task: Any,
+        tokenizer: Any,
+        prompt_ids: list[list[int]],
+        plan: SamplePlan,
+    ) -> None:
+        self.sampler, self.score, self.task, self.tokenizer = sampler, score, task, tokenizer
+        self.prompt_ids, self.plan = prompt_ids, plan
+
+    def one(self, t: int, pos: int) -> tuple[list[int], SamplerOutput]:
+        from gspo.tasks.prompts import prompt_order
+
+        idx = prompt_order(len(self.prompt_ids), pos, self.plan.prompts_per_step, self.plan.seed)
+        examples = [self.task.train[i] for i in idx] if self.task is not None else []
+        return idx, self.sampler.sample(t, examples, [self.prompt_ids[i] for i in idx])
+
+    def step(self, t: int, version: int, pos: int) -> Ahead:
+        P, G, plan = self.plan.prompts_per_step, self.plan.group_size, self.plan
+        idx, s = self.one(t, pos)
+        if self.score is None:
+            return Ahead(t, version, s, idx, pos + P)
+        kept: list[tuple[int, SampleBatch, int]] = []  # (prompt, batch, group) of each group
+        dropped: list[tuple[int, SampleBatch, int]] = []
+        rounds, n_dropped, gen_s = 1, 0, s.gen_s
+        while True:
+            examples = [self.task.train[i] for i in idx]
+            scored, _ = self.score(s.batch, self.tokenizer, self.task, examples, t_gen=0.0)
+            reward_NG = scored.reward_B.view(-1, G)
+            informative_N = reward_NG.std(1, correction=0) > 0
+            for g, ok in enumerate(informative_N.tolist()):
+                (kept if ok else dropped).append((idx[g], s.batch, g))
+            n_dropped += int((~informative_N).sum())
+            if len(kept) >= P or rounds > plan.dynamic_sampling_max_rounds:
+                break
+            rounds, pos = rounds + 1, pos + P
+            idx, s = self.one(t, pos)
+            gen_s += s.gen_s
+        chosen = (kept + dropped)[:P]
+        info = {
+            "rollout/filtered_groups": float(n_dropped),
+            "rollout/filled_groups": float(max(0, P - len(kept))),
+            "rollout/sampling_rounds": float(rounds),
+        }
+        batch = _groups(chosen, G)
+        return Ahead(t, version, SamplerOutput(batch, gen_s, info), [i for i, _, _ in chosen], pos + P)
+
+
+def _groups(chosen: list[tuple[int, SampleBatch, int]], G: int) -> SampleBatch:
+    """The chosen groups' rows as one batch, right-padded to the longest."""
+    T = max(rb.response_ids_BT.shape[1] for _, rb, _ in chosen)
+
+    def rows(x: torch.Tensor, g: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x[g * G : (g + 1) * G], (0, T - x.shape[1]))
+
+    return SampleBatch(
+        [p for _, rb, g in chosen for p in rb.prompt_ids[g * G : (g + 1) * G]],
+        *(torch.cat([rows(getattr(rb, f), g) for _, rb, g in chosen]) for f in _RESPONSE_FIELDS),
+    )
+
+
+_RESPONSE_FIELDS = ("response_ids_BT", "response_mask_BT", "sampler_logp_BT")

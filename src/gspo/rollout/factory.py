@@ -3,6 +3,7 @@ process and ``gspo compare`` ask for them by plan, never by class."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,14 +48,16 @@ def make_sampler(
     train_ids: list[list[int]],
     version: int,
     state: dict[str, Any] | None = None,
+    score: Callable[..., Any] | None = None,
 ) -> Sampler:
     """Each RL step's responses: from ``engine`` when asked (synchronous), or from a process that runs
     ``async_staleness`` steps ahead on ``model``'s published weights. ``version``: updates made so
-    far; ``state``: what a resumed checkpoint kept (:meth:`Sampler.state`)."""
+    far; ``state``: what a resumed checkpoint kept (:meth:`Sampler.state`); ``score``: the trainer's
+    scoring, with which an async process keeps dynamic sampling's informative groups."""
     if plan.async_staleness:
         from gspo.rollout.async_sampler import AsyncSampler
 
-        return AsyncSampler(model, tokenizer, train_ids, plan, version, state, make_engine)
+        return AsyncSampler(model, tokenizer, train_ids, plan, version, state, make_engine, score)
     from gspo.rollout.sampler import SyncSampler
 
     return SyncSampler(engine, tokenizer, task, plan)

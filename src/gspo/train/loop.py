@@ -10,6 +10,7 @@ one stops at once, keeping the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -33,7 +34,7 @@ from gspo.tasks.prompts import prompt_order
 from gspo.train import distributed as dist_utils
 from gspo.train.logger import Progress, plot_metrics, read_metrics
 from gspo.train.run import Run, save_hf
-from gspo.train.scoring import collect_rollout
+from gspo.train.scoring import collect_rollout, score_rollout
 from gspo.train.update import policy_update
 
 # consecutive RL steps whose every optimizer step was skipped (non-finite gradients) before stopping
@@ -94,7 +95,9 @@ def run_loop(run: Run, plan: LoopPlan, stop: _StopFlag) -> TrainResult:
 def rl_step(run: Run, plan: LoopPlan) -> dict[str, float]:
     """One RL step on this rank: the GSPO paper's algorithm. Returns its metrics."""
     t0, peaks, device, t, s = time.time(), {}, run.dctx.device, run.trainer, run.sampler
-    with s.sampling(t.policy), phase_peak("rollout", peaks, device):
+    # a sampler process samples elsewhere: nothing of the trainer's to gather (FSDP2)
+    rolling = contextlib.nullcontext() if s.sampler.staleness else s.sampling(t.policy)
+    with rolling, phase_peak("rollout", peaks, device):
         data, metrics = sample_batch(run, plan)  # prompts -> G responses each -> rewards -> advantages
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
@@ -126,6 +129,8 @@ def sample_batch(run: Run, plan: LoopPlan) -> tuple[TrainBatch, dict[str, float]
         sampler = run.sampler.sampler
         return collect_rollout(sampler, run.tokenizer, run.task, examples, prompt_ids, run.score, step)
 
+    if plan.dynamic_sampling and run.sampler.sampler.staleness:
+        return _filled_ahead(run, step)
     data, metrics = sample_and_score()
     if not plan.dynamic_sampling:
         return data, metrics
@@ -150,6 +155,17 @@ def sample_batch(run: Run, plan: LoopPlan) -> tuple[TrainBatch, dict[str, float]
     metrics["rollout/filled_groups"] = float(max(0, want - len(kept)))
     metrics["rollout/sampling_rounds"] = float(rounds)
     return TrainBatch.cat((kept + dropped)[:want]), metrics
+
+
+def _filled_ahead(run: Run, step: int) -> tuple[TrainBatch, dict[str, float]]:
+    """Async dynamic sampling: the sampler process drew the rounds and filled the batch
+    (:class:`gspo.rollout.async_sampler.AsyncSampler`); this rank scores its share of the groups,
+    and the data position moves past every prompt drawn for the step."""
+    s, idx, data_end = run.sampler.sampler.filled(step)  # type: ignore[attr-defined]
+    examples = [run.task.train[i] for i in idx]
+    data, metrics = score_rollout(s.batch, run.tokenizer, run.task, examples, run.score, s.gen_s)
+    run.state.data_pos = data_end
+    return data, metrics | s.info
 
 
 def next_prompts(run: Run, plan: LoopPlan) -> tuple[list[Example], list[list[int]]]:
