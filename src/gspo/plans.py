@@ -132,6 +132,7 @@ class SftPlan:
     logp_chunk_size: int
     task: str  # multi-turn tasks with demonstrations warm-start on them (gspo.envs.sft)
     env: EnvPlan | None = None
+    sft_tool_fraction: float = 1.0  # share of those demonstrations that call the tool
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,10 @@ def disable_dropout(model: torch.nn.Module) -> None:
                 setattr(m, attr, 0.0)
 
 
-# the rows of the examples at some indices: each one's (ids, model_mask, obs_mask) after its prompt
-Rows = Callable[[list[int], random.Random], list[tuple[list[int], list[int], list[int]]]]
+# the rows of the examples at some indices: each one's (prompt_ids, ids, model_mask, obs_mask), its
+# prompt and the tokens after it (a chat-template demonstration's prompt declares the tools, so it is
+# not the trainer's encoding of the example)
+Rows = Callable[[list[int], random.Random], list[tuple[list[int], list[int], list[int], list[int]]]]
 
 
 def warm_start(
@@ -126,10 +128,10 @@ def warm_start(
     if plan.env is not None:
         from gspo.envs.sft import demonstrations
 
-        rows = demonstrations(tokenizer, examples, plan.task)
+        rows = demonstrations(tokenizer, examples, prompt_ids, plan.task, plan.env, plan.sft_tool_fraction)
     if rows is None:
         rows = _answer_rows(model, tokenizer, examples, prompt_ids)
-    return _sft_steps(model, tokenizer, prompt_ids, rows, plan, device, progress, should_stop)
+    return _sft_steps(model, tokenizer, len(examples), rows, plan, device, progress, should_stop)
 
 
 def _answer_rows(
@@ -140,13 +142,15 @@ def _answer_rows(
         tokenizer(e.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for e in examples
     ]
     _check_lengths(model, prompt_ids, answers, examples)
-    return lambda idx, rng: [(answers[i], [1] * len(answers[i]), [0] * len(answers[i])) for i in idx]
+    return lambda idx, rng: [
+        (prompt_ids[i], answers[i], [1] * len(answers[i]), [0] * len(answers[i])) for i in idx
+    ]
 
 
 def _sft_steps(
     model: Any,
     tokenizer: Any,
-    prompt_ids: list[list[int]],
+    n_examples: int,
     rows: Rows,
     plan: SftPlan,
     device: torch.device,
@@ -168,13 +172,13 @@ def _sft_steps(
                 f"stopped during the warm start (step {step} of {plan.sft_steps}); no RL step had finished, "
                 "so nothing was saved: run the same command again to start over"
             )
-        idx = [rng.randrange(len(prompt_ids)) for _ in range(plan.sft_batch_size)]
+        idx = [rng.randrange(n_examples) for _ in range(plan.sft_batch_size)]
         seqs = rows(idx, rng)
-        p_ids, p_mask = left_pad([prompt_ids[i] for i in idx], pad, device)
-        T = max(len(ids) for ids, _, _ in seqs)
+        p_ids, p_mask = left_pad([p for p, _, _, _ in seqs], pad, device)
+        T = max(len(ids) for _, ids, _, _ in seqs)
         r = torch.full((len(idx), T), pad, dtype=torch.long)
         m, o = torch.zeros((len(idx), T), dtype=torch.long), torch.zeros((len(idx), T), dtype=torch.long)
-        for k, (ids, mm, oo) in enumerate(seqs):
+        for k, (_, ids, mm, oo) in enumerate(seqs):
             r[k, : len(ids)], m[k, : len(ids)], o[k, : len(ids)] = (
                 torch.tensor(ids),
                 torch.tensor(mm),
