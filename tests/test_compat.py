@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from gspo import compat
-from gspo.compat import process_pool, torch_dcp, transformers_model, transformers_moe, vllm_teardown
+from gspo.compat import (
+    process_pool,
+    torch_dcp,
+    transformers_ep,
+    transformers_model,
+    transformers_moe,
+    vllm_teardown,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
 
@@ -50,6 +57,14 @@ def test_torch_dcp_private_names_exist(module, attr):
 @pytest.mark.parametrize("module,attr", transformers_model.UPSTREAM)
 def test_transformers_private_attributes_exist(module, attr):
     """config._attn_implementation, _no_split_modules, _keys_to_ignore_on_save."""
+    compat.resolve(module, attr)
+
+
+@pytest.mark.parametrize("module,attr", transformers_ep.UPSTREAM)
+def test_transformers_expert_parallel_names_exist(module, attr):
+    """transformers' expert parallelism (--ep): apply_expert_parallelism and the meshes."""
+    if not transformers_ep.applies():
+        pytest.skip("transformers < 5.25 has no all-to-all expert parallelism (--ep is refused there)")
     compat.resolve(module, attr)
 
 
