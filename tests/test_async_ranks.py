@@ -30,7 +30,7 @@ def _train(cwd: Path, out: str, *extra: str) -> Path:
     # more, rank r's i-th slice of its own rows is its part of minibatch i, as in the synchronous path)
     args += ["--no-progress", "--save-every", "2", "--steps", "4", "--async-staleness", "2"]
     args += ["--num-minibatches", "1"]
-    args += ["--reward", REWARD, "--lr", "3e-3", "--warmup-steps", "1", "--output-dir", out]
+    args += ["--reward", REWARD, "--lr", "1e-4", "--warmup-steps", "1", "--output-dir", out]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     p = subprocess.run(
@@ -73,7 +73,7 @@ def test_two_ranks_train_as_one_process(runs):
     wa, wb = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
     start = load_file(one.parent.parent / "model" / "model.safetensors")
     assert wa.keys() == wb.keys()
-    assert max(float((wa[k] - start[k]).abs().max()) for k in wa) > 1e-4  # the weights moved
+    assert max(float((wa[k] - start[k]).abs().max()) for k in wa) > 2e-4  # the weights moved (4 x lr)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0, msg=k)
 

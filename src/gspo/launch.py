@@ -181,7 +181,7 @@ def _sampler_side(
     module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
     engine = make_engine(resolve.engine_plan(cfg), module, start.tokenizer, sample_gen, trainer=policy)
     sampler = make_sampler(
-        resolve.sample_plan(cfg), engine, start.tokenizer, start.task, model=unwrap(policy, "model"),
+        resolve.sample_plan(cfg), engine, start.tokenizer, start.task, model=policy,
         train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
         score=_async_score(cfg),
     )  # fmt: skip

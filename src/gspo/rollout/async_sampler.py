@@ -50,7 +50,7 @@ from torch import nn
 
 from gspo.data import SampleBatch, SamplerOutput
 from gspo.errors import GspoError
-from gspo.model.unwrap import full_tensor, is_peft, unwrap
+from gspo.model.unwrap import full_tensor, is_peft, reshard, unwrap
 from gspo.plans import SamplePlan
 from gspo.procs import die_with_parent
 from gspo.rollout.hf import copy_tensors
@@ -82,13 +82,15 @@ class AsyncSampler:
         make_engine: Callable[..., Any] | None = None,
         score: Callable[..., Any] | None = None,
     ) -> None:
-        """``model``: the trainer's HF model, after ``version`` updates; ``state``: what a checkpoint
+        """``model``: the trainer's model (its forward module or the HF model in it), after
+        ``version`` updates; ``state``: what a checkpoint
         kept (:meth:`state`), whose batches in flight a resumed run must use; ``make_engine``: the
         engine factory (:func:`gspo.rollout.factory.make_engine`), which the process builds its own
         engine with, once, from ``plan.engine``; ``score``: the trainer's scoring of a batch (dynamic
         sampling: the process keeps the informative groups)."""
         self.K = self.staleness = plan.async_staleness
-        self.model, self.G, self.P = model, plan.group_size, plan.prompts_per_step
+        self.policy, self.model = model, unwrap(model, "model")  # FSDP2's root, and the HF model in it
+        self.G, self.P = plan.group_size, plan.prompts_per_step
         self.rank, self.world = _rank_world()
         self.dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # the sampler's precision
         self.slots: list[dict[str, torch.Tensor]] = []
@@ -104,7 +106,7 @@ class AsyncSampler:
         self.versions: Any = ctx.Queue()
         self.batches: Any = ctx.Queue()
         first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
-        args = (plan, make_engine, score, model.config, tokenizer, prompt_ids, self.slots, self.versions)
+        args = (plan, make_engine, score, self.model.config, tokenizer, prompt_ids, self.slots, self.versions)
         self.proc = ctx.Process(target=_sampler_main, args=(*args, self.batches, first), daemon=True)
         self.proc.start()
         self.versions.put(version)
@@ -169,6 +171,7 @@ class AsyncSampler:
 
     def _publish(self, version: int, start: bool = True) -> None:
         """Version ``version``'s weights into its slot (every rank gathers; rank 0 writes)."""
+        reshard(self.policy)  # no-grad forwards can leave FSDP2's root unsharded (plain tensors)
         stream = merged_weights(self.model)
         if self.rank != 0:
             for _ in stream:  # the gathers are collective: every rank walks the stream
