@@ -129,6 +129,26 @@ def test_ep_in_the_step_uses_the_micro_batch_tokens():
     assert t.ep == 2 and a2a == 6 * 2 * 1 / 2 * 5 * 2 * 8 * 2
 
 
+def test_gloo_reduce_scatters_send_as_an_all_reduce():
+    """On the CPU (gloo) a reduce-scatter of T bytes sends 2 (n-1)/n T per rank, an all-reduce's
+    volume (counted on the wire by benchmarks/bench_ep.py at 2 and 3 ranks): EP 2 on 4 ranks, the
+    dense gradients 2 x 6312 and the experts' 2 x 576; the gathers and all-to-alls as on NCCL."""
+    shape = Shape.from_config(TINY)
+    gpu, cpu = (
+        {
+            m.what: m.nbytes
+            for m in traffic(
+                _cfg(expert_parallel_size=2, mixed_precision="none", device=d), shape, LINK
+            ).update
+        }
+        for d in ("cuda", "cpu")
+    )
+    assert (gpu["FSDP2 reduce-scatter"], gpu["experts reduce-scatter"]) == (6312, 576)
+    assert (cpu["FSDP2 reduce-scatter"], cpu["experts reduce-scatter"]) == (2 * 6312, 2 * 576)
+    same = ("FSDP2 all-gather", "experts all-gather", "tokens all-to-all")
+    assert [cpu[k] for k in same] == [gpu[k] for k in same]
+
+
 def test_pi_old_rule_matches_the_trainers():
     """recomputes_pi_old restates gspo.resolve.pi_old_source without a model: the two agree."""
     from gspo.resolve import pi_old_source

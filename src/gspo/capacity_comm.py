@@ -5,7 +5,10 @@ Ranks lie node by node (rank = node x gpus_per_node + local rank, torchrun's ord
 bytes it *sends* (it receives as many), with ring / pairwise algorithms:
 
 * all-gather or reduce-scatter of T bytes over n ranks: (n-1)/n T; all-reduce: 2 (n-1)/n T;
-* all-to-all of a payload P over n ranks: (n-1)/n P (the part bound for the others).
+* all-to-all of a payload P over n ranks: (n-1)/n P (the part bound for the others);
+* on gloo (``device: cpu``) a reduce-scatter of T bytes sends as an all-reduce, 2 (n-1)/n T: it
+  reduces the whole tensor and keeps its shard (counted on the wire at 2 and 3 ranks,
+  benchmarks/bench_ep.py; NCCL's ring sends (n-1)/n T).
 
 Seconds: bytes / bandwidth per GPU and direction. A ring over ranks on more than one node runs at
 the inter-node rate (the ring crosses nodes, one NIC per GPU); an all-to-all sends to the ranks of
@@ -125,6 +128,12 @@ def all_reduce_bytes(total: float, n: int) -> float:
     return 2 * ring_bytes(total, n)
 
 
+def reduce_scatter_bytes(total: float, n: int, gloo: bool = False) -> float:
+    """Bytes one rank sends in a reduce-scatter of ``total`` bytes over ``n`` ranks: a ring (NCCL), or
+    gloo's all-reduce of the whole tensor."""
+    return all_reduce_bytes(total, n) if gloo else ring_bytes(total, n)
+
+
 def all_to_all_bytes(payload: float, n: int) -> float:
     """Bytes one rank sends in an all-to-all of its ``payload`` spread evenly over ``n`` ranks."""
     return payload * (n - 1) / n
@@ -159,11 +168,20 @@ def _ring(what: str, nbytes: float, link: Link, crosses: bool) -> Move:
 
 
 def micro_batch_moves(
-    shape: Shape, link: Link, ep: int, tokens: int, compute: int, reduce: int, backward: bool, recompute: bool
+    shape: Shape,
+    link: Link,
+    ep: int,
+    tokens: int,
+    compute: int,
+    reduce: int,
+    backward: bool,
+    recompute: bool,
+    gloo: bool = False,
 ) -> tuple[Move, ...]:
     """One FSDP2 micro-batch of ``tokens`` tokens on ``link`` with experts over ``ep`` ranks: the
     gathers of forward (and backward), the gradients' reduce-scatter, the experts' gathers and
-    reduce-scatter within their world/ep holders, the tokens' all-to-alls (module doc)."""
+    reduce-scatter within their world/ep holders, the tokens' all-to-alls (module doc; ``gloo``:
+    reduce-scatters as gloo sends them)."""
     W, L, passes = link.world, shape.layers, 2 if backward else 1
     apart = shape.expert_params() if ep > 1 else 0  # per layer, outside the all-rank groups
     across = link.nodes > 1
@@ -172,7 +190,7 @@ def micro_batch_moves(
     )
     moves = [_ring("FSDP2 all-gather", gathered, link, across)]
     if backward:
-        grads = ring_bytes((shape.params() - L * apart) * reduce, W)
+        grads = reduce_scatter_bytes((shape.params() - L * apart) * reduce, W, gloo)
         moves.append(_ring("FSDP2 reduce-scatter", grads, link, across))
     if ep == 1:
         return tuple(moves)
@@ -183,7 +201,12 @@ def micro_batch_moves(
         moves.append(_ring("experts all-gather", experts, link, crosses))
         if backward:
             moves.append(
-                _ring("experts reduce-scatter", L * ring_bytes(share * reduce, holders), link, crosses)
+                _ring(
+                    "experts reduce-scatter",
+                    L * reduce_scatter_bytes(share * reduce, holders, gloo),
+                    link,
+                    crosses,
+                )
             )
     exchanges = 2 * (1 + backward + (backward and recompute))  # dispatch + combine per pass
     a2a = exchanges * L * all_to_all_bytes(tokens * shape.top_k * shape.hidden * compute, ep)
@@ -243,8 +266,11 @@ def traffic(cfg: Any, shape: Shape, link: Link, ep: int | None = None) -> Traffi
     if cfg.parallel == "ddp":
         grads = _ring("DDP all-reduce", all_reduce_bytes(shape.params() * bw, W), link, across)
         return Traffic(1, (grads,), update_batches, (), forward_batches, ())
-    update = micro_batch_moves(shape, link, ep, tokens, compute, reduce, True, cfg.activation_checkpointing)
-    forward = micro_batch_moves(shape, link, ep, tokens, compute, reduce, False, False)
+    gloo = cfg.device == "cpu"  # the backend gspo's distributed setup picks for the CPU
+    update = micro_batch_moves(
+        shape, link, ep, tokens, compute, reduce, True, cfg.activation_checkpointing, gloo
+    )
+    forward = micro_batch_moves(shape, link, ep, tokens, compute, reduce, False, False, gloo)
     # the sampler needs every weight: vLLM and the HF engine's own copy get them in the trainer's
     # dtype, the HF engine sampling from the trainer's module gathers it in the compute dtype
     copy = cfg.rollout_engine == "vllm" or cfg.rollout_dtype not in (None, cfg.dtype)
