@@ -15,10 +15,12 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from gspo.config import Config
 from gspo.envs.sft import demonstrations
+from gspo.errors import GspoError
 from gspo.resolve import env_plan, sft_plan
 from gspo.tasks.datasets import Example
 
@@ -66,6 +68,19 @@ def test_tool_fraction_mixes_tool_and_direct_rows_and_one_draws_nothing():
     assert every is not None and all(any(r[3]) for r in every([0, 1, 2] * 50, rng))
     assert rng.getstate() == state
     assert demonstrations(tok, EXAMPLES, prompt_ids, "add", plan) is None  # no demonstrations: answers
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(sft_tool_fraction=0.5), "below 1 needs an environment"),
+        (dict(sft_tool_fraction=1.5, env="tools"), "must be <= 1"),
+        (dict(sft_tool_fraction=-0.1, env="tools"), "must be >= 0"),
+    ],
+)
+def test_bad_tool_fraction_is_one_line_naming_it(kw, match):
+    with pytest.raises(GspoError, match=f"config field 'sft_tool_fraction': {match}"):
+        Config(**kw).validate()
 
 
 def _chat():
@@ -119,3 +134,24 @@ def test_warm_start_trains_on_each_rows_own_prompt():
     first = warm_start(model, tok, EXAMPLES, [[0]] * 3, plan(1), torch.device("cpu"), False)
     last = warm_start(model, tok, EXAMPLES, [[0]] * 3, plan(25), torch.device("cpu"), False)
     assert last < 0.5 * first, (first, last)
+
+
+LEARN_SEEDS = list(range(5))
+
+
+@pytest.mark.slow
+def test_rl_with_the_calculator_gains_over_seeds_and_without_tools_does_not(tmp_path):
+    """``docs/multiturn/learn.py``'s study through ``gspo.train``: on add_long, 5 seeds, a warm start
+    calling the calculator on 40% of its demonstrations, then 20 GSPO steps. The mean held-out gain
+    with the tool has a 95% t interval above 0.2 and every seed ends calling the tool; the same
+    budget without tools (single-turn, warm start on the answers) gains less, paired by seed (that
+    interval above 0 too), and ends below the tool's accuracy. About 12 minutes on 2 busy cores."""
+    sys.path.insert(0, str(ROOT / "docs" / "multiturn"))
+    import learn
+
+    runs = learn.run_all(LEARN_SEEDS, str(tmp_path), workers=2)
+    s = learn.summarize(runs)
+    assert s["tools"]["gain"]["lo"] > 0.2, (s, runs)
+    assert s["tools_minus_no_tools"]["gain"]["lo"] > 0, (s, runs)
+    assert s["tools_minus_no_tools"]["final"]["mean"] > 0, (s, runs)
+    assert all(r["tool_frac"][-1] > 0.9 for r in runs if r["arm"] == "tools"), runs

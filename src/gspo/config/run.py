@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from annotated_types import Ge, Gt, Le
+from annotated_types import Ge, Gt
 from pydantic import with_config
 
 from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
@@ -99,7 +99,14 @@ class WarmStart(Group):
     """Learning rate of the supervised warm start."""
     sft_batch_size: Annotated[int, Ge(1)] = 64
     """Examples per supervised step."""
-    sft_tool_fraction: Annotated[float, Ge(0), Le(1)] = 1.0
+    sft_tool_fraction: Annotated[float, Ge(0)] = 1.0
     """With ``env`` and a task that has tool-using demonstrations (``add_long``): the share of warm-start
     demonstrations that call the tool; the others answer directly. Below 1 the warm start leaves a
     model that can use the tool but does not rely on it, and RL chooses."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        if cfg.sft_tool_fraction > 1:
+            raise bad(cfg, "sft_tool_fraction", "must be <= 1 (a share of the demonstrations)")
+        if cfg.sft_tool_fraction < 1 and not cfg.env:  # single-turn rows have no tool to leave out
+            raise bad(cfg, "sft_tool_fraction", "below 1 needs an environment with tools (env: tools)")
