@@ -39,7 +39,32 @@ class EnvSampleBatch(SampleBatch):
     reward_B: torch.Tensor | None = None  # [B] the environment's reward (sum over steps)
     truncated_B: torch.Tensor | None = None  # [B] 1 where a limit, not the environment, ended it
     turns_B: torch.Tensor | None = None  # [B] model turns
-    n_errors: int = 0  # trajectories ended by a failing environment (reward_on_error zero)
+    n_errors: int = 0  # trajectories ended by a failing environment (reward_on_error zero) ...
+    failed_B: torch.Tensor | None = None  # [B] ... 1 on each of them (a share of rows counts its own)
+    # R3 (an engine that returns its routing, vLLM): per row, the experts of each position of
+    # ``prompt_ids[i] + response`` that was fed to the engine, [n, moe_layers, k], and the layers' names
+    routed_experts: list[torch.Tensor] | None = None
+    routed_layers: list[str] | None = None
+
+    def routing_rows(self) -> dict[str, torch.Tensor] | None:
+        """The sampler's routing in the trainer's ``rows`` layout (prompt, model turns and
+        observations from column 0), as :func:`gspo.rollout.vllm_batch.routing_rows_layout` lays out
+        a single-turn batch; positions the engine never fed (each row's last token) hold ``0..k-1``,
+        which causal attention keeps from every earlier position."""
+        if self.routed_experts is None or self.routed_layers is None:
+            return None
+        real = (
+            (self.response_mask_BT | self.obs_mask_BT)
+            if self.obs_mask_BT is not None
+            else self.response_mask_BT
+        )
+        lens = [len(p) + int(n) for p, n in zip(self.prompt_ids, real.sum(-1).tolist(), strict=True)]
+        B, L = len(lens), max(lens + [1])
+        n_layers, k = self.routed_experts[0].shape[1:]
+        out = torch.arange(k, dtype=torch.long).expand(B, L, n_layers, k).clone()
+        for i, r in enumerate(self.routed_experts):
+            out[i, : r.shape[0]] = r
+        return {name: out[:, :, j].contiguous() for j, name in enumerate(self.routed_layers)}
 
 
 def limits_of(plan: EnvPlan) -> Limits:
@@ -132,6 +157,17 @@ class _Traj:
     truncated: bool = False
     failed: bool = False
     chat: Conversation | None = None  # the conversation so far, under a chat template
+    routed: torch.Tensor | None = None  # R3: the engine's experts of each position fed so far
+
+
+def _add_routing(t: _Traj, routed_LK: torch.Tensor, n: int) -> None:
+    """Extend ``t``'s R3 routing with a turn's: the call fed the context and the turn's first
+    ``n - 1`` kept tokens. Positions routed by an earlier call keep that routing (the forward that
+    sampled the tokens after them); the new ones are the context's observations (this call's
+    prefill) and the positions whose forward sampled this turn's tokens."""
+    have = 0 if t.routed is None else t.routed.shape[0]
+    new = routed_LK[have : len(t.context) + n - 1]
+    t.routed = new.clone() if t.routed is None else torch.cat([t.routed, new])
 
 
 def run_episodes(
@@ -152,11 +188,17 @@ def run_episodes(
     trajs = [_start(spec, ex, ids, encode) for ex, ids in zip(examples, prompt_ids, strict=True)]
     prompt_ids = [list(t.context) for t in trajs]
     live = [i for i, t in enumerate(trajs) if not t.failed]
+    layers = None
     while live:
         budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
         rb = engine.generate([trajs[i].context for i in live], max(budget), temperature, greedy)
         lens = rb.response_mask_BT.sum(-1).tolist()
         ids_BT, logp_BT = rb.response_ids_BT.tolist(), rb.sampler_logp_BT.float().tolist()
+        routed = getattr(rb, "routed_experts", None)  # R3 (vLLM with return_routing)
+        if routed is not None:
+            layers = rb.routed_layers
+            for j, i in enumerate(live):
+                _add_routing(trajs[i], routed[j], min(lens[j], budget[j]))
         live = [
             i
             for j, i in enumerate(live)
@@ -165,7 +207,14 @@ def run_episodes(
     n_bad = sum(t.failed for t in trajs)
     if n_bad and n_bad == len(trajs):
         raise GspoError(f"environment {spec.name} failed on all {n_bad} trajectories of the batch")
-    return _to_batch(trajs, prompt_ids, tokenizer.pad_token_id, n_bad)
+    eb = _to_batch(trajs, prompt_ids, tokenizer.pad_token_id, n_bad)
+    if layers is not None:  # a trajectory that failed before its first turn was never fed
+        k = next(t.routed for t in trajs if t.routed is not None).shape[1:]
+        eb.routed_experts = [
+            t.routed if t.routed is not None else torch.zeros((0, *k), dtype=torch.long) for t in trajs
+        ]
+        eb.routed_layers = list(layers)
+    return eb
 
 
 def _start(spec: EnvSpec, ex: Example, ids: list[int], encode: Callable[[Prompt], list[int]] | None) -> _Traj:
@@ -277,6 +326,7 @@ def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_ba
         truncated_B=torch.tensor([t.truncated for t in trajs], dtype=torch.float32),
         turns_B=torch.tensor([t.turns for t in trajs], dtype=torch.float32),
         n_errors=n_bad,
+        failed_B=torch.tensor([t.failed for t in trajs], dtype=torch.float32),
     )
 
 
@@ -299,22 +349,27 @@ def env_eval_scores(
 # ------------------------------------------------------------------------------------------------
 # async rollouts (gspo.rollout.async_sampler): trajectories cross a process boundary
 
-ENV_FIELDS = ("obs_mask_BT", "reward_B", "truncated_B", "turns_B")
+ENV_FIELDS = ("obs_mask_BT", "reward_B", "truncated_B", "turns_B", "failed_B")
 
 
-def env_fields(rb: SampleBatch) -> dict[str, Any] | None:
+def env_fields(rb: SampleBatch, rows: slice | None = None) -> dict[str, Any] | None:
     """What a trajectory batch carries beyond a :class:`SampleBatch` (numpy arrays and ``n_errors``),
-    to cross a process boundary or go into a checkpoint; None for a single-turn batch."""
+    to cross a process boundary or go into a checkpoint; None for a single-turn batch. ``rows``:
+    those rows alone (a rank's share of the groups), with their own error count."""
     if not isinstance(rb, EnvSampleBatch):
         return None
-    return {f: getattr(rb, f).numpy() for f in ENV_FIELDS} | {"n_errors": rb.n_errors}
+    sel = slice(None) if rows is None else rows
+    out = {f: getattr(rb, f)[sel].numpy() for f in ENV_FIELDS if getattr(rb, f) is not None}
+    # a batch read back from a checkpoint without failed_B keeps its whole count (never split)
+    return out | {"n_errors": int(out["failed_B"].sum()) if "failed_B" in out else rb.n_errors}
 
 
 def with_env_fields(rb: SampleBatch, fields: dict[str, Any] | None) -> SampleBatch:
     """``rb`` as an :class:`EnvSampleBatch` again (inverse of :func:`env_fields`)."""
     if fields is None:
         return rb
-    arrays = {f: torch.as_tensor(fields[f]) for f in ENV_FIELDS}
+    # a checkpoint written before failed_B was carried has n_errors alone
+    arrays = {f: torch.as_tensor(fields[f]) if f in fields else None for f in ENV_FIELDS}
     out = EnvSampleBatch(
         rb.prompt_ids, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT,
         **arrays, n_errors=int(fields["n_errors"]),

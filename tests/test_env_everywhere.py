@@ -1,0 +1,302 @@
+"""Environments (multi-turn trajectories, gspo.envs) everywhere the single-turn path runs (issue 38
+item 4): 2 gloo ranks (FSDP2, DDP, LoRA) make one process's update on the same trajectories, to 1e-6;
+``gspo train --nproc 2 --env ...`` trains and its held-out trajectories score as one process's; LoRA
+trains on trajectories with the loss on the model's tokens alone and only adapters moving; and what
+stays refused (async on N ranks) says why in one line. R3 with vLLM: tests/test_vllm_multiturn.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.config import Config
+from gspo.data import TrainBatch
+from gspo.envs.base import Limits, Step
+from gspo.envs.load import EnvSpec
+from gspo.envs.rollout import run_episodes
+from gspo.model.load import build_char_tokenizer, build_tiny_moe
+from gspo.resolve import plan_update, score_plan
+from gspo.rollout.hf import HFRolloutEngine
+from gspo.tasks.datasets import Example
+from gspo.train import update as U
+from gspo.train.scoring import score_rollout
+from gspo.train.update import policy_update
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+
+ROOT = Path(__file__).resolve().parents[1]
+G, PROMPTS, NPROC = 4, 4, 2
+ENV_CFG = {"env": "tools:calc", "max_trajectory_tokens": 40, "prompts_per_step": PROMPTS, "group_size": G}
+BASE = {**ENV_CFG, "num_minibatches": 2, "log_volatility": False, "old_logp": "recompute", "threads": 1}
+# (name, optimizer, lr, config): each run is one update on 2 ranks (tests/dist_worker.py) against one
+# process on the same trajectories; SGD without clipping keeps the loss's normalizer visible
+RUNS = [
+    {"name": f"{par}-sgd-{algo}", "opt": "sgd", "lr": 0.1,
+     "cfg": {**BASE, "parallel": par, "max_grad_norm": 0.0, "algo": algo, "routing_replay": algo == "gspo",
+             **({"aggregation": "token_mean"} if algo == "grpo" else {})}}
+    for par in ("fsdp", "ddp") for algo in ("gspo", "grpo")
+] + [
+    {"name": f"{par}-adamw-lora", "opt": "adamw", "lr": 1e-3, "cfg": {**BASE, "parallel": par, "lora_rank": 4}}
+    for par in ("fsdp", "ddp")
+]  # fmt: skip
+
+
+class _Observer:
+    """Answers the first two turns with an observation, then ends; the reward depends on what the
+    model wrote, so the advantages differ within a group."""
+
+    def reset(self, example: Example) -> str:
+        self.n = 0
+        return example.prompt
+
+    def step(self, model_turn: str) -> Step:
+        self.n += 1
+        return Step("out 42;" if self.n < 3 else None, 0.5 * self.n + 0.1 * len(model_turn))
+
+
+def _trajectories() -> TrainBatch:
+    """4 prompts x G trajectories of the tiny MoE (seed 0), scored: the model's tokens, then
+    observations, then the model's again (checked)."""
+    tok = build_char_tokenizer()
+    model = build_tiny_moe(len(tok), seed=0).eval()
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    ex = [Example(p, "") for p in ("rev:12=", "rev:345=", "rev:6789=", "rev:01=") for _ in range(G)]
+    ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in ex]
+    with torch.no_grad():
+        eb = run_episodes(eng, tok, EnvSpec(_Observer, "observer", None), ex, ids, Limits(3, 8, 40), 1.0)
+    data, _ = score_rollout(eb, tok, None, [], score_plan(Config(**ENV_CFG).validate()), 0.0)
+    after_obs_B = (data.response_mask_BT * (data.obs_mask_BT.cumsum(-1) > 0)).sum(-1)
+    assert int((after_obs_B > 0).sum()) >= 4 and (data.adv_B != 0).any()  # what this file needs
+    # each rank's rows (tests/dist_worker.py: 4r..4r+3 of minibatch 0..7 and of 8..15) have some
+    for r in (0, 1):
+        assert after_obs_B[
+            torch.cat([torch.arange(4 * r, 4 * r + 4), torch.arange(8 + 4 * r, 12 + 4 * r)])
+        ].any()
+    return data
+
+
+def _env() -> dict[str, str]:
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -9, out
+    return proc.returncode, out
+
+
+ENV_FILE = '''
+from gspo.envs.base import Step
+
+
+class Observe:
+    """Every turn but the third gets an observation; reward from the text (not seeded by a rank)."""
+
+    def reset(self, example):
+        self.n = 0
+        return example.prompt
+
+    def step(self, turn):
+        self.n += 1
+        return Step("ok;" if self.n < 3 else None, 0.25 * self.n + 0.05 * len(turn))
+'''
+
+
+ENV_ARGS = ["--task", "reverse", "--max-new-tokens", "8", "--max-turns", "3", "--max-trajectory-tokens", "40"]
+
+
+def _cli(tmp: Path, name: str, model: str, nproc: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "gspo", "train", "--model", model, *ENV_ARGS, "--env",
+        f"{tmp / 'observe_env.py'}:Observe", "--steps", "2", "--eval-size", "8", "--prompts-per-step", "4",
+        "--group-size", "4", "--threads", "1", "--no-progress", "--nproc", str(nproc), "--output-dir",
+        str(tmp / name), "--save-every", "0", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """The 2-rank worker on the trajectories, and ``gspo train`` with an environment on 2 ranks and on
+    one process, all started at once (their start-ups overlap)."""
+    data = _trajectories()
+    tmp = tmp_path_factory.mktemp("env-ranks")
+    torch.save({"data": data, "runs": RUNS}, tmp / "in.pt")
+    (tmp / "observe_env.py").write_text(textwrap.dedent(ENV_FILE))
+    worker = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+        str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt"),
+    ]  # fmt: skip
+    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    procs = {"worker": subprocess.Popen(worker, **kw)}
+    # a warm start (one process) that ends its turns with EOS, so greedy held-out trajectories go on
+    # after an observation; both runs below start from its final/ without one of their own
+    warm = _wait(subprocess.Popen(_cli(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40"), **kw), 600)
+    assert warm[0] == 0, warm[1][-6000:]
+    model = str(next((tmp / "warm").iterdir()) / "final")
+    procs["two"] = subprocess.Popen(_cli(tmp, "two", model, NPROC, "--sft-steps", "0"), **kw)
+    procs["one"] = subprocess.Popen(_cli(tmp, "one", model, 1, "--sft-steps", "0"), **kw)
+    done = {name: _wait(p, 600) for name, p in procs.items()}
+    return {"data": data, "tmp": tmp, "done": done}
+
+
+def _strip(name: str) -> str:
+    """A wrapped module's parameter name as the plain model's (DDP's ``module.``, the trainer's
+    forward module's ``model.``)."""
+    return name.removeprefix("module.").removeprefix("model.")
+
+
+def _single(run: dict, data: TrainBatch) -> tuple[torch.nn.Module, dict, list[dict]]:
+    """One process: the same update on the same trajectories, and the gradients each step applied."""
+    from tests.dist_worker import _record_gradients, make_optimizer
+
+    cfg = Config(**run["cfg"]).validate()
+    model = build_tiny_moe(len(build_char_tokenizer()), seed=0)
+    if cfg.lora_rank:
+        from gspo.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    opt = make_optimizer(run["opt"], [p for p in model.parameters() if p.requires_grad], run["lr"])
+    grads = _record_gradients(model, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = policy_update(model, opt, sched, data, plan_update(cfg, model, True), 1)
+    return model, metrics, grads
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r["name"] for r in RUNS])
+def test_two_ranks_update_on_trajectories_equals_one_process(launches, run):
+    """Rank r takes its groups of each minibatch (trimmed to its own longest prompt and trajectory, as
+    a rank's own rollout is): the gradients of every optimizer step, the loss, the gradient norm and
+    the updated weights equal one process's on all the trajectories, to 1e-6."""
+    rc, out = launches["done"]["worker"]
+    assert rc == 0, out[-6000:]
+    got = torch.load(launches["tmp"] / "out.pt", weights_only=False)[run["name"]]
+    ref, ref_m, ref_grads = _single(run, launches["data"])
+    assert len(got["grads"]) == len(ref_grads) == 2  # one optimizer step per minibatch
+    for mine, want in zip(got["grads"], ref_grads, strict=True):
+        mine = {_strip(k): v for k, v in mine.items()}
+        assert set(mine) == set(want) and want
+        for k, g in want.items():
+            torch.testing.assert_close(mine[k], g, atol=1e-6, rtol=0, msg=k)
+    ref_sd, moved = ref.state_dict(), 0.0
+    init = build_tiny_moe(len(build_char_tokenizer()), seed=0).state_dict()
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, ref_sd[name], atol=1e-6, rtol=0, msg=name)
+        base = name.replace("base_model.model.", "").replace(".base_layer", "")
+        if base in init:
+            moved = max(moved, float((p - init[base]).abs().max()))
+    for k in ("loss/loss", "loss/grad_norm"):
+        assert abs(got["metrics"][k] - ref_m[k]) <= 1e-5, (k, got["metrics"][k], ref_m[k])
+    if run["cfg"].get("lora_rank"):  # the frozen base stays as it was, the adapters moved
+        assert moved == 0.0
+        lora = [n for n in got["params"] if ".lora_B." in n]
+        assert lora and max(float(got["params"][n].abs().max()) for n in lora) > 1e-5
+    else:
+        assert moved > 1e-5
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gspo_train_two_ranks_with_an_environment(launches):
+    """``gspo train --nproc 2 --env FILE:Class`` trains on multi-turn trajectories and writes final/;
+    the step-0 held-out trajectories (greedy, split over the ranks, rank 0 joining the rewards) score
+    exactly as one process's (the same weights: a folder, no warm start of their own)."""
+    tmp = launches["tmp"]
+    for name in ("two", "one"):
+        rc, out = launches["done"][name]
+        assert rc == 0, (name, out[-6000:])
+    runs = {n: next((tmp / n).iterdir()) for n in ("two", "one")}
+    rows = {n: _rows(r) for n, r in runs.items()}
+    for k in ("eval/reward_mean", "eval/accuracy", "eval/multi_turn_frac"):
+        assert rows["two"][0][k] == rows["one"][0][k], k
+    assert rows["two"][0]["eval/multi_turn_frac"] > 0  # the held-out trajectories have several turns
+    for r in rows["two"][1:]:
+        assert r["env/obs_len"] > 0 and r["env/turns_mean"] > 1 and r["loss/grad_norm"] > 0
+    assert (runs["two"] / "final" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA, one process
+
+
+def test_lora_update_on_trajectories_trains_adapters_on_the_models_tokens(monkeypatch):
+    """LoRA on trajectories: the loss sees the model's tokens alone (the mask it is given is the
+    model's, never an observation's), the adapters move, every base weight stays bit for bit."""
+    from gspo.model.lora import apply_lora
+
+    data = _trajectories()
+    cfg = Config(**{**BASE, "lora_rank": 4}).validate()
+    model = apply_lora(build_tiny_moe(len(build_char_tokenizer()), seed=0), 4, 16.0, "all-linear")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    real, seen = U.loss_inputs, []
+
+    def spy(logp_BT, old_BT, mask_BT, *a, **k):  # what the update hands the loss
+        seen.append(mask_BT.clone())
+        return real(logp_BT, old_BT, mask_BT, *a, **k)
+
+    monkeypatch.setattr(U, "loss_inputs", spy)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    policy_update(
+        model,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+        data,
+        plan_update(cfg, model, True),
+        1,
+    )
+    assert len(seen) == 2
+    for i, mask_BT in enumerate(seen):  # minibatch i: rows 8i..8i+7, trimmed to their own length
+        rows = data.rows(slice(8 * i, 8 * (i + 1)))
+        assert torch.equal(mask_BT.bool(), rows.response_mask_BT.bool())
+        assert not (mask_BT.bool() & rows.obs_mask_BT.bool()).any() and rows.obs_mask_BT.any()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_" in n for n in moved)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} >= moved
+
+
+def test_gspo_train_lora_with_the_calculator(tmp_path):
+    """``gspo train --lora-rank 4 --env tools:calc`` end to end: trains on trajectories that call the
+    tool (after a LoRA warm start), and final/ holds the merged model."""
+    from test_multiturn import TINY
+
+    from gspo import train
+
+    res = train(Config(**{**TINY, "sft_steps": 80, "lora_rank": 4, "lr": 1e-3, "output_dir": str(tmp_path)}))
+    rows = _rows(res.run_dir)[1:]
+    assert max(r["env/multi_turn_frac"] for r in rows) > 0 and max(r["env/obs_len"] for r in rows) > 0
+    assert all(r["loss/grad_norm"] > 0 for r in rows)
+    assert res.final_dir is not None and (res.final_dir / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# what stays refused
+
+
+def test_async_with_an_environment_on_ranks_is_one_line_exit_2(tmp_path):
+    """Async rollouts with an environment on N ranks stay refused, in one line saying why (exit 2),
+    before any weight is read; on one rank they run (tests/test_multiturn.py)."""
+    cmd = [sys.executable, "-m", "gspo", "train", "--env", "tools:calc", "--task", "add_long", "--nproc", "2",
+           "--async-staleness", "1", "--output-dir", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nproc" in lines[0] and "async_staleness" in lines[0], p.stderr
+    assert "per row" in lines[0]
+    assert not (tmp_path / "gspo-add_long-s0").exists() or not any((tmp_path).rglob("*.safetensors"))
