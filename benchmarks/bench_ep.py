@@ -90,10 +90,20 @@ def worker(out: str, args: list[str]) -> None:
     from gspo.train import loop
 
     base, real, res = _vm("VmRSS"), loop.rl_step, {"steps": []}
+    real_update, updates = loop.policy_update, []
+
+    def update(*args: Any) -> dict[str, float]:
+        dist.barrier()
+        a = _counters()
+        out = real_update(*args)
+        dist.barrier()
+        updates.append(_delta(a, _counters()))
+        return out
 
     def measured(run: Any, plan: Any) -> dict[str, float]:
         dist.barrier()
         if "idle" not in res:
+            res["startup_hwm"] = _vm("VmHWM")  # load and the step-0 eval (phase_peak resets it later)
             a = _counters()
             time.sleep(IDLE_S)
             dist.barrier()
@@ -102,13 +112,18 @@ def worker(out: str, args: list[str]) -> None:
         metrics = real(run, plan)
         dist.barrier()
         b = _counters()
-        res["steps"].append(_delta(a, b) | {"hwm": b["hwm"], "time/step_s": metrics["time/step_s"]})
+        phases = {k: v * 2**30 for k, v in metrics.items() if k.startswith("memory/")}
+        res["steps"].append(_delta(a, b) | {"update": updates[-1], "phases": phases, "entry_hwm": a["hwm"]})
         return metrics
 
-    loop.rl_step = measured
+    loop.rl_step, loop.policy_update = measured, update
     rc = cli.main(["train", *args])
     rank = int(os.environ["RANK"])
-    res |= {"rank": rank, "rc": rc, "base": base, "hwm": _vm("VmHWM")}
+    # gspo's phase_peak resets VmHWM at each phase of a step and records the phase's peak: the run's
+    # peak is the largest of those, the start-up's, and the last reset's (eval, checkpoint, final/)
+    res |= {"rank": rank, "rc": rc, "base": base, "end_hwm": _vm("VmHWM")}
+    seen = [res["startup_hwm"], res["end_hwm"]] + [v for s in res["steps"] for v in s["phases"].values()]
+    res["hwm"] = max(seen + [s["entry_hwm"] for s in res["steps"]])
     Path(f"{out}.{rank}").write_text(json.dumps(res))
 
 
@@ -206,22 +221,24 @@ def _report(ep: int, ranks: list[dict[str, Any]], est: dict[str, float]) -> dict
         idle = r["idle"]
         rate_lo, rate_pl = idle["lo"] / idle["s"], idle["payload"] / idle["s"]
         print(
-            f"rank {r['rank']}: peak RSS {r['hwm'] / 2**30:.2f} GiB (over the start {(r['hwm'] - r['base']) / 2**30:.2f}); "
+            f"rank {r['rank']}: peak RSS {r['hwm'] / 2**30:.2f} GiB (over the start {(r['hwm'] - r['base']) / 2**30:.2f}; "
+            f"start-up {r['startup_hwm'] / 2**30:.2f}, after the last step {r['end_hwm'] / 2**30:.2f}); "
             f"idle {rate_pl:.0f} B/s payload, {rate_lo:.0f} B/s lo"
         )
         steps = []
         for i, s in enumerate(r["steps"], 1):
             payload = s["payload"] - rate_pl * s["s"]
             lo = s["lo"] - rate_lo * s["s"]
-            steps.append({"payload": payload, "lo": lo, "s": s["s"], "hwm": s["hwm"]})
+            upd = s["update"]["payload"] - rate_pl * s["update"]["s"]
+            steps.append({"payload": payload, "lo": lo, "s": s["s"], "update": upd, "phases": s["phases"]})
+            peaks = ", ".join(f"{k[7:]} {v / 2**30:.2f}" for k, v in s["phases"].items())
             print(
                 f"  step {i}: {s['s']:.1f} s, payload sent {payload / G:.3f} GB "
-                f"(measured / estimate {payload / est['total']:.3f}), lo (both ranks, headers) {lo / G:.3f} GB, "
-                f"peak RSS so far {s['hwm'] / 2**30:.2f} GiB"
+                f"(measured / estimate {payload / est['total']:.3f}; in policy_update {upd / G:.3f}), "
+                f"lo (both ranks, headers) {lo / G:.3f} GB; peak RSS by phase (GiB) {peaks}"
             )
-        row["ranks"].append(
-            {"rank": r["rank"], "base": r["base"], "hwm": r["hwm"], "idle": idle, "steps": steps}
-        )
+        keep = ("rank", "base", "hwm", "startup_hwm", "end_hwm", "idle")
+        row["ranks"].append({k: r[k] for k in keep} | {"steps": steps})
     return row
 
 

@@ -108,13 +108,16 @@ def _cfg(**kw) -> Config:
 
 def test_a_step_is_its_micro_batches_and_one_sync():
     """16 sequences over 4 ranks, 2 minibatches of 2, one sequence per forward: 4 update
-    micro-batches (13668 bytes each), 4 forward-only ones for pi_old when it is recomputed (4020),
-    and one gather of the whole model for the HF sampler (3/4 x 2680 x 2 = 4020)."""
+    micro-batches (13668 bytes each), 2 forward-only ones (4020) for minibatch 1's pi_old and its
+    routing (the volatility's; minibatch 0's training forward is pi_old's), and one gather of the
+    whole model for the HF sampler (3/4 x 2680 x 2 = 4020). With the sampler's pi_old the volatility
+    still needs minibatch 1's routing; without volatility nothing."""
     shape = Shape.from_config(TINY)
     t = traffic(_cfg(old_logp="recompute"), shape, LINK)
-    assert (t.ep, t.update_batches, t.forward_batches) == (1, 4, 4)
-    assert t.step() == pytest.approx((4 * 13668 + 4 * 4020 + 4020, (4 * 13668 + 4 * 4020 + 4020) / 1e9))
-    assert traffic(_cfg(old_logp="rollout"), shape, LINK).forward_batches == 0
+    assert (t.ep, t.update_batches, t.forward_batches) == (1, 4, 2)
+    assert t.step() == pytest.approx((4 * 13668 + 2 * 4020 + 4020, (4 * 13668 + 2 * 4020 + 4020) / 1e9))
+    assert traffic(_cfg(old_logp="rollout"), shape, LINK).forward_batches == 2
+    assert traffic(_cfg(old_logp="rollout", log_volatility=False), shape, LINK).forward_batches == 0
     ddp = traffic(_cfg(parallel="ddp", mixed_precision="none"), shape, LINK)  # float32 all-reduce
     assert [m.nbytes for m in ddp.update] == [2 * 3 / 4 * 2680 * 4] and ddp.sync == ()
     one = traffic(_cfg(nproc=1, mixed_precision="none"), shape, Link(1, 1, 8e9, 1e9))
@@ -147,6 +150,45 @@ def test_gloo_reduce_scatters_send_as_an_all_reduce():
     assert (cpu["FSDP2 reduce-scatter"], cpu["experts reduce-scatter"]) == (2 * 6312, 2 * 576)
     same = ("FSDP2 all-gather", "experts all-gather", "tokens all-to-all")
     assert [cpu[k] for k in same] == [gpu[k] for k in same]
+
+
+def _update_forwards(p, n: int) -> int:
+    """Forward-only passes per micro-batch position of an update under UpdatePlan ``p`` with ``n``
+    minibatches, as gspo.train.update runs them (record_pi_old, measure_volatility)."""
+    count = 0
+    for i in range(n):
+        own = p.own_routing(i)
+        count += int(p.replays_sampler and own) + int(
+            i > 0 and (p.trainer_pi_old or (own and not p.replays_sampler))
+        )
+    return count + int(p.volatility == "forward")
+
+
+def test_forward_only_rule_matches_the_update_plan():
+    """forward_only_batches restates the update's forward-only passes from the config; the plan
+    gspo.resolve builds (on a real tiny MoE) gives the same count in every combination."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo.capacity_comm import forward_only_batches
+    from gspo.model.logprobs import PolicyLogprobs
+    from gspo.resolve import plan_update
+
+    # (experts 4 wide: grouped_mm wants 16-byte strides; the count depends on nothing but MoE or not)
+    policy = PolicyLogprobs(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, "moe_intermediate_size": 4})))
+    shape = Shape.from_config(TINY)
+    replays = [
+        dict(routing_replay=False),
+        dict(routing_replay=True),
+        dict(routing_replay=True, routing_replay_source="rollout", rollout_engine="vllm"),
+    ]
+    for n, replay, vol, old, corr in itertools.product(
+        (1, 2), replays, (True, False), ("rollout", "recompute"), ("none", "seq_tis")
+    ):
+        cfg = _cfg(num_minibatches=n, log_volatility=vol, old_logp=old, mismatch_correction=corr, **replay)
+        p = plan_update(cfg, policy, True)
+        assert forward_only_batches(cfg, shape, 3) == 3 * _update_forwards(p, n), (n, replay, vol, old, corr)
+    dense = _cfg(num_minibatches=2, routing_replay=False)
+    assert forward_only_batches(dense, dataclasses.replace(shape, experts=0), 1) == 0  # no routing to record
 
 
 def test_pi_old_rule_matches_the_trainers():

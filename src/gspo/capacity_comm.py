@@ -224,10 +224,34 @@ def recomputes_pi_old(cfg: Any) -> bool:
     return not cfg.async_staleness and not same
 
 
+def forward_only_batches(cfg: Any, shape: Shape, per_minibatch: int) -> int:
+    """Forward-only micro-batches of one update, ``per_minibatch`` micro-batches to a minibatch
+    (:func:`gspo.train.update.record_pi_old` and ``measure_volatility`` restated without a model;
+    tests/test_plan_nodes.py checks it against :func:`gspo.resolve.plan_update`): minibatch 0's
+    training forward is pi_old's; minibatches 1.. get one when the trainer's pi_old is needed
+    (recomputed, or for the mismatch correction) or pi_old's routing (the volatility minibatch, R2);
+    under R3 one without replay wherever pi_old's own routing is needed; volatility measured after
+    the first step (one minibatch, or a replay) costs one forward of its minibatch."""
+    n, moe = cfg.num_minibatches, bool(shape.experts)
+    replay = None
+    if moe and cfg.routing_replay:
+        replay = "R3" if cfg.routing_replay_source == "rollout" else "R2"
+    vol_i = (1 if n > 1 else 0) if moe and cfg.log_volatility else None
+    trainer = recomputes_pi_old(cfg) or cfg.mismatch_correction != "none"
+    count = 0
+    for i in range(n):
+        own = i == vol_i or (replay == "R2" and i > 0)
+        count += int(replay == "R3" and own) + int(i > 0 and (trainer or (own and replay != "R3")))
+    if vol_i is not None and (vol_i == 0 or replay is not None):  # volatility "forward"
+        count += 1
+    return count * per_minibatch
+
+
 @dataclass(frozen=True)
 class Traffic:
     """What one rank sends in one RL step: ``update_batches`` update micro-batches, ``forward_batches``
-    forward-only ones (pi_old), and the weights gathered once for the sampler."""
+    forward-only ones (pi_old's log-probs or routing, volatility), and the weights gathered once for
+    the sampler."""
 
     ep: int
     update: tuple[Move, ...]
@@ -257,7 +281,7 @@ def traffic(cfg: Any, shape: Shape, link: Link, ep: int | None = None) -> Traffi
     per_rank = max(1, cfg.prompts_per_step * cfg.group_size // W)
     per_minibatch = max(1, per_rank // cfg.num_minibatches)
     update_batches = cfg.num_minibatches * math.ceil(per_minibatch / rows)
-    forward_batches = math.ceil(per_rank / rows) if recomputes_pi_old(cfg) else 0
+    forward_batches = forward_only_batches(cfg, shape, math.ceil(per_minibatch / rows))
     if ep is None:
         ep = expert_parallel(cfg, shape, W)
     across = link.nodes > 1
@@ -347,12 +371,12 @@ def comm_report(cfg: Any, shape: Shape, link: Link, gpu_bytes: float | None = No
         f"  {'':<24}" + "".join(f"{h:>35}" for h in heads),
         f"per update micro-batch ({rows} sequence(s), {tokens_and_pairs(cfg, rows)[0]} tokens at most):",
         *_rows([r.update for r in runs], [1] * len(runs)),
-        f"per step ({t.update_batches} update micro-batches, {t.forward_batches} pi_old forward"
+        f"per step ({t.update_batches} update micro-batches, {t.forward_batches} forward-only"
         f" micro-batches, one weight sync):",
     ]
     steps = [
         ("update", [r.update for r in runs], t.update_batches),
-        ("pi_old forward", [r.forward for r in runs], t.forward_batches),
+        ("forward-only", [r.forward for r in runs], t.forward_batches),
         ("weight sync", [r.sync for r in runs], 1),
     ]
     for name, cols, k in steps:
