@@ -83,3 +83,114 @@ def test_gspo_train_multi_turn_with_vllm_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and "env/turns_mean" in rows[-1]
     assert rows[-1]["mismatch/token_abs_logp_diff"] < TOL
+
+
+# ------------------------------------------------------------------------------------------------
+# R3 (routing replay from vLLM's routing) on multi-turn trajectories (issue 38 item 4)
+
+
+class _Recorded:
+    """The real engine, keeping what each ``generate`` call was given and returned."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompt_ids, *args, **kw):
+        batch = self.engine.generate(prompt_ids, *args, **kw)
+        self.calls.append(([list(p) for p in prompt_ids], batch))
+        return batch
+
+
+def _sets(x):
+    return x.sort(-1).values
+
+
+def test_r3_replays_the_experts_vllm_routed_for_every_turn():
+    """A trajectory's R3 routing is, at every position, the experts vLLM routed it to in the first
+    call that fed it: the call that sampled the turn's next token for the model's tokens, the next
+    turn's prefill for an observation. In the trainer's rows-layout forward (observations in place)
+    the replayed experts are exactly those, they agree with the trainer's own top-k (an off-by-one
+    would not), and the replayed log-probs of the model's tokens equal vLLM's."""
+    from gspo.model.routing import capture_routing, replay_routing
+
+    model, tok = load_model_and_tokenizer("embedded:tiny-moe-h32", seed=0)
+    model.eval()
+    cfg = Config(
+        rollout_engine="vllm", model="embedded:tiny-moe-h32", dtype="float32", seed=0, max_prompt_tokens=16,
+        max_new_tokens=12, env="x", max_trajectory_tokens=40, routing_replay=True, routing_replay_source="rollout",
+    )  # fmt: skip
+    eng = VLLMRolloutEngine.from_trainer(engine_plan(cfg), model, tok)
+    rec = _Recorded(eng)
+    try:
+        ex = [Example(p, "") for p in ["rev:123=", "rev:4567=", "rev:89="] for _ in range(6)]
+        ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in ex]
+        eb = run_episodes(rec, tok, EnvSpec(_Observe, "observe", None), ex, ids, Limits(3, 12, 40), 1.0)
+    finally:
+        eng.close()
+    m, o = eb.response_mask_BT, eb.obs_mask_BT
+    assert (eb.turns_B > 1).sum() >= 3 and eb.routed_layers == ["layer0", "layer1"]
+    # call c played the trajectories with at least c turns, in order; each position's first routing
+    first = [{} for _ in ex]
+    for c, (contexts, b) in enumerate(rec.calls, start=1):
+        rows = [i for i in range(len(ex)) if int(eb.turns_B[i]) >= c]
+        assert len(rows) == len(contexts)
+        for j, i in enumerate(rows):
+            fed = len(contexts[j]) + int(b.lengths_B[j]) - 1
+            fed = min(fed, len(eb.prompt_ids[i]) + int((m[i] + o[i]).sum()) - 1)  # a turn cut by its budget
+            for p in range(fed):
+                first[i].setdefault(p, b.routed_experts[j][p])
+    for i, r in enumerate(eb.routed_experts):
+        want = torch.stack([first[i][p] for p in range(len(first[i]))])
+        last_model = int(m[i].nonzero().max())  # positions up to the last model token's were fed
+        assert r.shape[0] == len(eb.prompt_ids[i]) + last_model and torch.equal(r, want), i
+    routing = eb.routing_rows()
+    p_ids, p_mask = left_pad(eb.prompt_ids, tok.pad_token_id)
+    lay = make_layout(p_ids, p_mask, eb.response_ids_BT, m, "rows", torch.float32, obs_mask_BT=o)
+    with torch.no_grad(), capture_routing(model) as own:
+        model(input_ids=lay.input_ids_RL, position_ids=lay.position_ids_RL)
+    with torch.no_grad(), capture_routing(model) as forced, replay_routing(model, routing):
+        logp = response_logprobs(model, p_ids, p_mask, eb.response_ids_BT, m, layout=lay)
+    agree = total = 0
+    for i, r in enumerate(eb.routed_experts):
+        for j, name in enumerate(eb.routed_layers):
+            assert torch.equal(_sets(forced[name][i, : r.shape[0]]), _sets(r[:, j]))  # replayed: vLLM's
+            agree += int((_sets(own[name][i, : r.shape[0]]) == _sets(r[:, j])).all(-1).sum())
+            total += r.shape[0]
+    assert agree / total >= 0.98, agree / total
+    assert float((logp - eb.sampler_logp_BT)[m.bool()].abs().max()) < TOL
+
+
+ENV_FILE = """
+from gspo.envs.base import Step
+
+
+class Observe:
+    def reset(self, example):
+        self.n = 0
+        return example.prompt
+
+    def step(self, turn):
+        self.n += 1
+        return Step("ok;" if self.n < 3 else None, 0.25 * self.n + 0.05 * len(turn))
+"""
+
+
+def test_gspo_train_r3_with_an_environment_end_to_end(tmp_path):
+    """GRPO + R3 with vLLM and an environment (observations in every trajectory): trains, the
+    trainer's replayed log-probs equal vLLM's on the model's tokens, and volatility is logged."""
+    from gspo import train
+
+    (tmp_path / "observe_env.py").write_text(ENV_FILE)
+    res = train(Config(
+        model="embedded:tiny-moe-h32", rollout_engine="vllm", task="reverse", env=f"{tmp_path / 'observe_env.py'}:Observe",
+        algo="grpo", routing_replay=True, routing_replay_source="rollout", old_logp="rollout",
+        max_new_tokens=8, max_turns=3, max_trajectory_tokens=40, sft_steps=0, steps=2, prompts_per_step=4,
+        group_size=4, eval_size=4, eval_every=0, threads=1, progress=False, output_dir=str(tmp_path), name="r3-mt",
+    ))  # fmt: skip
+    rows = [json.loads(x) for x in (res.run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == 2
+    for r in rows:
+        assert (
+            r["env/obs_len"] > 0 and r["mismatch/token_abs_logp_diff"] < TOL and 0 <= r["moe/volatility"] <= 1
+        )
+    assert max(r["loss/grad_norm"] for r in rows) > 0

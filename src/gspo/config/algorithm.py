@@ -126,10 +126,6 @@ class Mismatch(Group):
     @staticmethod
     def _rules(cfg: Any) -> None:
         if cfg.routing_replay_source == "rollout":  # R3: the rollout engine's routing
-            if cfg.env:
-                raise bad(
-                    cfg, "routing_replay_source", "'rollout' (R3) is not supported with a multi-turn env yet"
-                )
             if cfg.rollout_engine != "vllm":
                 msg = "'rollout' (R3) needs rollout_engine vllm (the HF engine is the trainer)"
                 raise bad(cfg, "routing_replay_source", msg)
@@ -154,9 +150,16 @@ class Async(Group):
     are pi_old. With N ranks one sampler process serves them all (rank 0 publishes the weights and
     splits each batch); with LoRA it receives merged weights; with dynamic sampling it draws and
     scores the extra rounds itself. 0: synchronous."""
+    rollout_devices: str | None = None
+    """Async: the device the sampler process runs on (``cuda:N`` or ``cpu``), none of the trainer's
+    (rank r trains on ``cuda:r`` under ``device auto``). Weights then cross from trainer rank 0 over a
+    process group the two join (NCCL on a GPU, gloo on the CPU; only gloo is tested), one tensor at a
+    time, instead of shared memory. One device: several (tensor-parallel sampling) are not supported
+    yet. None: the sampler shares the trainer's host memory."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
+        _check_rollout_devices(cfg)
         if not cfg.async_staleness:
             return
         r3 = cfg.routing_replay and cfg.routing_replay_source == "rollout"
@@ -173,6 +176,36 @@ class Async(Group):
         ]:  # fmt: skip
             if not ok:
                 raise bad(cfg, f, f"is not supported with async_staleness > 0 ({why})")
+
+
+def rollout_device_list(value: str | None) -> tuple[str, ...]:
+    """``rollout_devices`` as a tuple of device names (empty: not set)."""
+    return tuple(d.strip() for d in value.split(",")) if value else ()
+
+
+def _check_rollout_devices(cfg: Any) -> None:
+    """Rollout devices need async, name one device, and on a GPU leave the trainer's (``cuda:LOCAL_RANK``
+    under ``device auto``/``cuda``, or its ``cuda:N``) alone; whether they exist is checked at launch."""
+    devices = rollout_device_list(cfg.rollout_devices)
+    if not devices:
+        return
+    if not cfg.async_staleness:
+        raise bad(cfg, "rollout_devices", "needs async_staleness > 0 (it places the async sampler process)")
+    if any(d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()) for d in devices):
+        raise bad(cfg, "rollout_devices", "each device is 'cpu' or 'cuda:N'")
+    if len(devices) > 1:
+        raise bad(cfg, "rollout_devices", "takes one device (one sampler process; tensor-parallel sampling "
+                  "over several is not supported yet)")  # fmt: skip
+    if devices[0] == "cpu":
+        return
+    if cfg.device == "cpu":
+        raise bad(cfg, "rollout_devices", "a GPU takes the weights over NCCL, which needs the trainer on a GPU "
+                  "too (device is 'cpu')")  # fmt: skip
+    trainer = [cfg.device] if cfg.device.startswith("cuda:") else [f"cuda:{r}" for r in range(cfg.nproc)]
+    both = sorted(set(devices) & set(trainer))
+    if both:
+        raise bad(cfg, "rollout_devices", f"{both[0]} is also a trainer device (trainer devices: "
+                  f"{','.join(trainer)}): the sampler needs a GPU the trainer does not use")  # fmt: skip
 
 
 @with_config(DOCUMENTED)
