@@ -70,11 +70,16 @@ def test_old_presets_are_exploratory_and_new_ones_declared():
             assert len(p.seeds) >= 16, name
         else:
             assert not p.primary and p.family is None, name
+    families: dict[str, list[str]] = {}
     for name in [n for n in list_presets() if n.startswith("confirm-")]:
         p = load_preset(name)
-        assert p.family.name == "issue21-confirm" and p.family.size == 4
+        families.setdefault(p.family.name, []).append(name)
         assert not set(p.seeds) & set(range(5)), f"{name}: a confirmation needs fresh seeds"
-    assert len([n for n in list_presets() if n.startswith("confirm-")]) == 4
+    assert len(families.pop("issue21-confirm")) == 4  # one endpoint each of the family of 4
+    assert families == {"clip-mechanism": ["confirm-clip-mechanism"]}
+    mech = load_preset("confirm-clip-mechanism")
+    assert mech.family.size == len(mech.primary) == 2
+    assert not set(mech.seeds) & set(range(200)), "fresh seeds: none used by an earlier preset"
 
 
 def test_progression_task_is_long_and_fits_the_embedded_context():
