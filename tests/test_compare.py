@@ -138,12 +138,16 @@ def test_report_verdict_follows_the_data(tmp_path, gspo_minus_grpo, verdict):
     row = next(ln for ln in text.splitlines() if ln.startswith("| acc_final: gspo - grpo > 0 |"))
     assert row.rsplit("|", 2)[-2].strip() == f"**{verdict}**", row
     claim = next(
-        ln for ln in text.splitlines() if ln.startswith("| GSPO ends with higher held-out accuracy than GRPO (final")
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("| GSPO ends with higher held-out accuracy than GRPO (final")
     )
     assert f"pre-registered: **{verdict}**" in claim, claim
     # undeclared (no preset): the same numbers are exploratory, with no verdict anywhere
     text = write_report(tmp_path, ["gspo", "grpo"], list(range(8)), Config(**TINY)).read_text()
     claim = next(
-        ln for ln in text.splitlines() if ln.startswith("| GSPO ends with higher held-out accuracy than GRPO (final")
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("| GSPO ends with higher held-out accuracy than GRPO (final")
     )
     assert "exploratory: no verdict" in claim and verdict not in claim.split("|")[-2]
