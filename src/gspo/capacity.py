@@ -328,6 +328,8 @@ def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None)
     several = cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches > rows
     held_grads = grads if several else 0.0
     s = _sampler(cfg, shape, world, gpu_bytes, compute, shards, ep)
+    if getattr(cfg, "rollout_devices", None):  # the sampler on its own device: here one tensor at a time
+        s = _Sampler(0.0, 0.0, 0.0, transfer_piece(cfg, shape), 0.0)
     states = weights + optimizer
     update = states + held_grads + unsharded + activations + lm_part + s.kept
     # start-up: FSDP2 from disk (rank 0 reads the model into host memory) broadcasts one full
@@ -383,6 +385,42 @@ def _sampler(
     # samples from the trainer's own module: under FSDP2 every group gathered (compute dtype)
     gathered = shape.params() * compute if shards > 1 else 0.0
     return _Sampler(kv + logits + gathered, 0.0, 0.0, 0.0, 0.0)
+
+
+def transfer_piece(cfg: Any, shape: Shape) -> float:
+    """Rollout devices: the trainer's extra memory while a version crosses, one tensor at a time: the
+    largest gathered whole (trainer's dtype) and its copy in the sampler's dtype."""
+    return largest_tensor(shape) * (BYTES[cfg.dtype] + BYTES[cfg.rollout_dtype or cfg.dtype])
+
+
+def sampler_side(cfg: Any, shape: Shape, gpu_bytes: float) -> tuple[list[str], float]:
+    """Rollout devices: the sampler process's device (its own GPU), and its peak. It holds its model
+    in the sampler's dtype, ``K + 1`` buffers the versions are received into, and the HF engine's KV
+    cache and logits or vLLM's share (whose own weights copy lies inside it)."""
+    gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
+    rb, K = BYTES[cfg.rollout_dtype or cfg.dtype], cfg.async_staleness
+    model = shape.params() * rb
+    buffers = (K + 1) * model
+    if cfg.rollout_engine == "vllm":
+        engine, what = cfg.vllm_gpu_memory_utilization * gpu_bytes, "vLLM's share (its weights inside)"
+    else:
+        rows = min(HF_GENERATION_CHUNK, max(1, cfg.prompts_per_step * cfg.group_size))
+        kv = rows * (cfg.max_prompt_tokens + response_tokens(cfg)) * 2 * shape.layers * shape.kv_dim * rb
+        engine, what = kv + rows * shape.vocab * 4 * 2, "HF engine: KV cache and logits"
+    peak = model + buffers + engine
+    lines = [
+        f"sampler side ({cfg.rollout_devices}, one process, {cfg.rollout_engine} engine, "
+        f"{cfg.rollout_dtype or cfg.dtype}):",
+        f"  model                   {gib(model)}",
+        f"  received versions       {gib(buffers)}   (K+1 = {K + 1} buffers a thread fills while it samples)",
+        f"  engine                  {gib(engine)}   ({what})",
+        f"  sampler peak            {gib(peak)}"
+        + (f" of {gpu_bytes / 2**30:.1f} GiB: {'fits' if peak <= gpu_bytes else 'does NOT fit'}"
+           if not str(cfg.rollout_devices).startswith("cpu") else " (host memory)"),
+        "trainer side (the GPUs below): no sampler; a version crosses one tensor at a time"
+        f" ({gib(transfer_piece(cfg, shape)).strip()} at most, in the weight sync)",
+    ]  # fmt: skip
+    return lines, peak
 
 
 def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) -> int:
@@ -445,6 +483,7 @@ def report(
     P, T = cfg.max_prompt_tokens, response_tokens(cfg)
     vllm = cfg.rollout_engine == "vllm"
     states = e.weights + e.optimizer
+    side = sampler_side(cfg, shape, gpu_bytes) if getattr(cfg, "rollout_devices", None) else ([], 0.0)
     lines = [
         f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {where} x "
         f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {cfg.dtype}"
@@ -482,7 +521,9 @@ def report(
         f"  weight sync             {gib(e.sync)}   (2x the largest piece streamed, in {cfg.dtype})",
         f"  sync peak               {gib(e.sync_peak)}",
     ]  # fmt: skip
+    lines[1:1] = side[0]  # rollout devices: the sampler's GPU first, then the trainer's
     fits = e.peak <= gpu_bytes  # no margin: every measured estimate was at or below the truth
+    fits = fits and (side[1] <= gpu_bytes or str(cfg.rollout_devices).startswith("cpu"))
     worst = max(e.phases().items(), key=lambda kv: kv[1])[0]
     verdict = "fits" if fits else "does NOT fit"
     if vllm:

@@ -383,6 +383,13 @@ def comm_report(cfg: Any, shape: Shape, link: Link, gpu_bytes: float | None = No
         cells = [_cell(sum(m.nbytes for m in ms) * k, sum(m.seconds for m in ms) * k) for ms in cols]
         lines.append(f"  {name:<24}" + "".join(cells).rstrip())
     lines.append(f"  {'step total':<24}" + "".join(_cell(*r.step()) for r in runs).rstrip())
+    if getattr(cfg, "rollout_devices", None):  # rank 0 -> the sampler's GPU, beside the trainer's traffic
+        nbytes = shape.params() * BYTES[cfg.rollout_dtype or cfg.dtype]
+        lines.append(
+            f"  {'to the sampler':<24}{_cell(nbytes, nbytes / link.intra).rstrip()}   (rank 0 alone, every "
+            f"version: one broadcast per tensor to {cfg.rollout_devices} in {cfg.rollout_dtype or cfg.dtype}, "
+            "NVLink rate)"
+        )
     lines.append(
         f"  {'per-GPU memory peak':<24}"
         + "".join(f"{peaks[e] / 2**30:9.1f} GiB{'':>22}" for e in sizes).rstrip()

@@ -25,6 +25,7 @@ from gspo.model.load import enable_activation_checkpointing, save_pretrained
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
 from gspo.rollout.factory import make_engine, make_sampler
+from gspo.rollout.weight_transfer import check_rollout_devices
 from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train import sharded as sharded_ckpt
@@ -36,6 +37,7 @@ from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_
 # may be moved or renamed and still resumed)
 RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
 RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name", "save_dtype"}
+RESUMABLE_CHANGES |= {"rollout_devices"}  # where the sampler runs: the batches are the same bits
 
 
 def train(cfg: Config) -> TrainResult:
@@ -86,6 +88,7 @@ def _build(
     # its shards: each rank reading its own from the safetensors files, or rank 0 reading them all
     dist_plan = resolve.dist_plan(cfg)
     sharded = dist_utils.builds_sharded(dist_plan, dctx.world_size, resume_from is None and cfg.sft_steps > 0)
+    check_rollout_devices(resolve.sample_plan(cfg).rollout_devices, dctx.device)  # exist, not this rank's
     check_plan_fits(cfg, dctx.world_size, gpu_total_memory(dctx.device))  # before any weight is read
     # seeds, model (dropout off), task (reward limits included), context and env checks: the same
     # code gspo compare's shared warm starts begin with

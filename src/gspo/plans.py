@@ -88,6 +88,7 @@ class SamplePlan:
     env: EnvPlan | None = None  # multi-turn
     dynamic_sampling: bool = False  # async: the process draws rounds until the batch is informative
     dynamic_sampling_max_rounds: int = 4  # ... at most this many extra rounds
+    rollout_devices: tuple[str, ...] = ()  # async: the sampler's device, weights over a process group
 
 
 @dataclass(frozen=True)

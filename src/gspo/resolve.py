@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from gspo.config import Config
-from gspo.config.algorithm import loss_params
+from gspo.config.algorithm import loss_params, rollout_device_list
 from gspo.errors import GspoError
 from gspo.losses import LOSSES
 from gspo.model.logprobs import attn_implementation, lm_head_is_plain, shared_prefix_is_exact
@@ -59,7 +59,8 @@ def engine_plan(cfg: Config) -> EnginePlan:
 
 
 def sample_plan(cfg: Config) -> SamplePlan:
-    return _take(SamplePlan, cfg, engine=engine_plan(cfg), task=task_plan(cfg), env=env_plan(cfg))
+    plans = dict(engine=engine_plan(cfg), task=task_plan(cfg), env=env_plan(cfg))
+    return _take(SamplePlan, cfg, **plans, rollout_devices=rollout_device_list(cfg.rollout_devices))
 
 
 def score_plan(cfg: Config) -> ScorePlan:

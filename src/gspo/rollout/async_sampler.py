@@ -28,6 +28,12 @@ train on the batch one process would.
 LoRA: the sampler's plain model receives merged weights, ``W + scaling * B @ A`` per adapted layer,
 computed one layer at a time from the trainer's adapters (nothing else of PEFT crosses).
 
+Rollout devices (``rollout_devices``): the sampler process runs on devices the trainer does not
+use and takes each version over a process group it joins with trainer rank 0
+(:mod:`gspo.rollout.weight_transfer`: NCCL on GPUs, gloo on the CPU), one tensor at a time, into
+``K + 1`` buffers of its own that a receiving thread fills while the main thread samples; the same
+slot argument holds, and the batches are those of the shared-memory path, bit for bit.
+
 Dynamic sampling (DAPO): the sampler process scores its own rounds (the trainer's scoring, passed in
 as ``score``), draws more prompts until the batch holds ``prompts_per_step`` informative groups (or
 the rounds run out) and sends the filled batch with the training prompts it holds and the data
@@ -54,6 +60,14 @@ from gspo.model.unwrap import full_tensor, is_peft, reshard, unwrap
 from gspo.plans import SamplePlan
 from gspo.procs import die_with_parent
 from gspo.rollout.hf import copy_tensors
+from gspo.rollout.weight_transfer import (
+    SamplerLink,
+    WeightReceiver,
+    WeightSender,
+    backend_for,
+    receive_versions,
+    visible_devices,
+)
 
 
 @dataclass
@@ -95,21 +109,44 @@ class AsyncSampler:
         self.dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # the sampler's precision
         self.slots: list[dict[str, torch.Tensor]] = []
         self.proc: Any = None
+        self.sender: WeightSender | None = None  # rollout devices: the process group's trainer side
+        self.names = weight_names(self.model)  # the order tensors cross in
+        self.devices = plan.rollout_devices
         pending = in_flight_from_state(state["in_flight"], self.P) if state and "in_flight" in state else []
         self.pending: deque[Ahead] = deque(pending)
         if pending and [b.step for b in pending] != list(range(version + 1, version + self.K + 1)):
             raise GspoError("the checkpoint's async batches in flight do not follow its step")
-        self._publish(version, start=False)  # every rank: the slots are made from the first stream
-        if self.rank != 0:
-            return
-        ctx = mp.get_context("spawn")
-        self.versions: Any = ctx.Queue()
-        self.batches: Any = ctx.Queue()
-        first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
-        args = (plan, make_engine, score, self.model.config, tokenizer, prompt_ids, self.slots, self.versions)
-        self.proc = ctx.Process(target=_sampler_main, args=(*args, self.batches, first), daemon=True)
-        self.proc.start()
-        self.versions.put(version)
+        devices = plan.rollout_devices
+        if not devices:
+            self._publish(version, start=False)  # every rank: the slots are made from the first stream
+        if self.rank == 0:
+            ctx = mp.get_context("spawn")
+            self.versions: Any = ctx.Queue()
+            self.batches: Any = ctx.Queue()
+            first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
+            weights: Any = self.slots
+            if devices:  # the process joins a group with this one and receives every version
+                self.sender = WeightSender(backend_for(devices), next(self.model.parameters()).device)
+                cuda = visible_devices(devices) if devices[0].startswith("cuda") else None
+                weights = SamplerLink(self.sender.rendezvous, self.names, cuda)
+            args = (
+                plan,
+                make_engine,
+                score,
+                self.model.config,
+                tokenizer,
+                prompt_ids,
+                weights,
+                self.versions,
+            )
+            self.proc = ctx.Process(target=_sampler_main, args=(*args, self.batches, first), daemon=True)
+            self.proc.start()
+            if self.sender is None:
+                self.versions.put(version)
+            else:
+                self._connect()
+        if devices:
+            self._publish(version)  # every rank: the first version crosses like every other
 
     def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput:
         """This rank's share of the responses of ``step`` (blocking; collective on N ranks), with how
@@ -163,6 +200,8 @@ class AsyncSampler:
         return {"in_flight": in_flight_to_state([b for b in self.pending if step < b.step <= step + self.K])}
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         if self.proc is None:
             return
         if self.proc.is_alive():
@@ -173,6 +212,8 @@ class AsyncSampler:
         """Version ``version``'s weights into its slot (every rank gathers; rank 0 writes)."""
         reshard(self.policy)  # no-grad forwards can leave FSDP2's root unsharded (plain tensors)
         stream = merged_weights(self.model)
+        if self.sender is not None or (self.rank != 0 and self.devices):
+            return self._transfer(version, stream)
         if self.rank != 0:
             for _ in stream:  # the gathers are collective: every rank walks the stream
                 pass
@@ -185,6 +226,44 @@ class AsyncSampler:
             copy_tensors(self.slots[version % (self.K + 1)], stream)
         if start:
             self.versions.put(version)
+
+    def _connect(self) -> None:
+        """Rank 0 joins the weight group once the process has (or says in one line why it did not)."""
+        assert self.sender is not None
+        try:
+            self.sender.connect(self.proc.is_alive)
+        except GspoError as e:
+            why = f"{e}{self._last_words()}"
+            self.close()
+            raise GspoError(why) from None
+
+    def _transfer(self, version: int, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Version ``version`` over the process group (rank 0 broadcasts each tensor; every rank walks
+        the stream, whose gathers are collective). A failed transfer stops every rank in one line."""
+        why = None
+        if self.sender is not None:
+            self.versions.put(version)  # the process's receiving thread waits for it, then for the tensors
+            try:
+                self.sender.send(stream, self.names, self.dtype, self.proc.is_alive)
+            except GspoError as e:
+                why = f"{e}{self._last_words()}"
+                self.sender.close()
+        for _ in stream:  # the rest of a failed stream: the other ranks' gathers need this rank
+            pass
+        if self.world > 1:
+            box = [why]
+            dist.broadcast_object_list(box, src=0)
+            why = box[0]
+        if why is not None:
+            raise GspoError(why)
+
+    def _last_words(self) -> str:
+        """The process's own error, if it sent one before it stopped."""
+        try:
+            msg = self.batches.get(timeout=0.5)
+        except Exception:  # noqa: BLE001 (queue.Empty)
+            return ""
+        return f": {msg}" if isinstance(msg, str) else ""
 
     def _receive(self) -> Ahead:
         while True:
@@ -244,6 +323,14 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield n.replace(".base_layer.", "."), w
 
 
+def weight_names(model: nn.Module) -> list[str]:
+    """The names :func:`merged_weights` yields, in its order, without gathering anything."""
+    if not is_peft(model):
+        return [n for n, _ in model.named_parameters()]
+    hf = unwrap(model, "hf")
+    return [n.replace(".base_layer.", ".") for n, _ in hf.named_parameters() if ".lora_" not in n]
+
+
 def _lora_delta(layer: nn.Module) -> torch.Tensor:
     """``scaling * B @ A`` of a PEFT LoRA linear's active adapters (the merge PEFT's own
     ``merge_and_unload`` makes), from whole adapter matrices."""
@@ -271,7 +358,7 @@ def _to_wire(a: Ahead, groups: slice | None = None, G: int = 1) -> tuple[Any, ..
         rows = slice(groups.start * G, groups.stop * G)
         arrays, prompts, idx = tuple(x[rows] for x in arrays), prompts[rows], idx[groups]
     meta = (a.out.gen_s, a.out.info, idx, a.data_end)
-    return (a.step, a.version, prompts, *(x.numpy() for x in arrays), env_fields(rb), meta)
+    return (a.step, a.version, prompts, *(x.cpu().numpy() for x in arrays), env_fields(rb), meta)
 
 
 def _from_wire(msg: tuple[Any, ...]) -> Ahead:
@@ -337,14 +424,15 @@ def _sampler_main(
     config: Any,
     tokenizer: Any,
     prompt_ids: list[list[int]],
-    slots: list[dict[str, torch.Tensor]],
+    weights: list[dict[str, torch.Tensor]] | SamplerLink,
     versions: Any,
     batches: Any,
     first: tuple[int, int],
 ) -> None:
     """The sampler process: one engine over its own model, then for step t = first[0], ...: wait
     for version max(t-1-K, 0), load it into the model, sample step t's responses (the synchronous
-    sampler, its generator seeded by t; dynamic sampling: its rounds), send them."""
+    sampler, its generator seeded by t; dynamic sampling: its rounds), send them. ``weights``: the
+    shared-memory slots, or the link to the process group that brings each version (rollout devices)."""
     import signal
 
     from transformers import AutoModelForCausalLM
@@ -357,10 +445,19 @@ def _sampler_main(
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # torchrun's: this is no rank
         os.environ.pop(k, None)
     try:
+        link = weights if isinstance(weights, SamplerLink) else None
+        if link is not None and link.cuda_visible is not None:  # before CUDA starts: its GPUs are cuda:0..
+            os.environ["CUDA_VISIBLE_DEVICES"] = link.cuda_visible
+        receiver = WeightReceiver(link.rendezvous) if link is not None else None  # join early: rank 0 waits
         dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # rollout_dtype: a lower precision
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        device = torch.device("cuda:0" if link is not None and link.cuda_visible is not None else "cpu")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(device)
         params = dict(model.named_parameters())
         K, latest, loaded = plan.async_staleness, -1, -1
+        arrived, slots = versions, weights
+        if link is not None:  # a thread receives each version into K + 1 buffers of this process's own
+            slots = [{n: torch.empty_like(params[n]) for n in link.names} for _ in range(K + 1)]
+            arrived = receive_versions(receiver, link.names, slots, versions)
         task = None
         if plan.env is not None or score is not None:  # this process plays trajectories or scores rounds
             from gspo.tasks import task_from_config
@@ -374,7 +471,9 @@ def _sampler_main(
         for t in range(first[0], 1 << 62):
             need = max(t - 1 - K, 0)
             while latest < need:
-                latest = versions.get()
+                latest = arrived.get()
+                if isinstance(latest, str):  # the receiving thread's error
+                    raise GspoError(latest)
             if loaded != need:
                 copy_tensors(params, slots[need % (K + 1)].items())
                 sampler.sync(need)  # an engine with its own copy (vLLM) takes the model's weights
