@@ -153,6 +153,8 @@ class WeightSender:
         except GspoError:
             raise
         except Exception as e:  # noqa: BLE001 (gloo/NCCL errors are RuntimeError subclasses of their own)
+            if _dies(alive):  # the peer's reset: say what happened, not the backend's words
+                raise GspoError("the async sampler process died during the weight transfer") from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GspoError(
                 f"the weight transfer to the async sampler failed mid-way ({first[:200]})"
@@ -160,6 +162,16 @@ class WeightSender:
 
     def close(self) -> None:
         self.group = None
+
+
+def _dies(alive: Alive, within_s: float = 2.0) -> bool:
+    """Whether the sampler's process is gone, or goes within ``within_s`` (a reset socket comes first)."""
+    t0 = time.time()
+    while alive():
+        if time.time() - t0 > within_s:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class WeightReceiver:
