@@ -151,6 +151,9 @@ def launches(tmp_path_factory):
     model = str(next((tmp / "warm").iterdir()) / "final")
     procs["two"] = subprocess.Popen(_cli(tmp, "two", model, NPROC, "--sft-steps", "0"), **kw)
     procs["one"] = subprocess.Popen(_cli(tmp, "one", model, 1, "--sft-steps", "0"), **kw)
+    procs["lora"] = subprocess.Popen(
+        _cli(tmp, "lora", model, NPROC, "--sft-steps", "0", "--lora-rank", "4"), **kw
+    )
     done = {name: _wait(p, 600) for name, p in procs.items()}
     return {"data": data, "tmp": tmp, "done": done}
 
@@ -232,6 +235,32 @@ def test_gspo_train_two_ranks_with_an_environment(launches):
     assert (runs["two"] / "final" / "model.safetensors").exists()
 
 
+def test_gspo_train_two_ranks_lora_with_an_environment(launches):
+    """``gspo train --nproc 2 --lora-rank 4 --env FILE:Class`` trains (FSDP2) on multi-turn trajectories
+    (the update itself: the LoRA runs above) and final/ is the base with the adapters merged, from
+    the sharded model (it used to deepcopy the FSDP2 module and fail at the step-0 checkpoint):
+    W + (alpha / r) B A of final/adapter/, every other weight the base's, bit for bit."""
+    from safetensors.torch import load_file
+
+    rc, out = launches["done"]["lora"]
+    assert rc == 0, out[-6000:]
+    run = next((launches["tmp"] / "lora").iterdir())
+    for r in _rows(run)[1:]:
+        assert r["env/obs_len"] > 0 and r["loss/grad_norm"] > 0
+    base = load_file(run / "checkpoints" / "lora-base" / "model.safetensors")
+    final = load_file(run / "final" / "model.safetensors")
+    adapter = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    assert set(final) == set(base)
+    merged = 0
+    for k, w in base.items():
+        pre = "base_model.model." + k.removesuffix(".weight")
+        if pre + ".lora_A.weight" in adapter:
+            w = w + 16.0 / 4 * adapter[pre + ".lora_B.weight"] @ adapter[pre + ".lora_A.weight"]
+            merged += 1
+        torch.testing.assert_close(final[k], w, atol=1e-7, rtol=0, msg=k)
+    assert merged and max(float(v.abs().max()) for k, v in adapter.items() if ".lora_B." in k) > 0
+
+
 # ------------------------------------------------------------------------------------------------
 # LoRA, one process
 
@@ -271,17 +300,32 @@ def test_lora_update_on_trajectories_trains_adapters_on_the_models_tokens(monkey
     assert {n for n, p in model.named_parameters() if p.requires_grad} >= moved
 
 
-def test_gspo_train_lora_with_the_calculator(tmp_path):
-    """``gspo train --lora-rank 4 --env tools:calc`` end to end: trains on trajectories that call the
-    tool (after a LoRA warm start), and final/ holds the merged model."""
-    from test_multiturn import TINY
-
+def test_gspo_train_lora_with_an_environment(tmp_path):
+    """``gspo train --lora-rank 4 --env FILE:Class`` end to end: trains on multi-turn trajectories
+    (observations in them, non-zero gradients), and what moved is the adapters alone: every base
+    weight of the trained PEFT model is the initial model's, bit for bit (no warm start: it trains the
+    whole model before the adapters are added)."""
     from gspo import train
+    from gspo.model.load import load_model_and_tokenizer
 
-    res = train(Config(**{**TINY, "sft_steps": 80, "lora_rank": 4, "lr": 1e-3, "output_dir": str(tmp_path)}))
+    (tmp_path / "observe_env.py").write_text(textwrap.dedent(ENV_FILE))
+    res = train(Config(
+        model="embedded:tiny-moe", task="reverse", env=f"{tmp_path / 'observe_env.py'}:Observe", max_new_tokens=8,
+        max_turns=3, max_trajectory_tokens=40, sft_steps=0, steps=2, prompts_per_step=4, group_size=4, eval_size=4,
+        eval_every=0, threads=1, progress=False, lora_rank=4, lr=1e-3, output_dir=str(tmp_path),
+    ))  # fmt: skip
     rows = _rows(res.run_dir)[1:]
-    assert max(r["env/multi_turn_frac"] for r in rows) > 0 and max(r["env/obs_len"] for r in rows) > 0
-    assert all(r["loss/grad_norm"] > 0 for r in rows)
+    assert all(r["env/obs_len"] > 0 and r["loss/grad_norm"] > 0 for r in rows), rows
+    init = load_model_and_tokenizer("embedded:tiny-moe", seed=0)[0].state_dict()
+    lora, base = 0.0, 0
+    for name, p in res.model.named_parameters():
+        plain = name.replace("base_model.model.", "").replace(".base_layer", "")
+        if ".lora_" in name:
+            lora = max(lora, float(p.abs().max())) if ".lora_B." in name else lora
+        else:
+            assert torch.equal(p.detach(), init[plain]), name
+            base += 1
+    assert lora > 0 and base == len(init) - ("lm_head.weight" in init)  # (tied to the embedding)
     assert res.final_dir is not None and (res.final_dir / "model.safetensors").exists()
 
 

@@ -241,8 +241,8 @@ class Run:
         from gspo.model.lora import is_peft
 
         hf = self.trainer.hf
-        if is_peft(hf) and self.world > 1:
-            return hf, None
+        if is_peft(hf) and self.world > 1 and not dist_utils._is_fsdp(self.trainer.policy):
+            return hf, None  # DDP: every rank holds the whole PEFT model, which merges a copy
         return hf, dist_utils.full_state_dict(self.trainer.policy, self.dctx)
 
     def close(self) -> None:
@@ -276,6 +276,14 @@ def save_hf(
     and for PEFT users)."""
     from gspo.model.lora import is_peft, merged_copy
 
+    if is_peft(model) and state_dict is not None:  # FSDP2-sharded: merged from the gathered weights
+        merged = _merged_lora_state(model, state_dict)
+        if dtype is not None:
+            merged = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
+        model.get_base_model().save_pretrained(path, safe_serialization=True, state_dict=merged)
+        tokenizer.save_pretrained(path)
+        model.save_pretrained(Path(path) / "adapter", state_dict=state_dict)
+        return
     if is_peft(model):
         merged = merged_copy(model)
         save_pretrained(merged if dtype is None else merged.to(dtype), tokenizer, path)
@@ -304,3 +312,25 @@ def make_optimizer(
     warm = max(plan.warmup_steps, 1)  # lr x (s + 1) / warm over the first warm steps, then lr
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / warm, 1.0, total_iters=warm - 1)
     return optimizer, scheduler
+
+
+def _merged_lora_state(model: Any, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PEFT model's gathered state dict ``sd`` as the plain model's, each adapted weight merged
+    (``W + scaling * B @ A`` over the active adapters, as PEFT's ``merge_and_unload``): an FSDP2-sharded
+    PEFT model cannot be copied to merge in place."""
+    modules = dict(model.named_modules())
+    out: dict[str, torch.Tensor] = {}
+    for name, w in sd.items():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            prefix = name.removesuffix(".base_layer.weight")
+            layer = modules[prefix]
+            delta = sum(
+                (sd[f"{prefix}.lora_B.{a}.weight"].float() @ sd[f"{prefix}.lora_A.{a}.weight"].float())
+                * layer.scaling[a]
+                for a in layer.active_adapters
+            )
+            w = w + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta).to(w.dtype)
+        out[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = w
+    return out
