@@ -333,6 +333,40 @@ def test_gspo_train_lora_with_an_environment(tmp_path):
 # what stays refused
 
 
+class _Flaky:
+    """Raises on the first turn of every prompt holding a '3' (reward_on_error zero: reward 0)."""
+
+    def reset(self, example: Example) -> str:
+        self.bad = "3" in example.prompt
+        return example.prompt
+
+    def step(self, model_turn: str) -> Step:
+        if self.bad:
+            raise RuntimeError("flaky")
+        return Step(None, 1.0)
+
+
+def test_a_share_of_trajectories_counts_its_own_errors():
+    """What async would send each rank (``env_fields(batch, rows)``): a share of the groups carries
+    its own rows' failures, so the shares' error counts add up to the batch's (a whole-batch count
+    sent to each rank would count each failure N times). The round trip keeps them."""
+    from gspo.envs.rollout import env_fields, with_env_fields
+
+    tok = build_char_tokenizer()
+    eng = HFRolloutEngine(build_tiny_moe(len(tok), seed=0).eval(), tok.eos_token_id, tok.pad_token_id,
+                          torch.Generator().manual_seed(0))  # fmt: skip
+    ex = [Example(p, "") for p in ("rev:12=", "rev:345=", "rev:33=", "rev:01=") for _ in range(2)]
+    ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in ex]
+    spec = EnvSpec(_Flaky, "flaky", None, on_error="zero")
+    with torch.no_grad():
+        eb = run_episodes(eng, tok, spec, ex, ids, Limits(2, 4, 20), 1.0)
+    assert eb.n_errors == 4 and eb.failed_B.tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    shares = [env_fields(eb, slice(0, 4)), env_fields(eb, slice(4, 8))]
+    assert [f["n_errors"] for f in shares] == [2, 2] and env_fields(eb)["n_errors"] == 4
+    back = with_env_fields(eb, env_fields(eb))
+    assert back.n_errors == 4 and torch.equal(back.failed_B, eb.failed_B)
+
+
 def test_async_with_an_environment_on_ranks_is_one_line_exit_2(tmp_path):
     """Async rollouts with an environment on N ranks stay refused, in one line saying why (exit 2),
     before any weight is read; on one rank they run (tests/test_multiturn.py)."""
