@@ -1,6 +1,7 @@
 """Rollouts on their own devices (``--rollout-devices``, issue 34 item 3): the async sampler takes each
 version over a process group it joins with trainer rank 0 (gloo here, processes on the CPU), one
-tensor at a time, and trains exactly as the shared-memory async run does; a trainer killed with -9
+tensor at a time, and trains exactly as the shared-memory async run does (one process and 2 FSDP2
+ranks); a trainer killed with -9
 resumes exactly; a sampler killed mid-transfer stops the run in one line keeping the last finished
 step; bad devices are refused in one line before any weight is read; ``gspo plan`` prints the
 sampler side and the trainer side. NCCL on GPUs is not tested here."""
@@ -62,14 +63,15 @@ def test_the_process_group_gives_the_shared_memory_batches_and_update(runs):
     _same_weights(shm, pg)
 
 
-def _cli(tmp: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "gspo", "train", "--output-dir", str(tmp), "--name", "killed"]
+def _cli(tmp: Path, *extra: str, name: str = "killed", devices: str | None = "cpu") -> subprocess.Popen:
+    """``gspo train`` with CFG (``devices``: --rollout-devices, None: shared memory)."""
+    args = [sys.executable, "-m", "gspo", "train", "--output-dir", str(tmp), "--name", name]
     for k, v in CFG.items():
         flag = "--" + k.replace("_", "-")
         args += [flag if v is not False else "--no-" + k.replace("_", "-")] + ([] if v is False else [str(v)])
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.Popen(
-        [*args, "--rollout-devices", "cpu", *extra],
+        [*args, *(["--rollout-devices", devices] if devices else []), *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -92,6 +94,16 @@ def test_a_trainer_killed_with_minus_9_resumes_exactly(runs):
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err.decode()[-3000:]
     _same_weights(pg, tmp / "killed")
+
+
+def test_two_ranks_over_the_process_group_equal_their_shared_memory_run(tmp_path):
+    """2 gloo ranks (FSDP2): every rank gathers each tensor in turn, rank 0 broadcasts it to the
+    sampler; the run ends on the shared-memory 2-rank run's weights, bit for bit."""
+    procs = [_cli(tmp_path, "--nproc", "2", name=f"ranks-{d}", devices=d) for d in ("cpu", None)]
+    for p in procs:
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err.decode()[-3000:]
+    _same_weights(tmp_path / "ranks-None", tmp_path / "ranks-cpu")
 
 
 def test_a_sampler_killed_mid_transfer_stops_in_one_line_and_resumes_exactly(runs, monkeypatch):
