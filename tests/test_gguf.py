@@ -111,10 +111,12 @@ def test_gspo_on_copy_raises_smollm2s_held_out_exact_match(tmp_path):
     through the public path raise greedy exact-match accuracy on the fixed held-out set (16 prompts of
     seed 0). Sampling at temperature 0.6: at 1.0 SmolLM2's samples score 0.22 per-position credit
     against greedy's 0.87 (75% run past 96 tokens), so the groups would teach little about its greedy
-    output. Measured 2026-12-05 on a 2-core machine at load 8-13 (other agents' jobs; quiet-machine time
-    not measured yet): before 0/16 exact (held-out credit 0.866); one step of these 16 samples took
-    960 s there (generate 565 s, update 395 s, 2 threads at ~0.37 of a core). The numbers after and the
-    quiet-machine time are still to be filled in by a run on a quiet machine (the CI's budget: ~3 min)."""
+    output. NOT CALIBRATED YET: measured 2026-12-05 with these settings on a 2-core machine at load 3-13
+    (other agents' jobs): held-out exact 0/16 before and 0/16 after (credit 0.866 -> 0.904; rollout
+    credit 0.69, 0.96, 0.93 over the 3 steps; steps took 315, 96, 82 s as the load fell). After training
+    the model copies the list but runs on past its end (truncated at 96 tokens), so it needs more steps
+    (or more samples) to learn to stop; the settings and the quiet-machine time are still to be set.
+    """
     from gspo import Config, train
 
     cfg = Config(
