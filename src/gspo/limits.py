@@ -126,7 +126,8 @@ def check_resources(cfg: Any, model: Any) -> None:
         "prompts_per_step": chunk * (T * per_token_kv + vocab * 4 * 2),
         "micro_batch_size" if cfg.micro_batch_size else "num_minibatches": mb * (T * per_token_act + logits),
         "sft_batch_size": (cfg.sft_batch_size * (T * per_token_act + logits)) if cfg.sft_steps else 0,
-        "async_staleness": (cfg.async_staleness + 1) * param_bytes if cfg.async_staleness else 0,
+        # K+1 received weight copies: in shared memory, or on the sampler's own device (not this one)
+        "async_staleness": (cfg.async_staleness + 1) * param_bytes if _copies_here(cfg) else 0,
     }
     if cfg.lora_rank > hidden:  # a rank past the hidden size adds parameters and no expressiveness
         raise _bad(cfg, "lora_rank", f"must be <= the model's hidden size {hidden}")
@@ -138,7 +139,7 @@ def check_resources(cfg: Any, model: Any) -> None:
                 cfg, field, f"needs about {_gib(need)} of memory with this model, {_gib(free)} is free"
             )
     check_vllm_share(cfg)
-    if cfg.async_staleness:  # torch shares each tensor of each weight copy through its own descriptor
+    if cfg.async_staleness and not cfg.rollout_devices:  # one descriptor per shared tensor per copy
         fds = (cfg.async_staleness + 1) * len(params) + 256
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft != resource.RLIM_INFINITY and fds > soft:
@@ -218,3 +219,9 @@ def gpu_total_memory(device: Any) -> float | None:
     if getattr(device, "type", None) != "cuda":
         return None
     return float(torch.cuda.get_device_properties(device).total_memory)
+
+
+def _copies_here(cfg: Any) -> bool:
+    """Whether async's K+1 weight copies take this device's memory: shared memory, or a sampler whose
+    own device is the CPU (a sampler on a GPU of its own holds them there)."""
+    return bool(cfg.async_staleness) and cfg.rollout_devices in (None, "", "cpu")
