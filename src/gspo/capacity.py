@@ -457,6 +457,22 @@ def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[flo
     return value * unit, f"{flag} {value:g}"
 
 
+def _title(cfg: Any, spec: str, shape: Shape, gpus: int, gpu_bytes: float, given: str, nodes: int) -> str:
+    """The plan's first line: the model, the machines and how the model is split over them."""
+    ep = expert_parallel(cfg, shape, gpus)
+    kind = f"MoE, {shape.experts} experts top-{shape.top_k}" if shape.experts else "dense"
+    sharded = cfg.parallel == "fsdp" and gpus > 1
+    shard = f"FSDP2 over {gpus}" if sharded else ("DDP" if gpus > 1 else "1 process")
+    shard += f", experts over EP groups of {ep}" if ep > 1 else ""
+    where = f"{nodes} nodes x {gpus // nodes} GPUs" if nodes > 1 else f"{gpus} GPU(s)"
+    return (
+        f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {where} x "
+        f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {cfg.dtype}"
+        + (", bf16 compute" if cfg.mixed_precision == "bf16" else "")
+        + (", activation checkpointing" if cfg.activation_checkpointing else "")
+    )
+
+
 def report(
     cfg: Any,
     spec: str,
@@ -473,22 +489,14 @@ def report(
         raise GspoError(f"GPU memory must be a positive number of bytes (got {gpu_bytes!r})")
     shape = shape or shape_of(spec)
     e = estimate(cfg, shape, gpus, gpu_bytes)
-    ep = expert_parallel(cfg, shape, gpus)
     gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
-    kind = f"MoE, {shape.experts} experts top-{shape.top_k}" if shape.experts else "dense"
     sharded = cfg.parallel == "fsdp" and gpus > 1
-    shard = f"FSDP2 over {gpus}" if sharded else ("DDP" if gpus > 1 else "1 process")
-    shard += f", experts over EP groups of {ep}" if ep > 1 else ""
-    where = f"{nodes} nodes x {gpus // nodes} GPUs" if nodes > 1 else f"{gpus} GPU(s)"
     P, T = cfg.max_prompt_tokens, response_tokens(cfg)
     vllm = cfg.rollout_engine == "vllm"
     states = e.weights + e.optimizer
     side = sampler_side(cfg, shape, gpu_bytes) if getattr(cfg, "rollout_devices", None) else ([], 0.0)
     lines = [
-        f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {where} x "
-        f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {cfg.dtype}"
-        + (", bf16 compute" if cfg.mixed_precision == "bf16" else "")
-        + (", activation checkpointing" if cfg.activation_checkpointing else ""),
+        _title(cfg, spec, shape, gpus, gpu_bytes, given, nodes),
         "per GPU, start-up ("
         + ("rank 0 reads the weights into host memory; each GPU holds its shard" if sharded else "weights loaded")
         + "):",
