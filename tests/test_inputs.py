@@ -149,6 +149,8 @@ def test_model_aware_check_counts_the_async_weight_copies_and_their_files(monkey
         GspoError, match=r"config field 'async_staleness': needs about \d+ open files.*ulimit -n"
     ):
         check_resources(Config(async_staleness=64), model)
+    # over a process group (--rollout-devices) no shared-memory descriptor is opened
+    check_resources(Config(async_staleness=64, rollout_devices="cpu"), model)
     monkeypatch.setattr("gspo.memory.available_memory", lambda: 4 << 20)  # 9 copies of 0.9 MB do not fit
     small = dict(
         prompts_per_step=2, group_size=2, num_minibatches=1, eval_size=2, max_prompt_tokens=16, sft_steps=0
@@ -156,6 +158,8 @@ def test_model_aware_check_counts_the_async_weight_copies_and_their_files(monkey
     check_resources(Config(**small, async_staleness=1), model)
     with pytest.raises(GspoError, match="config field 'async_staleness': needs about 7.8 MiB of memory"):
         check_resources(Config(**small, async_staleness=8), model)
+    with pytest.raises(GspoError, match="needs about 7.8 MiB"):  # a CPU sampler holds them here too
+        check_resources(Config(**small, async_staleness=8, rollout_devices="cpu"), model)
 
 
 @pytest.mark.parametrize("value", ["1" + "0" * 50, "1.0e+50"])
