@@ -4,12 +4,35 @@ test file: pytest does not collect it)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # a run that finishes in seconds: a short warm start, small batches, one thread, no progress bar
 TINY = [
     "--sft-steps", "5", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "4",
     "--max-new-tokens", "8", "--eval-every", "0", "--threads", "1", "--no-progress",
 ]  # fmt: skip
+
+
+def rank_env() -> dict[str, str]:
+    """The environment of a torchrun launch from a test: one thread per rank, this checkout's gspo."""
+    root = Path(__file__).resolve().parents[1]
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")]),
+    )
+
+
+def wait_proc(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """(return code, output) of ``proc``; killed and -9 after ``timeout`` seconds."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -9, out
+    return proc.returncode, out
 
 
 def env() -> dict[str, str]:

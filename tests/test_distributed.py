@@ -6,13 +6,13 @@ AdamW's first step normalises the gradient scale away, so only SGD catches a wro
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import rank_env, wait_proc
 
 from gspo.config import Config
 from gspo.data import TrainBatch
@@ -146,25 +146,6 @@ def _single(run: dict, data: TrainBatch, vocab: int):
     return model, metrics
 
 
-def _env() -> dict[str, str]:
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        return -9, out
-    return proc.returncode, out
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """Both torchrun launches at once (the worker and the CLI end-to-end run overlap their start-up)."""
@@ -207,9 +188,9 @@ def launches(tmp_path_factory):
         str(tmp / "runs"),
         "--no-progress",
     ]
-    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    kw = {"env": rank_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
     procs = {"worker": subprocess.Popen(worker, **kw), "e2e": subprocess.Popen(e2e, **kw)}
-    done = {name: _wait(p, 240) for name, p in procs.items()}
+    done = {name: wait_proc(p, 240) for name, p in procs.items()}
     return {"data": data, "vocab": vocab, "tmp": tmp, "done": done}
 
 
@@ -336,7 +317,7 @@ def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process
                 "--output-dir",
                 str(tmp_path / n),
             ],
-            env=_env(),
+            env=rank_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -344,14 +325,14 @@ def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process
         )  # fmt: skip
         for n, k in (("two", NPROC), ("one", 1))
     }
-    done = {n: _wait(p, 300) for n, p in procs.items()}
+    done = {n: wait_proc(p, 300) for n, p in procs.items()}
     for n, (rc, out) in done.items():
         assert rc == 0, (n, out[-6000:])
     runs = {n: next((tmp_path / n).iterdir()) for n in procs}
     want = load_file(folder / "model.safetensors")
     step0 = runs["two"] / "checkpoints" / "step-000000"  # sharded: each rank wrote its shard
     export = [sys.executable, "-m", "gspo", "export", str(step0), "--out", str(tmp_path / "step0")]
-    subprocess.run(export, env=_env(), check=True, capture_output=True)
+    subprocess.run(export, env=rank_env(), check=True, capture_output=True)
     got = load_file(tmp_path / "step0" / "model.safetensors")
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -7,7 +7,6 @@ stays refused (async on N ranks) says why in one line. R3 with vLLM: tests/test_
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import rank_env, wait_proc
 
 from gspo.config import Config
 from gspo.data import TrainBatch
@@ -82,25 +82,6 @@ def _trajectories() -> TrainBatch:
     return data
 
 
-def _env() -> dict[str, str]:
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        return -9, out
-    return proc.returncode, out
-
-
 ENV_FILE = '''
 from gspo.envs.base import Step
 
@@ -142,11 +123,13 @@ def launches(tmp_path_factory):
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
         str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt"),
     ]  # fmt: skip
-    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    kw = {"env": rank_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
     procs = {"worker": subprocess.Popen(worker, **kw)}
     # a warm start (one process) that ends its turns with EOS, so greedy held-out trajectories go on
     # after an observation; both runs below start from its final/ without one of their own
-    warm = _wait(subprocess.Popen(_cli(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40"), **kw), 600)
+    warm = wait_proc(
+        subprocess.Popen(_cli(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40"), **kw), 600
+    )
     assert warm[0] == 0, warm[1][-6000:]
     model = str(next((tmp / "warm").iterdir()) / "final")
     procs["two"] = subprocess.Popen(_cli(tmp, "two", model, NPROC, "--sft-steps", "0"), **kw)
@@ -154,7 +137,7 @@ def launches(tmp_path_factory):
     procs["lora"] = subprocess.Popen(
         _cli(tmp, "lora", model, NPROC, "--sft-steps", "0", "--lora-rank", "4"), **kw
     )
-    done = {name: _wait(p, 600) for name, p in procs.items()}
+    done = {name: wait_proc(p, 600) for name, p in procs.items()}
     return {"data": data, "tmp": tmp, "done": done}
 
 
@@ -372,7 +355,7 @@ def test_async_with_an_environment_on_ranks_is_one_line_exit_2(tmp_path):
     before any weight is read; on one rank they run (tests/test_multiturn.py)."""
     cmd = [sys.executable, "-m", "gspo", "train", "--env", "tools:calc", "--task", "add_long", "--nproc", "2",
            "--async-staleness", "1", "--output-dir", str(tmp_path)]  # fmt: skip
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2, (p.stdout[-2000:], p.stderr[-2000:])
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "nproc" in lines[0] and "async_staleness" in lines[0], p.stderr
