@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -82,21 +81,7 @@ def _trajectories() -> TrainBatch:
     return data
 
 
-ENV_FILE = '''
-from gspo.envs.base import Step
-
-
-class Observe:
-    """Every turn but the third gets an observation; reward from the text (not seeded by a rank)."""
-
-    def reset(self, example):
-        self.n = 0
-        return example.prompt
-
-    def step(self, turn):
-        self.n += 1
-        return Step("ok;" if self.n < 3 else None, 0.25 * self.n + 0.05 * len(turn))
-'''
+ENV_FILE = Path(__file__).with_name("fixture_observe_env.py")  # a user's environment module
 
 
 ENV_ARGS = ["--task", "reverse", "--max-new-tokens", "8", "--max-turns", "3", "--max-trajectory-tokens", "40"]
@@ -105,7 +90,7 @@ ENV_ARGS = ["--task", "reverse", "--max-new-tokens", "8", "--max-turns", "3", "-
 def _cli(tmp: Path, name: str, model: str, nproc: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "gspo", "train", "--model", model, *ENV_ARGS, "--env",
-        f"{tmp / 'observe_env.py'}:Observe", "--steps", "2", "--eval-size", "8", "--prompts-per-step", "4",
+        f"{ENV_FILE}:Observe", "--steps", "2", "--eval-size", "8", "--prompts-per-step", "4",
         "--group-size", "4", "--threads", "1", "--no-progress", "--nproc", str(nproc), "--output-dir",
         str(tmp / name), "--save-every", "0", *extra,
     ]  # fmt: skip
@@ -118,7 +103,6 @@ def launches(tmp_path_factory):
     data = _trajectories()
     tmp = tmp_path_factory.mktemp("env-ranks")
     torch.save({"data": data, "runs": RUNS}, tmp / "in.pt")
-    (tmp / "observe_env.py").write_text(textwrap.dedent(ENV_FILE))
     worker = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
         str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt"),
@@ -291,9 +275,8 @@ def test_gspo_train_lora_with_an_environment(tmp_path):
     from gspo import train
     from gspo.model.load import load_model_and_tokenizer
 
-    (tmp_path / "observe_env.py").write_text(textwrap.dedent(ENV_FILE))
     res = train(Config(
-        model="embedded:tiny-moe", task="reverse", env=f"{tmp_path / 'observe_env.py'}:Observe", max_new_tokens=8,
+        model="embedded:tiny-moe", task="reverse", env=f"{ENV_FILE}:Observe", max_new_tokens=8,
         max_turns=3, max_trajectory_tokens=40, sft_steps=0, steps=2, prompts_per_step=4, group_size=4, eval_size=4,
         eval_every=0, threads=1, progress=False, lora_rank=4, lr=1e-3, output_dir=str(tmp_path),
     ))  # fmt: skip

@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 vllm = pytest.importorskip("vllm")
 
 import json  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -160,19 +161,7 @@ def test_r3_replays_the_experts_vllm_routed_for_every_turn():
     assert float((logp - eb.sampler_logp_BT)[m.bool()].abs().max()) < TOL
 
 
-ENV_FILE = """
-from gspo.envs.base import Step
-
-
-class Observe:
-    def reset(self, example):
-        self.n = 0
-        return example.prompt
-
-    def step(self, turn):
-        self.n += 1
-        return Step("ok;" if self.n < 3 else None, 0.25 * self.n + 0.05 * len(turn))
-"""
+ENV_FILE = Path(__file__).with_name("fixture_observe_env.py")  # a user's environment module
 
 
 def test_gspo_train_r3_with_an_environment_end_to_end(tmp_path):
@@ -180,9 +169,8 @@ def test_gspo_train_r3_with_an_environment_end_to_end(tmp_path):
     trainer's replayed log-probs equal vLLM's on the model's tokens, and volatility is logged."""
     from gspo import train
 
-    (tmp_path / "observe_env.py").write_text(ENV_FILE)
     res = train(Config(
-        model="embedded:tiny-moe-h32", rollout_engine="vllm", task="reverse", env=f"{tmp_path / 'observe_env.py'}:Observe",
+        model="embedded:tiny-moe-h32", rollout_engine="vllm", task="reverse", env=f"{ENV_FILE}:Observe",
         algo="grpo", routing_replay=True, routing_replay_source="rollout", old_logp="rollout",
         max_new_tokens=8, max_turns=3, max_trajectory_tokens=40, sft_steps=0, steps=2, prompts_per_step=4,
         group_size=4, eval_size=4, eval_every=0, threads=1, progress=False, output_dir=str(tmp_path), name="r3-mt",
