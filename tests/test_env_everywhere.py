@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import rank_env, wait_proc
+from fixture_observe_env import Observer
 
 from gspo.config import Config
 from gspo.data import TrainBatch
@@ -47,19 +48,6 @@ RUNS = [
 ]  # fmt: skip
 
 
-class _Observer:
-    """Answers the first two turns with an observation, then ends; the reward depends on what the
-    model wrote, so the advantages differ within a group."""
-
-    def reset(self, example: Example) -> str:
-        self.n = 0
-        return example.prompt
-
-    def step(self, model_turn: str) -> Step:
-        self.n += 1
-        return Step("out 42;" if self.n < 3 else None, 0.5 * self.n + 0.1 * len(model_turn))
-
-
 def _trajectories() -> TrainBatch:
     """4 prompts x G trajectories of the tiny MoE (seed 0), scored: the model's tokens, then
     observations, then the model's again (checked)."""
@@ -69,7 +57,7 @@ def _trajectories() -> TrainBatch:
     ex = [Example(p, "") for p in ("rev:12=", "rev:345=", "rev:6789=", "rev:01=") for _ in range(G)]
     ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in ex]
     with torch.no_grad():
-        eb = run_episodes(eng, tok, EnvSpec(_Observer, "observer", None), ex, ids, Limits(3, 8, 40), 1.0)
+        eb = run_episodes(eng, tok, EnvSpec(Observer, "observer", None), ex, ids, Limits(3, 8, 40), 1.0)
     data, _ = score_rollout(eb, tok, None, [], score_plan(Config(**ENV_CFG).validate()), 0.0)
     after_obs_B = (data.response_mask_BT * (data.obs_mask_BT.cumsum(-1) > 0)).sum(-1)
     assert int((after_obs_B > 0).sum()) >= 4 and (data.adv_B != 0).any()  # what this file needs

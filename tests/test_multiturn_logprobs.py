@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from fixture_observe_env import Observer
 
 from gspo.config import Config
 from gspo.data import SampleBatch, SamplerOutput
@@ -26,18 +27,6 @@ from gspo.train.update import policy_update
 G = 8
 
 
-class _Observer:
-    """Answers each of the first two turns with an observation, then ends the trajectory."""
-
-    def reset(self, example: Example) -> str:
-        self.n = 0
-        return example.prompt
-
-    def step(self, model_turn: str) -> Step:
-        self.n += 1
-        return Step("out 42;" if self.n < 3 else None, 0.5 * self.n + 0.1 * len(model_turn))
-
-
 @pytest.fixture(scope="module")
 def trajectories(tiny_moe) -> EnvSampleBatch:
     """2 prompts x 8 trajectories of the tiny MoE (seed 0: five of them have model tokens after an
@@ -46,7 +35,7 @@ def trajectories(tiny_moe) -> EnvSampleBatch:
     eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
     ex = [Example("rev:12=", "21")] * G + [Example("rev:345=", "543")] * G
     ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in ex]
-    eb = run_episodes(eng, tok, EnvSpec(_Observer, "observer", None), ex, ids, Limits(3, 8, 40), 1.0)
+    eb = run_episodes(eng, tok, EnvSpec(Observer, "observer", None), ex, ids, Limits(3, 8, 40), 1.0)
     after_obs_B = (eb.response_mask_BT * (eb.obs_mask_BT.cumsum(-1) > 0)).sum(-1)
     assert int((after_obs_B > 0).sum()) >= 3 and int(eb.turns_B.max()) == 3  # the case this file needs
     return eb
