@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch
-from test_distributed import BASE_CFG, NPROC, ROOT, _env, _single, _wait, synthetic_rollout
+from cli_helpers import rank_env, wait_proc
+from test_distributed import BASE_CFG, NPROC, ROOT, _single, synthetic_rollout
 
 from gspo.model.load import build_char_tokenizer
 
@@ -46,8 +47,8 @@ def two_ranks(tmp_path_factory):
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
         str(ROOT / "tests" / "dist_worker.py"), "--data", str(tmp / "in.pt"), "--out", str(tmp / "out.pt"),
     ]  # fmt: skip
-    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
-    rc, out = _wait(subprocess.Popen(cmd, **kw), 300)
+    kw = {"env": rank_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    rc, out = wait_proc(subprocess.Popen(cmd, **kw), 300)
     assert rc == 0, out[-6000:]
     return data, vocab, torch.load(tmp / "out.pt", weights_only=False)
 

@@ -20,7 +20,8 @@ from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
 from gspo.model.routing import find_routers
-from tests.test_distributed import ROOT, _env, _wait, synthetic_rollout
+from tests.cli_helpers import rank_env, wait_proc
+from tests.test_distributed import ROOT, synthetic_rollout
 
 pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
@@ -93,8 +94,8 @@ def results(tmp_path_factory):
         "--out",
         str(tmp / "out.pt"),
     ]
-    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
-    rc, out = _wait(subprocess.Popen(cmd, **kw), 600)
+    kw = {"env": rank_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    rc, out = wait_proc(subprocess.Popen(cmd, **kw), 600)
     assert rc == 0, out[-6000:]
     return vocab, torch.load(tmp / "out.pt", weights_only=False)
 
@@ -176,7 +177,7 @@ def test_expert_parallel_refuses_what_it_cannot_split():
 def test_cli_refuses_ep_without_enough_processes(tmp_path):
     """``gspo train --ep 2`` in one process: exit 2, one line naming the field, no weight read."""
     cmd = [sys.executable, "-m", "gspo", "train", "--ep", "2", "--output-dir", str(tmp_path), "--no-progress"]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "expert_parallel_size" in lines[0], p.stderr

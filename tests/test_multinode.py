@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from gspo.model.load import build_char_tokenizer
-from tests.test_distributed import BASE_CFG, ROOT, _env, _single, _wait, synthetic_rollout
+from tests.cli_helpers import rank_env, wait_proc
+from tests.test_distributed import BASE_CFG, ROOT, _single, synthetic_rollout
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 
@@ -62,9 +63,9 @@ def _launch(tmp, per_node: int, runs: list[dict]) -> dict:
         "--out",
         str(tmp / f"{tag}-out.pt"),
     ]
-    kw = {"env": _env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+    kw = {"env": rank_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
     agents = [subprocess.Popen(cmd, **kw) for _ in range(NODES)]
-    for rc, out in [_wait(a, 600) for a in agents]:
+    for rc, out in [wait_proc(a, 600) for a in agents]:
         assert rc == 0, out[-6000:]
     return torch.load(tmp / f"{tag}-out.pt", weights_only=False)
 
