@@ -44,16 +44,16 @@ def trajectories(tiny_moe) -> EnvSampleBatch:
 def _async_round_trip(eb: EnvSampleBatch) -> SampleBatch:
     """``eb`` as the async trainer receives it (the sampler process's wire format), then as a resumed
     run reads it back from a checkpoint's batches in flight."""
-    from gspo.rollout.async_sampler import (
+    from gspo.rollout.async_state import (
         Ahead,
-        _from_wire,
-        _to_wire,
+        from_wire,
         in_flight_from_state,
         in_flight_to_state,
+        to_wire,
     )
 
     idx = list(range(len(eb.prompt_ids) // G))
-    got = _from_wire(_to_wire(Ahead(3, 1, SamplerOutput(eb, 0.0, {}), idx, len(idx))))
+    got = from_wire(to_wire(Ahead(3, 1, SamplerOutput(eb, 0.0, {}), idx, len(idx))))
     return in_flight_from_state(in_flight_to_state([got]), len(idx))[0].out.batch
 
 

@@ -26,6 +26,9 @@ class SampleBatch:
     response_ids_BT: torch.Tensor
     response_mask_BT: torch.Tensor
     sampler_logp_BT: torch.Tensor
+    # async partial rollouts (gspo.rollout.partial): the policy version that drew each token, -1 on
+    # padding; None where one version drew the whole batch
+    sampler_version_BT: torch.Tensor | None = None
 
     @property
     def lengths_B(self) -> torch.Tensor:

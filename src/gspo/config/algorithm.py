@@ -156,23 +156,37 @@ class Async(Group):
     process group the two join (NCCL on a GPU, gloo on the CPU; only gloo is tested), one tensor at a
     time, instead of shared memory. One device: several (tensor-parallel sampling) are not supported
     yet. None: the sampler shares the trainer's host memory."""
+    partial_rollout_tokens: Annotated[int, Ge(0)] = 0
+    """Async partial rollouts: step t's responses are sampled under version t-1-K up to this many
+    tokens; the rows still going then continue under version t-K (the next update) with
+    their tokens kept, as slime's and AReaL's partial rollouts continue long generations under new
+    weights, but at a fixed token count rather than a moment, so runs stay deterministic. Each token
+    keeps its version's log-prob as pi_old. 0: off (one version per batch)."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
         _check_rollout_devices(cfg)
+        if cfg.partial_rollout_tokens and not cfg.async_staleness:
+            raise bad(cfg, "partial_rollout_tokens", "needs async_staleness > 0 (the next version is what "
+                      "the rest of a long generation is sampled under)")  # fmt: skip
         if not cfg.async_staleness:
             return
+        partial = cfg.partial_rollout_tokens
         r3 = cfg.routing_replay and cfg.routing_replay_source == "rollout"
         for f, ok, why in [
             ("routing_replay_source", not r3, "R3's routing does not cross to the trainer from the sampler's process"),
             ("old_logp", cfg.old_logp != "recompute", "a stale batch's pi_old is the policy that sampled it: "
              "the sampler's log-probs"),
-            ("nproc", cfg.nproc == 1 or not cfg.env, "a trajectory batch counts its errors per batch, not "
-             "per row, so it cannot be split over ranks"),
             ("nproc", cfg.nproc == 1 or cfg.rollout_engine == "hf", "the sampler's vLLM beside a vLLM on every "
              "rank (the evaluation's) is not tested"),
             ("dynamic_sampling", not (cfg.dynamic_sampling and cfg.env), "the sampler process joins rounds of "
              "single-turn responses only"),
+            ("partial_rollout_tokens", not partial or partial < cfg.max_new_tokens, "it must leave tokens to "
+             "continue: below max_new_tokens"),
+            ("partial_rollout_tokens", not (partial and cfg.env), "a trajectory's turns are not split between "
+             "versions yet"),
+            ("partial_rollout_tokens", not (partial and cfg.dynamic_sampling), "the sampler's extra rounds are "
+             "not split between versions yet"),
         ]:  # fmt: skip
             if not ok:
                 raise bad(cfg, f, f"is not supported with async_staleness > 0 ({why})")

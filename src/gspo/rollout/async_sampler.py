@@ -46,7 +46,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +58,7 @@ from gspo.errors import GspoError
 from gspo.model.unwrap import full_tensor, is_peft, reshard, unwrap
 from gspo.plans import SamplePlan
 from gspo.procs import die_with_parent
+from gspo.rollout.async_state import Ahead, from_wire, in_flight_from_state, in_flight_to_state, to_wire
 from gspo.rollout.hf import copy_tensors
 from gspo.rollout.weight_transfer import (
     SamplerLink,
@@ -68,17 +68,6 @@ from gspo.rollout.weight_transfer import (
     receive_versions,
     visible_devices,
 )
-
-
-@dataclass
-class Ahead:
-    """A batch sampled ahead: step ``step``'s responses from ``version``'s weights."""
-
-    step: int
-    version: int
-    out: SamplerOutput
-    idx: list[int]  # the training prompt of each group, in order
-    data_end: int  # the data position after every prompt drawn for it (dynamic sampling draws more)
 
 
 class AsyncSampler:
@@ -173,8 +162,12 @@ class AsyncSampler:
             mine = _scatter(shares)
             if isinstance(mine, str):
                 raise GspoError(mine)
-            a = _from_wire(mine)
+            a = from_wire(mine)
         info = a.out.info | {"async/staleness": float(step - 1 - a.version)}
+        ver_BT = a.out.batch.sampler_version_BT
+        if ver_BT is not None:  # partial rollouts: how stale the tokens are, on average
+            real_BT = a.out.batch.response_mask_BT.bool()
+            info["async/token_staleness"] = float((step - 1 - ver_BT[real_BT]).float().mean())
         info["async/queue_wait_s"] = time.time() - t0
         return SamplerOutput(a.out.batch, a.out.gen_s, info), a.idx, a.data_end
 
@@ -277,7 +270,7 @@ class AsyncSampler:
                 continue
             if isinstance(msg, str):
                 raise GspoError(f"async sampler: {msg}")
-            return _from_wire(msg)
+            return from_wire(msg)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -296,7 +289,7 @@ def _scatter(shares: list[Any] | None) -> Any:
 def _shares(a: Ahead, world: int, G: int) -> list[tuple[Any, ...]]:
     """``a`` split by groups over ``world`` ranks as the synchronous path splits its prompts."""
     n = len(a.idx) // world
-    return [_to_wire(a, slice(r * n, (r + 1) * n), G) for r in range(world)]
+    return [to_wire(a, slice(r * n, (r + 1) * n), G) for r in range(world)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,78 +335,6 @@ def _lora_delta(layer: nn.Module) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# batches across the process boundary and into checkpoints
-
-
-# A batch crosses the process boundary as numpy arrays, pickled by value: torch tensors would go
-# through shared-memory file descriptors, ~4 ms per batch on this CPU (a twentieth of a tiny step).
-def _to_wire(a: Ahead, groups: slice | None = None, G: int = 1) -> tuple[Any, ...]:
-    """``a`` (its ``groups`` alone, G rows each) as plain values and numpy arrays."""
-    from gspo.envs.rollout import env_fields
-
-    rb, idx = a.out.batch, a.idx
-    arrays = (rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT.float())
-    prompts = rb.prompt_ids
-    if groups is not None:  # a trajectory batch never splits (refused: its error count is not per row)
-        rows = slice(groups.start * G, groups.stop * G)
-        arrays, prompts, idx = tuple(x[rows] for x in arrays), prompts[rows], idx[groups]
-    meta = (a.out.gen_s, a.out.info, idx, a.data_end)
-    return (a.step, a.version, prompts, *(x.cpu().numpy() for x in arrays), env_fields(rb), meta)
-
-
-def _from_wire(msg: tuple[Any, ...]) -> Ahead:
-    from gspo.envs.rollout import with_env_fields
-
-    t, version, prompt_ids, ids, mask, logp, env, (gen_s, info, idx, data_end) = msg
-    rb = SampleBatch(prompt_ids, *(torch.from_numpy(x) for x in (ids, mask, logp)))
-    rb = with_env_fields(rb, env)  # multi-turn trajectories: gspo.envs
-    return Ahead(t, version, SamplerOutput(rb, gen_s, info), list(idx), data_end)
-
-
-def in_flight_to_state(pending: list[Ahead]) -> list[dict[str, Any]]:
-    """In-flight batches as tensors and plain values (a checkpoint is read with ``weights_only``)."""
-    return [
-        {
-            "step": a.step,
-            "version": a.version,
-            "prompt_ids": a.out.batch.prompt_ids,
-            "response_ids": a.out.batch.response_ids_BT,
-            "response_mask": a.out.batch.response_mask_BT,
-            "sampler_logp": a.out.batch.sampler_logp_BT,
-            "gen_s": float(a.out.gen_s),
-            "info": dict(a.out.info),
-            "prompt_idx": list(a.idx),
-            "data_end": a.data_end,
-            **_env_state(a.out.batch),
-        }
-        for a in pending
-    ]
-
-
-def _env_state(rb: SampleBatch) -> dict[str, Any]:
-    """A multi-turn batch's own fields (gspo.envs) as tensors and ints, for the checkpoint."""
-    from gspo.envs.rollout import env_fields
-
-    env = env_fields(rb)
-    return {} if env is None else {"env": {k: torch.as_tensor(v) for k, v in env.items()}}
-
-
-def in_flight_from_state(items: list[dict[str, Any]], P: int) -> list[Ahead]:
-    """:func:`in_flight_to_state` undone (a checkpoint written before dynamic sampling could run
-    async has no prompt indices: its step ``t`` drew prompts ``(t-1) P .. t P``)."""
-    from gspo.envs.rollout import with_env_fields
-
-    out = []
-    for d in items:
-        rb = SampleBatch(d["prompt_ids"], d["response_ids"], d["response_mask"], d["sampler_logp"])
-        rb = with_env_fields(rb, d.get("env"))  # a multi-turn batch (gspo.envs)
-        out_s = SamplerOutput(rb, d["gen_s"], dict(d.get("info", {})))
-        idx, end = d.get("prompt_idx", []), d.get("data_end", d["step"] * P)
-        out.append(Ahead(d["step"], d["version"], out_s, list(idx), end))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
 # the sampler process
 
 
@@ -453,8 +374,7 @@ def _sampler_main(
         device = torch.device("cuda:0" if link is not None and link.cuda_visible is not None else "cpu")
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(device)
         params = dict(model.named_parameters())
-        K, latest, loaded = plan.async_staleness, -1, -1
-        arrived, slots = versions, weights
+        K, arrived, slots = plan.async_staleness, versions, weights
         if link is not None:  # a thread receives each version into K + 1 buffers of this process's own
             slots = [{n: torch.empty_like(params[n]) for n in link.names} for _ in range(K + 1)]
             arrived = receive_versions(receiver, link.names, slots, versions)
@@ -466,24 +386,39 @@ def _sampler_main(
         gen = torch.Generator()
         # the HF engine samples from ``model`` itself; vLLM streams it into its own copy at each sync
         sampler = SyncSampler(make_engine(plan.engine, model, tokenizer, gen), tokenizer, task, plan)
-        draw = _Draws(sampler, score, task, tokenizer, prompt_ids, plan)
+        loader = _Versions(arrived, slots, params, sampler, K)
+        draw = _Draws(sampler, score, task, tokenizer, prompt_ids, plan, loader)
         pos = first[1]
         for t in range(first[0], 1 << 62):
             need = max(t - 1 - K, 0)
-            while latest < need:
-                latest = arrived.get()
-                if isinstance(latest, str):  # the receiving thread's error
-                    raise GspoError(latest)
-            if loaded != need:
-                copy_tensors(params, slots[need % (K + 1)].items())
-                sampler.sync(need)  # an engine with its own copy (vLLM) takes the model's weights
-                loaded = need
+            loader.load(need)
             sampler.engine.reseed(plan.seed * 1_000_003 + t)  # batch t depends on t and its version only
             a = draw.step(t, need, pos)
             pos = a.data_end
-            batches.put(_to_wire(a))
+            batches.put(to_wire(a))
     except Exception as e:  # noqa: BLE001 (reported to the trainer as one line)
         batches.put(f"{type(e).__name__}: {e}")
+
+
+class _Versions:
+    """The sampler process's weights: waits for a version to arrive, loads it into the model and
+    its engine (once per version)."""
+
+    def __init__(
+        self, arrived: Any, slots: Any, params: dict[str, torch.Tensor], sampler: Any, K: int
+    ) -> None:
+        self.arrived, self.slots, self.params, self.sampler, self.K = arrived, slots, params, sampler, K
+        self.latest = self.loaded = -1
+
+    def load(self, version: int) -> None:
+        while self.latest < version:
+            self.latest = self.arrived.get()
+            if isinstance(self.latest, str):  # the receiving thread's error
+                raise GspoError(self.latest)
+        if self.loaded != version:
+            copy_tensors(self.params, self.slots[version % (self.K + 1)].items())
+            self.sampler.sync(version)  # an engine with its own copy (vLLM) takes the model's weights
+            self.loaded = version
 
 
 class _Draws:
@@ -498,20 +433,40 @@ class _Draws:
         tokenizer: Any,
         prompt_ids: list[list[int]],
         plan: SamplePlan,
+        loader: _Versions,
     ) -> None:
         self.sampler, self.score, self.task, self.tokenizer = sampler, score, task, tokenizer
-        self.prompt_ids, self.plan = prompt_ids, plan
+        self.prompt_ids, self.plan, self.loader = prompt_ids, plan, loader
 
-    def one(self, t: int, pos: int) -> tuple[list[int], SamplerOutput]:
+    def one(self, t: int, pos: int, version: int) -> tuple[list[int], SamplerOutput]:
         from gspo.tasks.prompts import prompt_order
 
         idx = prompt_order(len(self.prompt_ids), pos, self.plan.prompts_per_step, self.plan.seed)
         examples = [self.task.train[i] for i in idx] if self.task is not None else []
-        return idx, self.sampler.sample(t, examples, [self.prompt_ids[i] for i in idx])
+        prompts = [self.prompt_ids[i] for i in idx]
+        if self.plan.partial_rollout_tokens:
+            return idx, self.partial(t, version, prompts)
+        return idx, self.sampler.sample(t, examples, prompts)
+
+    def partial(self, t: int, version: int, prompts: list[list[int]]) -> SamplerOutput:
+        """Step ``t``'s responses, their first tokens under ``version`` and the rest of the rows
+        still going under the next version (:mod:`gspo.rollout.partial`)."""
+        from gspo.rollout.partial import generate_partial
+
+        plan, tok, t0 = self.plan, self.tokenizer, time.time()
+        rep = [p for p in prompts for _ in range(plan.group_size)]
+        nxt = max(t - plan.async_staleness, 0)  # t-K: a checkpoint after step s holds batches to s+K
+        rb = generate_partial(
+            self.sampler.engine, rep, plan.max_new_tokens, plan.temperature, plan.partial_rollout_tokens,
+            (tok.eos_token_id, tok.pad_token_id), (version, nxt), lambda: self.loader.load(nxt),
+        )  # fmt: skip
+        later_B = (rb.sampler_version_BT > version).any(-1) if rb.sampler_version_BT is not None else None
+        info = {"async/partial_rows": float(later_B.float().mean()) if later_B is not None else 0.0}
+        return SamplerOutput(rb, time.time() - t0, info)
 
     def step(self, t: int, version: int, pos: int) -> Ahead:
         P, G, plan = self.plan.prompts_per_step, self.plan.group_size, self.plan
-        idx, s = self.one(t, pos)
+        idx, s = self.one(t, pos, version)
         if self.score is None:
             return Ahead(t, version, s, idx, pos + P)
         kept: list[tuple[int, SampleBatch, int]] = []  # (prompt, batch, group) of each group
@@ -528,7 +483,7 @@ class _Draws:
             if len(kept) >= P or rounds > plan.dynamic_sampling_max_rounds:
                 break
             rounds, pos = rounds + 1, pos + P
-            idx, s = self.one(t, pos)
+            idx, s = self.one(t, pos, version)
             gen_s += s.gen_s
         chosen = (kept + dropped)[:P]
         info = {
