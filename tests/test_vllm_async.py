@@ -51,17 +51,27 @@ def _rows(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows]
 
 
-def test_async_vllm_resumed_with_batches_in_flight_equals_the_uninterrupted_run(tmp_path):
-    _gspo(tmp_path, *ARGS, "--steps", "4", "--output-dir", "straight")
+# partial rollouts: 5 steps, checkpoints at 3 and 5; batch 4 is in flight at step 3 and batch 5 is
+# sampled again on resume, its first 3 tokens under version 3 and the rest under version 4
+PARTIAL = ["--partial-rollout-tokens", "3", "--steps", "5", "--save-every", "3"]
+
+
+@pytest.mark.parametrize("extra", [["--steps", "4"], PARTIAL], ids=["whole", "partial"])
+def test_async_vllm_resumed_with_batches_in_flight_equals_the_uninterrupted_run(tmp_path, extra):
+    _gspo(tmp_path, *ARGS, *extra, "--output-dir", "straight")
     straight = tmp_path / "straight" / "run"
     killed = tmp_path / "killed" / "run"  # as a kill -9 right after the step-3 checkpoint leaves it
     shutil.copytree(straight, killed)
-    shutil.rmtree(killed / "checkpoints" / "step-000004")
+    last = sorted((killed / "checkpoints").glob("step-*"))[-1]
+    shutil.rmtree(last)
     (killed / "checkpoints" / "latest").write_text("step-000003")
     shutil.rmtree(killed / "final")
     state = torch.load(killed / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=True)
     assert state.get("in_flight"), "the step-3 checkpoint holds no batch sampled ahead"
-    _gspo(tmp_path, *ARGS, "--steps", "4", "--output-dir", "killed", "--resume")
+    if extra == PARTIAL:  # the later batches were continued under the next version
+        rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()][1:]
+        assert [r["async/partial_rows"] > 0 for r in rows] == [False, True, True, True, True]
+    _gspo(tmp_path, *ARGS, *extra, "--output-dir", "killed", "--resume")
     a, b = (
         load_file(straight / "final" / "model.safetensors"),
         load_file(killed / "final" / "model.safetensors"),
