@@ -231,19 +231,18 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
 @pytest.mark.parametrize(
     "extra, field",
     [
-        (dict(nproc=2, rollout_engine="vllm"), "nproc"),
         (dict(dynamic_sampling=True, env="calculator"), "dynamic_sampling"),
         (dict(old_logp="recompute"), "old_logp"),
     ],
 )
 def test_what_async_still_refuses_says_why_in_one_line(extra, field):
-    """N ranks (with an environment too), LoRA, dynamic sampling and the overlong filter run async (tests above,
+    """N ranks (with an environment or vLLM too: tests/test_vllm_async.py), LoRA, dynamic sampling and the overlong filter run async (tests above,
     tests/test_async_ranks.py); what cannot follow is refused naming the field, with why."""
     from gspo.config import Config
     from gspo.errors import GspoError
 
     oks = (dict(nproc=2), dict(lora_rank=4), dict(dynamic_sampling=True, overlong_filter=True),
-           dict(nproc=2, env="calculator"))  # fmt: skip
+           dict(nproc=2, env="calculator"), dict(nproc=2, rollout_engine="vllm"))  # fmt: skip
     for ok in oks:
         Config(async_staleness=1, **ok).validate()
     with pytest.raises(GspoError, match=rf"config field '{field}': is not supported with async.*\(.+\)") as e:

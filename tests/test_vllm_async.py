@@ -79,3 +79,24 @@ def test_async_vllm_resumed_with_batches_in_flight_equals_the_uninterrupted_run(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _rows(killed) == _rows(straight)
     assert all(r["loss/grad_norm"] > 0 for r in _rows(straight) if r["step"] > 0)
+
+
+def test_async_vllm_on_two_ranks_trains_as_one_process(tmp_path):
+    """Async with the vLLM engine on 2 gloo ranks (FSDP2): one sampler process (its own vLLM) serves
+    both, each rank keeping a vLLM of its own for the held-out evaluation; the same batches and the
+    same final weights as one process, to 1e-6 (one optimizer step per RL step)."""
+    reward = f"{ROOT / 'tests' / 'fixture_rewards.py'}:length_parity"  # no rank's generator
+    args = [a if a != REWARD else reward for a in ARGS]
+    args += ["--steps", "3", "--num-minibatches", "1", "--lr", "1e-4", "--save-every", "0"]
+    for n in ("1", "2"):
+        _gspo(tmp_path, *args, "--nproc", n, "--output-dir", f"n{n}")
+    one, two = tmp_path / "n1" / "run", tmp_path / "n2" / "run"
+    rows = {n: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()][1:] for n, r in
+            (("one", one), ("two", two))}  # fmt: skip
+    assert [r["async/staleness"] for r in rows["two"]] == [0, 1, 1]
+    for key in ("rollout/reward_mean", "rollout/response_len"):
+        assert [r[key] for r in rows["one"]] == pytest.approx([r[key] for r in rows["two"]], abs=1e-6), key
+    a, b = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
+    assert max(r["loss/grad_norm"] for r in rows["one"]) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)

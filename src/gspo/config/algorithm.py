@@ -177,8 +177,6 @@ class Async(Group):
             ("routing_replay_source", not r3, "R3's routing does not cross to the trainer from the sampler's process"),
             ("old_logp", cfg.old_logp != "recompute", "a stale batch's pi_old is the policy that sampled it: "
              "the sampler's log-probs"),
-            ("nproc", cfg.nproc == 1 or cfg.rollout_engine == "hf", "the sampler's vLLM beside a vLLM on every "
-             "rank (the evaluation's) is not tested"),
             ("dynamic_sampling", not (cfg.dynamic_sampling and cfg.env), "the sampler process joins rounds of "
              "single-turn responses only"),
             ("partial_rollout_tokens", not partial or partial < cfg.max_new_tokens, "it must leave tokens to "
