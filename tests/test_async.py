@@ -124,21 +124,22 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def test_async_takes_the_vllm_engine_and_refuses_r3_in_one_line():
-    """vLLM samples in the async process (tests/test_vllm_async.py runs it); R3's routing does not
-    cross the process boundary yet: refused naming the field."""
+def test_async_takes_the_vllm_engine_and_r3_but_not_r3_with_partial_rollouts():
+    """vLLM samples in the async process, R3's routing crosses with each batch (tests/test_vllm_async.py
+    runs both); R3 with partial rollouts or dynamic sampling is refused naming the field."""
     from gspo.config import Config
     from gspo.errors import GspoError
 
+    r3 = dict(async_staleness=1, rollout_engine="vllm", model="embedded:tiny-moe-h32", routing_replay=True,
+              routing_replay_source="rollout")  # fmt: skip
     Config(async_staleness=1, rollout_engine="vllm", model="embedded:tiny-moe-h32").validate()
-    with pytest.raises(
-        GspoError, match=r"config field 'routing_replay_source': is not supported with async"
-    ) as e:
-        Config(
-            async_staleness=1, rollout_engine="vllm", model="embedded:tiny-moe-h32", routing_replay=True,
-            routing_replay_source="rollout",
-        ).validate()  # fmt: skip
-    assert "\n" not in str(e.value)
+    Config(**r3).validate()
+    for extra in (dict(partial_rollout_tokens=3), dict(dynamic_sampling=True)):
+        with pytest.raises(
+            GspoError, match=r"config field 'routing_replay_source': is not supported with async"
+        ) as e:
+            Config(**r3, **extra).validate()
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("rollout_dtype", [None, "bfloat16"])

@@ -1,6 +1,6 @@
 """Asynchronous rollouts with the vLLM engine (issue 34, item 1): the sampler process runs vLLM, takes
 each published policy version through the engine's own weight stream and returns vLLM's log-probs as
-pi_old; batch t depends only on version t-1-K and step t, so a run killed with batches in flight and
+pi_old (and with R3 the experts it routed each token to); batch t depends only on version t-1-K and step t, so a run killed with batches in flight and
 resumed equals the uninterrupted one bit for bit, as with the HF engine.
 
 Runs only where vllm imports (``.ci/vllm_env.sh``)::
@@ -56,7 +56,10 @@ def _rows(run: Path) -> list[dict]:
 PARTIAL = ["--partial-rollout-tokens", "3", "--steps", "5", "--save-every", "3"]
 
 
-@pytest.mark.parametrize("extra", [["--steps", "4"], PARTIAL], ids=["whole", "partial"])
+R3 = ["--steps", "4", "--routing-replay", "--routing-replay-source", "rollout"]  # vLLM's experts replayed
+
+
+@pytest.mark.parametrize("extra", [["--steps", "4"], PARTIAL, R3], ids=["whole", "partial", "r3"])
 def test_async_vllm_resumed_with_batches_in_flight_equals_the_uninterrupted_run(tmp_path, extra):
     _gspo(tmp_path, *ARGS, *extra, "--output-dir", "straight")
     straight = tmp_path / "straight" / "run"
@@ -68,6 +71,9 @@ def test_async_vllm_resumed_with_batches_in_flight_equals_the_uninterrupted_run(
     shutil.rmtree(killed / "final")
     state = torch.load(killed / "checkpoints" / "step-000003" / "trainer_state.pt", weights_only=True)
     assert state.get("in_flight"), "the step-3 checkpoint holds no batch sampled ahead"
+    if extra == R3:  # the batch in flight carries the experts vLLM routed its tokens to
+        held = state["in_flight"][0]
+        assert len(held["routed_experts"]) == len(held["prompt_ids"]) and held["routed_layers"]
     if extra == PARTIAL:  # the later batches were continued under the next version
         rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()][1:]
         assert [r["async/partial_rows"] > 0 for r in rows] == [False, True, True, True, True]
@@ -81,13 +87,14 @@ def test_async_vllm_resumed_with_batches_in_flight_equals_the_uninterrupted_run(
     assert all(r["loss/grad_norm"] > 0 for r in _rows(straight) if r["step"] > 0)
 
 
-def test_async_vllm_on_two_ranks_trains_as_one_process(tmp_path):
-    """Async with the vLLM engine on 2 gloo ranks (FSDP2): one sampler process (its own vLLM) serves
-    both, each rank keeping a vLLM of its own for the held-out evaluation; the same batches and the
-    same final weights as one process, to 1e-6 (one optimizer step per RL step)."""
+def test_async_vllm_r3_on_two_ranks_trains_as_one_process(tmp_path):
+    """Async with the vLLM engine and R3 on 2 gloo ranks (FSDP2): one sampler process (its own vLLM)
+    serves both, each rank taking its rows with their routing and keeping a vLLM of its own for the
+    held-out evaluation; the same batches and the same final weights as one process, to 1e-6 (one
+    optimizer step per RL step)."""
     reward = f"{ROOT / 'tests' / 'fixture_rewards.py'}:length_parity"  # no rank's generator
     args = [a if a != REWARD else reward for a in ARGS]
-    args += ["--steps", "3", "--num-minibatches", "1", "--lr", "1e-4", "--save-every", "0"]
+    args += ["--steps", "3", "--num-minibatches", "1", "--lr", "1e-4", "--save-every", "0", *R3[2:]]
     for n in ("1", "2"):
         _gspo(tmp_path, *args, "--nproc", n, "--output-dir", f"n{n}")
     one, two = tmp_path / "n1" / "run", tmp_path / "n2" / "run"

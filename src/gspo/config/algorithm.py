@@ -149,7 +149,7 @@ class Async(Group):
     overlap; step t's responses come from the weights after step t-1-K and the sampler's log-probs
     are pi_old. With N ranks one sampler process serves them all (rank 0 publishes the weights and
     splits each batch); with LoRA it receives merged weights; with dynamic sampling it draws and
-    scores the extra rounds itself. 0: synchronous."""
+    scores the extra rounds itself; with R3 its engine's routing comes with each batch. 0: synchronous."""
     rollout_devices: str | None = None
     """Async: the device the sampler process runs on (``cuda:N`` or ``cpu``), none of the trainer's
     (rank r trains on ``cuda:r`` under ``device auto``). Weights then cross from trainer rank 0 over a
@@ -174,7 +174,10 @@ class Async(Group):
         partial = cfg.partial_rollout_tokens
         r3 = cfg.routing_replay and cfg.routing_replay_source == "rollout"
         for f, ok, why in [
-            ("routing_replay_source", not r3, "R3's routing does not cross to the trainer from the sampler's process"),
+            ("routing_replay_source", not (r3 and partial), "a response continued under a newer version has "
+             "two versions' routing, which R3 cannot replay as one forward"),
+            ("routing_replay_source", not (r3 and cfg.dynamic_sampling), "the sampler's extra rounds do not "
+             "carry their routing yet"),
             ("old_logp", cfg.old_logp != "recompute", "a stale batch's pi_old is the policy that sampled it: "
              "the sampler's log-probs"),
             ("dynamic_sampling", not (cfg.dynamic_sampling and cfg.env), "the sampler process joins rounds of "

@@ -38,6 +38,9 @@ Dynamic sampling (DAPO): the sampler process scores its own rounds (the trainer'
 as ``score``), draws more prompts until the batch holds ``prompts_per_step`` informative groups (or
 the rounds run out) and sends the filled batch with the training prompts it holds and the data
 position after every prompt it drew; batch ``t`` still depends on version ``t-1-K`` and ``t`` only.
+
+R3 (vLLM's routing replayed): the experts the engine routed each token to cross with the batch
+(:mod:`gspo.rollout.async_state`). Partial rollouts: :mod:`gspo.rollout.partial`.
 """
 
 from __future__ import annotations

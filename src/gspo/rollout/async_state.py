@@ -35,16 +35,48 @@ def to_wire(a: Ahead, groups: slice | None = None, G: int = 1) -> tuple[Any, ...
         arrays, prompts, idx = tuple(x if x is None else x[rows] for x in arrays), prompts[rows], idx[groups]
     meta = (a.out.gen_s, a.out.info, idx, a.data_end)
     wire = tuple(x if x is None else x.cpu().numpy() for x in arrays)
-    return (a.step, a.version, prompts, wire, env_fields(rb, rows), meta)
+    routing = routing_of(rb, rows)
+    if routing is not None:  # expert ids fit 16 bits: a quarter of int64's bytes
+        routing = ([r.to(torch.int16).numpy() for r in routing[0]], routing[1])
+    return (a.step, a.version, prompts, wire, env_fields(rb, rows), routing, meta)
 
 
 def from_wire(msg: tuple[Any, ...]) -> Ahead:
     from gspo.envs.rollout import with_env_fields
 
-    t, version, prompt_ids, arrays, env, (gen_s, info, idx, data_end) = msg
+    t, version, prompt_ids, arrays, env, routing, (gen_s, info, idx, data_end) = msg
     rb = SampleBatch(prompt_ids, *(x if x is None else torch.from_numpy(x) for x in arrays))
     rb = with_env_fields(rb, env)  # multi-turn trajectories: gspo.envs
+    if routing is not None:
+        routing = ([torch.from_numpy(r).long() for r in routing[0]], routing[1])
+    rb = with_routing(rb, routing)
     return Ahead(t, version, SamplerOutput(rb, gen_s, info), list(idx), data_end)
+
+
+def routing_of(rb: SampleBatch, rows: slice | None = None) -> tuple[list[torch.Tensor], list[str]] | None:
+    """R3: the experts the sampler's engine routed each row's tokens to, and the layers' names
+    (``rows`` alone); None from an engine that does not say."""
+    experts, layers = getattr(rb, "routed_experts", None), getattr(rb, "routed_layers", None)
+    if experts is None or layers is None:
+        return None
+    return list(experts if rows is None else experts[rows]), list(layers)
+
+
+def with_routing(rb: SampleBatch, routing: tuple[list[torch.Tensor], list[str]] | None) -> SampleBatch:
+    """``rb`` carrying R3's routing again (inverse of :func:`routing_of`): a trajectory batch keeps its
+    class, a single-turn one becomes the vLLM engine's batch, whose ``routing_rows`` lays it out."""
+    from gspo.envs.rollout import EnvSampleBatch
+    from gspo.rollout.vllm_batch import VLLMSampleBatch
+
+    if routing is None:
+        return rb
+    if isinstance(rb, EnvSampleBatch):
+        rb.routed_experts, rb.routed_layers = routing
+        return rb
+    return VLLMSampleBatch(
+        rb.prompt_ids, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, rb.sampler_version_BT,
+        routed_experts=routing[0], routed_layers=routing[1],
+    )  # fmt: skip
 
 
 def in_flight_to_state(pending: list[Ahead]) -> list[dict[str, Any]]:
@@ -67,9 +99,15 @@ def in_flight_to_state(pending: list[Ahead]) -> list[dict[str, Any]]:
             "prompt_idx": list(a.idx),
             "data_end": a.data_end,
             **_env_state(a.out.batch),
+            **_routing_state(a.out.batch),
         }
         for a in pending
     ]
+
+
+def _routing_state(rb: SampleBatch) -> dict[str, Any]:
+    routing = routing_of(rb)
+    return {} if routing is None else {"routed_experts": routing[0], "routed_layers": routing[1]}
 
 
 def _env_state(rb: SampleBatch) -> dict[str, Any]:
@@ -95,6 +133,7 @@ def in_flight_from_state(items: list[dict[str, Any]], P: int) -> list[Ahead]:
             d.get("sampler_version"),
         )
         rb = with_env_fields(rb, d.get("env"))  # a multi-turn batch (gspo.envs)
+        rb = with_routing(rb, (d["routed_experts"], d["routed_layers"]) if "routed_experts" in d else None)
         out_s = SamplerOutput(rb, d["gen_s"], dict(d.get("info", {})))
         idx, end = d.get("prompt_idx", []), d.get("data_end", d["step"] * P)
         out.append(Ahead(d["step"], d["version"], out_s, list(idx), end))
