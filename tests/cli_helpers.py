@@ -35,6 +35,14 @@ def wait_proc(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def gspo_at_once(runs: dict[str, list[str]], cwd: Path, timeout: float) -> dict[str, tuple[int, str]]:
+    """``gspo ARGS`` for each named argument list, all started at once (their start-ups overlap), in
+    the torchrun environment of :func:`rank_env`: each run's (return code, output)."""
+    kw = {"env": rank_env(), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": cwd}
+    procs = {n: subprocess.Popen([sys.executable, "-m", "gspo", *a], **kw) for n, a in runs.items()}
+    return {n: wait_proc(p, timeout) for n, p in procs.items()}
+
+
 def env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 

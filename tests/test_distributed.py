@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import rank_env, wait_proc
+from cli_helpers import gspo_at_once, rank_env, wait_proc
 
 from gspo.config import Config
 from gspo.data import TrainBatch
@@ -304,31 +304,12 @@ def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process
     save_pretrained(build_tiny_moe(len(tok), seed=3), tok, folder)
     args = ["--model", str(folder), "--sft-steps", "0", "--steps", "1", "--eval-size", "8"]
     args += ["--prompts-per-step", "4", "--group-size", "4", "--threads", "1", "--no-progress"]
-    procs = {
-        n: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gspo",
-                "train",
-                *args,
-                "--nproc",
-                str(k),
-                "--output-dir",
-                str(tmp_path / n),
-            ],
-            env=rank_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-        )  # fmt: skip
-        for n, k in (("two", NPROC), ("one", 1))
-    }
-    done = {n: wait_proc(p, 300) for n, p in procs.items()}
+    runs = {n: ["train", *args, "--nproc", str(k), "--output-dir", str(tmp_path / n)] for n, k in
+            (("two", NPROC), ("one", 1))}  # fmt: skip
+    done = gspo_at_once(runs, tmp_path, 300)
     for n, (rc, out) in done.items():
         assert rc == 0, (n, out[-6000:])
-    runs = {n: next((tmp_path / n).iterdir()) for n in procs}
+    runs = {n: next((tmp_path / n).iterdir()) for n in done}
     want = load_file(folder / "model.safetensors")
     step0 = runs["two"] / "checkpoints" / "step-000000"  # sharded: each rank wrote its shard
     export = [sys.executable, "-m", "gspo", "export", str(step0), "--out", str(tmp_path / "step0")]

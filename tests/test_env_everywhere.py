@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import rank_env, wait_proc
+from cli_helpers import gspo_at_once, rank_env, wait_proc
 from fixture_observe_env import Observer
 
 from gspo.config import Config
@@ -336,18 +336,8 @@ def test_async_with_an_environment_on_two_ranks_trains_as_one_process(tmp_path):
             "--threads", "1", "--no-progress", "--save-every", "0",
             "--steps", "3", "--async-staleness", "1", "--num-minibatches", "1", "--lr", "1e-4",
             "--warmup-steps", "1", "--max-grad-norm", "0"]  # fmt: skip
-    procs = {
-        n: subprocess.Popen(
-            [sys.executable, "-m", "gspo", *args, "--nproc", str(k), "--output-dir", n],
-            env=rank_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-        )  # fmt: skip
-        for n, k in (("one", 1), ("two", NPROC))
-    }
-    done = {n: wait_proc(p, 600) for n, p in procs.items()}
+    runs = {n: [*args, "--nproc", str(k), "--output-dir", n] for n, k in (("one", 1), ("two", NPROC))}
+    done = gspo_at_once(runs, tmp_path, 600)
     for n, (rc, out) in done.items():
         assert rc == 0, (n, out[-6000:])
     one, two = (next((tmp_path / n).iterdir()) for n in ("one", "two"))
