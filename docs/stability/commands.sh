@@ -55,6 +55,8 @@ gspo compare --preset smollm2-copy --workers 2 --out runs/smollm2-copy
 mkdir -p docs/stability/smollm2-copy
 cp runs/smollm2-copy/{report.md,summary.json,per_seed.csv,timing.json} runs/smollm2-copy/*.png docs/stability/smollm2-copy/
 
-# Declared 2026-12-05, not yet run: why GSPO degrades less at lr 1e-3 (family clip-mechanism, 2 endpoints,
-# seeds 200-231), from a frozen checkout of the commit that declared it:
-# gspo compare --preset confirm-clip-mechanism --workers 2 --out runs/confirm-clip-mechanism
+# Why GSPO degrades less at lr 1e-3 (family clip-mechanism, 2 endpoints, seeds 200-231; declared at 4d2c2ea),
+# run 2026-12-05 from a frozen checkout of 180c516 (the preset unchanged since its declaration)
+gspo compare --preset confirm-clip-mechanism --workers 2 --out runs/confirm-clip-mechanism
+mkdir -p docs/stability/confirm-clip-mechanism
+cp runs/confirm-clip-mechanism/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-clip-mechanism/*.png docs/stability/confirm-clip-mechanism/
