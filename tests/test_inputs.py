@@ -381,8 +381,14 @@ def test_reward_systemexit_and_keyboardinterrupt_are_the_rewards_errors():
             _safe(interrupts)
     finally:
         signal.signal(signal.SIGINT, old)
-    with pytest.raises(KeyboardInterrupt):  # Python's default handler: a real Ctrl-C looks the same
-        _safe(interrupts)
+    # Python's default handler (set here: an earlier test in the same process may have left another):
+    # a real Ctrl-C looks the same
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _safe(interrupts)
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def test_reward_exit_and_overflow_through_the_command(tmp_path, capsys, monkeypatch):
