@@ -142,8 +142,7 @@ def main() -> None:
     print(f"multi-turn / single-turn trajectories per second: median {statistics.median(ratio):.3f} "
           f"[{min(ratio):.3f}, {max(ratio):.3f}]; model tokens per second: median "
           f"{statistics.median(tok_ratio):.3f} [{min(tok_ratio):.3f}, {max(tok_ratio):.3f}]")  # fmt: skip
-    if hasattr(eng, "close"):
-        eng.close()
+    eng.close()
 
 
 if __name__ == "__main__":

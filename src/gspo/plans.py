@@ -89,9 +89,7 @@ class SamplePlan:
     dynamic_sampling: bool = False  # async: the process draws rounds until the batch is informative
     dynamic_sampling_max_rounds: int = 4  # ... at most this many extra rounds
     rollout_devices: tuple[str, ...] = ()  # async: the sampler's device, weights over a process group
-    partial_rollout_tokens: int = (
-        0  # async: tokens sampled under version t-1-K before the rest goes on under t-K
-    )
+    partial_rollout_tokens: int = 0  # async: tokens under version t-1-K, the rest under t-K
 
 
 @dataclass(frozen=True)

@@ -463,8 +463,8 @@ class _Draws:
             self.sampler.engine, rep, plan.max_new_tokens, plan.temperature, plan.partial_rollout_tokens,
             (tok.eos_token_id, tok.pad_token_id), (version, nxt), lambda: self.loader.load(nxt),
         )  # fmt: skip
-        later_B = (rb.sampler_version_BT > version).any(-1) if rb.sampler_version_BT is not None else None
-        info = {"async/partial_rows": float(later_B.float().mean()) if later_B is not None else 0.0}
+        later_B = (rb.sampler_version_BT > version).any(-1)  # generate_partial always records versions
+        info = {"async/partial_rows": float(later_B.float().mean())}
         return SamplerOutput(rb, time.time() - t0, info)
 
     def step(self, t: int, version: int, pos: int) -> Ahead:

@@ -17,6 +17,7 @@ Engine-agnostic: the continuation is ``engine.generate`` on the prompt followed 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -53,7 +54,7 @@ def generate_partial(
     go_B = unfinished(head, split, eos) & (split < max_new_tokens)
     version_BT = torch.where(head.response_mask_BT.bool(), v0, -1)
     if v1 == v0 or not bool(go_B.any()):  # no newer version yet, or every row ended in time
-        return _with_versions(head, version_BT)
+        return dataclasses.replace(head, sampler_version_BT=version_BT)
     load_next()
     rows = go_B.nonzero().squeeze(-1).tolist()
     tail = engine.generate(
@@ -88,7 +89,3 @@ def _joined(
     mask[r, split:], logp[r, split:] = tail.response_mask_BT, tail.sampler_logp_BT
     ver[r, split:] = torch.where(tail.response_mask_BT.bool(), v1, -1)
     return SampleBatch(head.prompt_ids, ids, mask, logp, sampler_version_BT=ver)
-
-
-def _with_versions(rb: SampleBatch, version_BT: torch.Tensor) -> SampleBatch:
-    return SampleBatch(rb.prompt_ids, rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT, version_BT)
