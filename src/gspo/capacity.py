@@ -382,8 +382,12 @@ def _sampler(
     if cfg.rollout_dtype not in (None, cfg.dtype):  # a whole copy in the sampler's dtype, kept
         copy = shape.params() * rb
         return _Sampler(kv + logits + copy, copy, copy, sync, copy + sync)
-    # samples from the trainer's own module: under FSDP2 every group gathered (compute dtype)
+    # samples from the trainer's own module: under FSDP2 every group gathered (compute dtype); under
+    # EP each experts module is unsharded by FSDP2 over its efsdp ranks (this rank's num_experts/ep,
+    # a new buffer even when efsdp is 1) and then gathered whole beside that (whole_experts)
     gathered = shape.params() * compute if shards > 1 else 0.0
+    if ep > 1:
+        gathered += shape.layers * shape.expert_params() / ep * compute
     return _Sampler(kv + logits + gathered, 0.0, 0.0, 0.0, 0.0)
 
 
