@@ -221,6 +221,16 @@ def test_ep_shrinks_the_gathered_layer_by_the_experts_it_leaves_out():
     assert (two.weights, two.optimizer) == (one.weights, one.optimizer)
 
 
+def test_hf_sampling_under_ep_counts_this_ranks_unsharded_experts_beside_the_whole_ones():
+    """Sampling from the trainer's module under EP 2 holds the whole model (whole_experts) and, in
+    FSDP2's unshard buffers, this rank's half of each layer's experts: 2 layers x 288 / 2 parameters
+    x 2 bytes (bf16 compute) more than without EP; nothing else in the rollout changes."""
+    shape = Shape.from_config(TINY)
+    one, two = (estimate(_cfg(expert_parallel_size=e, rollout_engine="hf"), shape, 4) for e in (1, 2))
+    assert two.sampler - one.sampler == pytest.approx(2 * 288 / 2 * 2)
+    assert two.rollout_peak - one.rollout_peak == pytest.approx(2 * 288 / 2 * 2)
+
+
 def test_suggested_ep_is_the_largest_within_a_node():
     qwen = shape_of("Qwen/Qwen3-30B-A3B")
     assert suggested_ep(qwen, Link(4, 8, 1.0, 1.0)) == 8
