@@ -136,6 +136,13 @@ def test_warm_start_trains_on_each_rows_own_prompt():
     assert last < 0.5 * first, (first, last)
 
 
+def _learn():
+    sys.path.insert(0, str(ROOT / "docs" / "multiturn"))
+    import learn
+
+    return learn
+
+
 LEARN_SEEDS = list(range(5))
 
 
@@ -148,22 +155,13 @@ def test_rl_with_the_calculator_gains_over_seeds_and_without_tools_does_not(tmp_
     seed (that interval above 0 too). Measured: gains +0.57 [0.10, 1.03] with the tool, +0.01
     [-0.06, 0.08] without, difference +0.56 [0.05, 1.06] (the record in ``docs/multiturn`` has seeds
     0-9: +0.64 [0.39, 0.89], +0.05 [0.00, 0.10], +0.59 [0.34, 0.85]). About 20 minutes on 2 busy cores."""
-    sys.path.insert(0, str(ROOT / "docs" / "multiturn"))
-    import learn
-
+    learn = _learn()
     runs = learn.run_all(LEARN_SEEDS, str(tmp_path), workers=2)
     s = learn.summarize(runs)
     assert s["tools"]["gain"]["lo"] > 0, (s, runs)
     assert s["tools_minus_no_tools"]["gain"]["lo"] > 0, (s, runs)
     tools = [r for r in runs if r["arm"] == "tools"]
     assert all(r["final"] >= 0.9 and r["tool_frac"][-1] > 0.9 for r in tools), runs
-
-
-def _learn():
-    sys.path.insert(0, str(ROOT / "docs" / "multiturn"))
-    import learn
-
-    return learn
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
