@@ -6,6 +6,7 @@ no traceback, and leaves nothing half-written behind (``gspo export`` writes a s
 renames it at the end).
 """
 
+import functools
 import json
 import os
 import pickle
@@ -420,3 +421,49 @@ def test_a_shard_damaged_under_its_manifest_sends_both_ranks_back_a_checkpoint(b
     assert "dcp/__1_0.distcp does not match its checksum" in notes[0]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 591226752 vs 591226640"),
+        OSError(28, "No space left on device"),
+    ],
+    ids=["torch-zip-writer", "enospc"],
+)
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, monkeypatch, capsys, failure
+):
+    """`gspo train` whose disk fills while step 2's checkpoint is written (torch.save's zip writer, as
+    seen on a full disk, or a plain ENOSPC): exit 2, one line naming the step, the folder, the free
+    space and the checkpoint kept; nothing half-written is left and ``latest`` names step 1. Any
+    other error from the writer is not rewritten."""
+    real_save = torch.save
+
+    def save(obj, f, *a, **kw):
+        if "000002" in str(f):
+            Path(f).write_bytes(b"half")
+            raise failure
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    args = ["train", "--sft-steps", "0", "--steps", "3", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--eval-size", "2", "--eval-every", "0", "--save-every", "1",
+            "--threads", "1", "--no-progress", "--output-dir", str(tmp_path), "--name", "r"]  # fmt: skip
+    capsys.readouterr()
+    assert gspo_main(args) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    root = tmp_path / "r" / "checkpoints"
+    assert len(err) == 1 and err[0].startswith(
+        f"gspo: error: cannot write checkpoint step 2 under {root} ("
+    ), err
+    assert "GiB free there): " in err[0] and err[0].endswith("the last complete checkpoint is kept (step 1)")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000000", "step-000001"]
+    assert (root / "latest").read_text() == "step-000001"
+    monkeypatch.setattr(ckpt.torch, "save", functools.partial(_raise, ValueError("a bug in the writer")))
+    with pytest.raises(ValueError, match="a bug in the writer"):
+        gspo_main([*args[:-1], "r2"])
+
+
+def _raise(error: BaseException, *args: object, **kwargs: object) -> None:
+    raise error

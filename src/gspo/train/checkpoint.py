@@ -171,6 +171,31 @@ def save_checkpoint(
     return final
 
 
+# a failed write as torch.save's zip writer and safetensors report it (not OSErrors): "[enforce fail
+# at inline_container.cc:672] . unexpected pos ...", "PytorchStreamWriter failed writing file ...",
+# "Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"
+_WRITER_ERRORS = ("inline_container", "PytorchStreamWriter", "IoError(Os")
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why writing a checkpoint failed, in one line, when ``e`` is the disk's doing (a full disk, a
+    quota, an I/O error: an OSError or a writer's error wrapping one); None for anything else."""
+    text = str(e).strip()
+    if isinstance(e, OSError):
+        return e.strerror or (text.splitlines()[0] if text else type(e).__name__)
+    if isinstance(e, Exception) and any(w in text for w in _WRITER_ERRORS):
+        return text.splitlines()[0][:200]
+    return None
+
+
+def free_space(path: Path) -> str:
+    """How much room the disk holding ``path`` has left, for a message."""
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.1f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 # stray step folders already reported by this process (one warning each, not one per checkpoint)
 _warned_strays: set[Path] = set()
 

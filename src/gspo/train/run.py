@@ -226,13 +226,17 @@ class Run:
 
         try:
             return write()
-        except (OSError, dcp.api.CheckpointException) as e:
+        except Exception as e:
+            why = ckpt.write_failure(e)
+            if why is None and isinstance(e, dcp.api.CheckpointException):
+                why = (str(e).splitlines() or [type(e).__name__])[0]
+            if why is None:
+                raise
             last = self.state.last_saved
             kept = f"step {last}" if last >= 0 else "none"
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
             raise GspoError(
-                f"cannot write checkpoint step {self.state.step} under {self.folder.run_dir}/checkpoints: "
-                f"{why}; the last complete checkpoint is kept ({kept})"
+                f"cannot write checkpoint step {self.state.step} under {self.folder.run_dir}/checkpoints "
+                f"({ckpt.free_space(self.folder.run_dir)}): {why}; the last complete checkpoint is kept ({kept})"
             ) from None
 
     def savable(self) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
