@@ -169,8 +169,8 @@ def test_the_recorded_study_is_the_settings_and_its_summary_follows_from_its_run
     """What the README quotes is ``results.json`` of ``learn.py --model MODEL``: it was made with the
     settings the script holds now, each arm on the same seeds, its summary (intervals, p-values, Holm)
     is what :func:`learn.summarize` computes from its per-seed runs, and the gain with the calculator
-    the README claims holds in it. The SmolLM2 study is ~1 hour
-    of a 2-core machine, too long for CI, so this is how CI holds its record to the code."""
+    the README claims holds in it. The SmolLM2 study is ~2 hours of a 2-core machine, too long for CI,
+    so this is how CI holds its record to the code."""
     import json
 
     learn = _learn()
