@@ -21,6 +21,8 @@ CONFIG_MARK = "<!-- gspo:config-reference -->"
 CLI_MARK = "<!-- gspo:cli-reference -->"
 #: ``<!-- gspo:plan ARGS -->``: what ``gspo plan ARGS`` prints, run when the site is built
 PLAN_MARK = re.compile(r"<!-- gspo:plan (.+?) -->")
+#: the Sphinx roles gspo's docstrings use (``:class:`X```), which Markdown leaves as text before the code
+ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj):(?=<code>)")
 #: files kept beside the code that the site shows as pages (path in the repo = path in the site)
 MOUNTED = (
     "benchmarks/RESULTS.md",
@@ -112,3 +114,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         markdown = markdown.replace(CLI_MARK, cli_reference())
     markdown = PLAN_MARK.sub(lambda m: plan_output(m[1]), markdown)
     return markdown
+
+
+def on_page_content(html_: str, page: Any, config: Any, files: Files) -> str:
+    return ROLE.sub("", html_)
