@@ -249,3 +249,45 @@ def test_what_async_still_refuses_says_why_in_one_line(extra, field):
     with pytest.raises(GspoError, match=rf"config field '{field}': is not supported with async.*\(.+\)") as e:
         Config(async_staleness=1, **extra).validate()
     assert "\n" not in str(e.value)
+
+
+def _ahead(step: int = 3, P: int = 4, G: int = 2, T: int = 5):
+    """A batch sampled ahead with partial rollouts' per-token versions (-1 on padding): P groups of G
+    rows, every tensor distinct per row, so a row moved or dropped shows."""
+    from gspo.data import SampleBatch, SamplerOutput
+    from gspo.rollout.async_state import Ahead
+
+    B = P * G
+    mask_BT = (torch.arange(T)[None, :] < torch.arange(B)[:, None] % T + 1).long()
+    ids_BT = (torch.arange(B * T).view(B, T) + 3) * mask_BT
+    logp_BT = -torch.rand(B, T, generator=torch.Generator().manual_seed(0)) * mask_BT
+    ver_BT = torch.where(mask_BT.bool(), (torch.arange(T) >= 2).long() + step - 3, -1)
+    rb = SampleBatch([[7, b] for b in range(B)], ids_BT, mask_BT, logp_BT, ver_BT)
+    return Ahead(step, step - 3, SamplerOutput(rb, 0.25, {"rollout/x": 1.0}), [10 + i for i in range(P)], 40)
+
+
+def _same_batch(a, b) -> None:
+    x, y = a.out.batch, b.out.batch
+    fields = lambda c: (c.step, c.version, c.idx, c.data_end, c.out.gen_s, c.out.info)  # noqa: E731
+    assert fields(a) == fields(b)
+    assert x.prompt_ids == y.prompt_ids
+    for name in ("response_ids_BT", "response_mask_BT", "sampler_logp_BT", "sampler_version_BT"):
+        u, v = getattr(x, name), getattr(y, name)
+        assert v is not None and torch.equal(u, v), name
+
+
+def test_in_flight_batches_round_trip_through_a_checkpoint(tmp_path):
+    """A checkpoint's batches in flight (read back with ``weights_only``, as a resume reads them) are
+    the batches that were in flight: tokens, masks, sampler log-probs and partial rollouts' per-token
+    versions, whose loss would drop ``async/token_staleness`` and the tokens' own versions of a
+    resumed run; the wire between the processes carries the same."""
+    from gspo.rollout.async_state import from_wire, in_flight_from_state, in_flight_to_state, to_wire
+
+    pending = [_ahead(3), _ahead(4)]
+    torch.save({"in_flight": in_flight_to_state(pending)}, tmp_path / "trainer_state.pt")
+    state = torch.load(tmp_path / "trainer_state.pt", weights_only=True)
+    back = in_flight_from_state(state["in_flight"], 4)
+    assert len(back) == 2
+    for a, b in zip(pending, back, strict=True):
+        _same_batch(a, b)
+        _same_batch(a, from_wire(to_wire(a)))
