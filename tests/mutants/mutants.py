@@ -84,6 +84,14 @@ MUTANTS: list[Mutant] = [
         "issue 44 gap 6: a step's observation messages but the last are lost",
     ),
     Mutant(
+        "skyrl-gym-chat-keeps-the-last-observation",
+        "src/gspo/envs/packages.py",
+        'out["reward"], chat or None)',
+        'out["reward"], chat[-1:] or None)',
+        ("tests/test_env_packages.py::test_skyrl_gym_step_with_several_observations_shows_them_all",),
+        "issue 44 gap 6: under --chat-template, a step's messages but the last are lost",
+    ),
+    Mutant(
         "verifiers-trace-drops-env-messages",
         "src/gspo/envs/packages.py",
         "        if message is not None:\n            message = _message_text(",
