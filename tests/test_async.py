@@ -182,15 +182,17 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
     informative groups (all from version t-1-K: every row's log-probs are that version's), the
     data position moves past every prompt drawn, the overlong filter's cut responses have no
     advantage, and a run killed with 2 batches in flight and resumed ends bit for bit where the
-    uninterrupted one does (batch t depends on its version and t only)."""
+    uninterrupted one does (batch t depends on its version and t only): the resumed run trains on
+    the 2 batches of its checkpoint, then on its restarted sampler's first batch (step 5), drawn
+    from the data position after the last of them."""
     import copy
     import shutil
 
     from gspo.model.load import build_char_tokenizer
-    from gspo.train import loop
+    from gspo.train import checkpoint, loop
 
     cfg = dict(
-        TINY, steps=4, save_every=2, dynamic_sampling=True, overlong_filter=True,
+        TINY, steps=5, save_every=2, dynamic_sampling=True, overlong_filter=True,
         max_new_tokens=6, prompts_per_step=4, lr=3e-3,
     )  # fmt: skip
     trained, update = [], loop.policy_update
@@ -202,6 +204,7 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
             return update(policy, opt, sched, data, *a)
 
         mp.setattr(loop, "policy_update", recording_update)
+        mp.setattr(checkpoint, "prune", lambda *a: None)  # keep step 2's checkpoint past steps 4 and 5
         full = train(Config(name="dyn", output_dir=str(tmp_path), **cfg))
     rows = _rows(full.run_dir)
     rounds = [r["rollout/sampling_rounds"] for r in rows]
@@ -221,10 +224,16 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
     assert n_cut > 0  # the filter had responses to drop
     killed = tmp_path / "part" / "dyn"
     shutil.copytree(full.run_dir, killed)
-    shutil.rmtree(killed / "checkpoints" / "step-000004")
+    later = sorted(c.name for c in (killed / "checkpoints").glob("step-*") if c.name > "step-000002")
+    assert later == ["step-000004", "step-000005"]
+    for name in later:
+        shutil.rmtree(killed / "checkpoints" / name)
     shutil.rmtree(killed / "final")
     (killed / "checkpoints" / "latest").write_text("step-000002")
     again = train(Config(name="dyn", output_dir=str(tmp_path / "part"), resume=True, **cfg))
+    resumed = _rows(again.run_dir)[-3:]  # steps 3 and 4 from the checkpoint, 5 from the new sampler
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert [r["rollout/sampling_rounds"] for r in resumed] == rounds[2:5]
     for (k, v), w in zip(full.model.state_dict().items(), again.model.state_dict().values(), strict=True):
         torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
 

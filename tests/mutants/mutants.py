@@ -169,7 +169,7 @@ def run(m: Mutant, files: list[str], timeout: float) -> str:
         target = copy / m.file
         target.write_text(target.read_text().replace(m.original, m.replacement))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy / "src"), str(copy)]))
-        env["OMP_NUM_THREADS"] = "1"
+        env["OMP_NUM_THREADS"], env["COLUMNS"] = "1", "240"  # COLUMNS: the failure summary unclipped
         cmd = [sys.executable, "-m", "pytest", *_pytest_args(), *m.tests]
         try:
             p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
