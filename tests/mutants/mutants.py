@@ -12,6 +12,8 @@ multi-rank runs, import the copy's code as well). A mutant is killed when one of
     python tests/mutants/mutants.py --only NAME    # one mutant (repeatable)
     python tests/mutants/mutants.py --list         # the mutants and whether each snippet still
                                                    # occurs exactly once (runs no test)
+    python tests/mutants/mutants.py --baseline     # each mutant's tests on the unmutated code: they
+                                                   # must pass, or a "kill" proves nothing
 
 Exit status: 0 when every mutant run was killed; 1 when one survived or its snippet is no longer in
 its file exactly once (a refactor moved the code: update the mutant, do not drop it).
@@ -157,8 +159,9 @@ def _pytest_args() -> list[str]:
     return args
 
 
-def run(m: Mutant, files: list[str], timeout: float) -> str:
-    """'killed', 'survived' or 'stale' (the snippet is not in the file exactly once)."""
+def run(m: Mutant, files: list[str], timeout: float, mutate: bool = True) -> str:
+    """'killed', 'survived' or 'stale' (the snippet is not in the file exactly once); without
+    ``mutate``, the same tests on the copy as it is ('survived': they pass, as they must)."""
     if _count(m, ROOT) != 1:
         return "stale"
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
@@ -167,7 +170,8 @@ def run(m: Mutant, files: list[str], timeout: float) -> str:
             (copy / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, copy / f)
         target = copy / m.file
-        target.write_text(target.read_text().replace(m.original, m.replacement))
+        if mutate:
+            target.write_text(target.read_text().replace(m.original, m.replacement))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy / "src"), str(copy)]))
         env["OMP_NUM_THREADS"], env["COLUMNS"] = "1", "240"  # COLUMNS: the failure summary unclipped
         cmd = [sys.executable, "-m", "pytest", *_pytest_args(), *m.tests]
@@ -192,6 +196,9 @@ def main() -> int:
     ap.add_argument("--only", action="append", default=[], help="run this mutant alone (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the mutants, check their snippets, run nothing")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per mutant's tests")
+    ap.add_argument(
+        "--baseline", action="store_true", help="run each mutant's tests unmutated: they must pass"
+    )
     a = ap.parse_args()
     names = {m.name for m in MUTANTS}
     unknown = [n for n in a.only if n not in names]
@@ -207,8 +214,19 @@ def main() -> int:
     files, results = _files(), {}
     for m in chosen:
         t0 = time.time()
-        results[m.name] = run(m, files, a.timeout)
-        print(f"{m.name}: {results[m.name]} ({time.time() - t0:.0f} s)", flush=True)
+        results[m.name] = run(m, files, a.timeout, mutate=not a.baseline)
+        shown = (
+            {"survived": "passes", "killed": "FAILS"}.get(results[m.name], "stale")
+            if a.baseline
+            else results[m.name]
+        )
+        print(f"{m.name}: {shown} ({time.time() - t0:.0f} s)", flush=True)
+    if a.baseline:
+        bad = {n: r for n, r in results.items() if r != "survived"}
+        print(
+            f"unmutated: {len(results) - len(bad)}/{len(results)} pass" + (f"; failing: {bad}" if bad else "")
+        )
+        return 1 if bad else 0
     bad = {n: r for n, r in results.items() if r != "killed"}
     print(f"{len(results) - len(bad)}/{len(results)} killed" + (f"; not killed: {bad}" if bad else ""))
     return 1 if bad else 0
