@@ -15,6 +15,7 @@ from typing import Any
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.resolve import pi_old_source
+from gspo.study.folders import claim_folder
 from gspo.study.metrics import PAPER_VOLATILITY, seed_means
 from gspo.study.plots import accuracy_by_regime_plot, regimes_plot
 from gspo.study.report import sampler_dtype
@@ -248,6 +249,7 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     regs = [_load_summary(d) for d in dirs]
+    claim_folder(out, "study")  # never over a study.json or study.md the command did not write
     rows = [_regime_row(r, ci) for r in regs]
     fams = family_results(regs)
     lines = [

@@ -127,7 +127,8 @@ def load_preset(spec: str) -> Preset:
     if not path.is_file():
         raise GspoError(f"--preset: unknown preset {spec!r} (known: {', '.join(list_presets())})")
     data, lines = read_yaml(path, "preset file")
-    data = {} if data is None else data
+    if data is None or data == {}:  # an empty file (or comments only) declares nothing: a mistake
+        raise GspoError(f"{path}: the preset file is empty (expected keys such as config, seeds, variants)")
     if not isinstance(data, dict):
         raise GspoError(f"{path}: expected a mapping of preset keys, got {type(data).__name__}")
     unknown = sorted(str(k) for k in data if k not in _KEYS)

@@ -27,6 +27,7 @@ from gspo.compat.process_pool import kill_workers
 from gspo.config import Config, make_config
 from gspo.errors import GspoError
 from gspo.procs import die_with_parent
+from gspo.study.folders import claim_folder
 from gspo.study.metrics import Criteria
 from gspo.study.presets import (
     RUN_RECORD,
@@ -222,6 +223,19 @@ def _differs(cfg: Config, saved: dict[str, Any]) -> str | None:
     return None
 
 
+def final_has_weights(final: Path) -> bool:
+    """Whether a run's ``final/`` holds its weights: ``model.safetensors``, or an index whose every
+    named shard is there. ``config.json`` alone (a save stopped by a full disk) is not a finished run."""
+    if (final / "model.safetensors").is_file():
+        return True
+    try:
+        index = json.loads((final / "model.safetensors.index.json").read_text())
+        shards = set(index["weight_map"].values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(shards) and all(isinstance(f, str) and (final / f).is_file() for f in shards)
+
+
 def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     """What to run for ``cfg`` in its folder; deletes nothing itself. None when a finished run with
     the same settings is there (reused); an unfinished one continues from its newest complete
@@ -229,14 +243,14 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     settings is refused, or with ``overwrite`` started over (``gspo train --overwrite`` removes only
     what a run writes). Anything else there (a file, a folder that is not this comparison's run) is
     refused and left as it is."""
-    from gspo.train.checkpoint import newest_complete
+    from gspo.train.checkpoint import LOCK, newest_complete
 
     run = cfg.run_dir
     if not run.exists() and not run.is_symlink():
         return cfg
     if not run.is_dir():
         raise GspoError(f"{run} exists and is not a folder; move it away or pass another --out")
-    if all(p.name == RUN_RECORD for p in run.iterdir()):  # empty, or stopped before train wrote anything
+    if all(p.name in (RUN_RECORD, LOCK) for p in run.iterdir()):  # empty, or stopped before train wrote
         return cfg
     saved = _saved_config(cfg)
     if saved is None:
@@ -244,7 +258,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
             f"{run} is not a run of this comparison (no gspo config.yaml naming {cfg.run_name}); gspo "
             "compare neither writes into nor deletes it: move it away or pass another --out"
         )
-    finished = (run / "final" / "config.json").exists()
+    finished = final_has_weights(run / "final")
     diff = _differs(cfg, saved)
     if diff and not overwrite:
         raise GspoError(
@@ -309,6 +323,7 @@ def run_compare(
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
     jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p), arms=p.arms)
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
+    claim_folder(out, "compare")  # nor a report file the comparison did not write
     t_start = time.time()
     load = _LoadSampler()
     with _continue_hint(command):
@@ -538,8 +553,9 @@ def _continue_hint(command: str) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"finished runs are kept; to continue, {again}: {command}") from None
-    except GspoError as e:  # a run's own hint names `gspo train`'s flag
-        raise GspoError(str(e).replace("continue with --resume", f"to continue, {again}")) from None
+    except GspoError as e:  # a run's own hint names `gspo train`'s flags, which compare sets itself
+        msg = str(e).replace("continue with --resume", f"to continue, {again}")
+        raise GspoError(msg.replace("pick another --name", "pass another --out")) from None
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
