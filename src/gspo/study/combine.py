@@ -123,16 +123,21 @@ def family_results(regs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             f["size"] = max(f["size"], fam["size"])
             p = endpoint_p(res)
             f["endpoints"].append(
-                {**res, "preset": r["preset"], "p": p, "declared_at": pre.get("file_commit")}
+                {
+                    **res,
+                    "preset": r["preset"],
+                    "p": p,
+                    "declared_at": pre.get("file_commit"),
+                    "level": pre.get("level"),
+                }
             )
     for f in fams.values():
         eps = f["endpoints"]
         f["size"] = max(f["size"], len(eps))
         for e, p_adj in zip(eps, holm([e["p"] for e in eps], f["size"]), strict=True):
             e["p_adj_study"] = p_adj
-            e["verdict_study"] = verdict(
-                e["interval"]["mean"], p_adj, e["direction"], e["margin"], f["alpha"]
-            )
+            level = e.get("level") or f["alpha"]  # a declared interim look's nominal level
+            e["verdict_study"] = verdict(e["interval"]["mean"], p_adj, e["direction"], e["margin"], level)
     return fams
 
 

@@ -321,7 +321,9 @@ def run_compare(
     warm_path = out_folder(warm_dir, "--warm-dir") if warm_dir else out.parent / "warm-starts"
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
-    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p), arms=p.arms)
+    changed = _changed(p, _base_config(p, None, {}, workers), base, variants, target)
+    record = run_record(p, seeds, changed)
+    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=record, arms=p.arms)
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
     claim_folder(out, "compare")  # nor a report file the comparison did not write
     t_start = time.time()
@@ -335,6 +337,24 @@ def run_compare(
     (out / "warm_starts.json").write_text(json.dumps(jobs.warm_folders, indent=1))
     _write_timing(out, jobs.timing, time.time() - t_start, workers, load.mean(), command)
     return write_report(out, variants, seeds, base, preset=p, ci=ci, criteria=criteria or Criteria())
+
+
+def _changed(
+    p: Preset, declared: Config, base: Config, variants: list[str], target: float | None
+) -> dict[str, dict[str, Any]]:
+    """Every setting this compare runs otherwise than the preset declares (name -> {declared, used}):
+    config values (those that only steer a run aside), the variants and the warm-start target."""
+    was, now = declared.to_dict(), base.to_dict()
+    out = {
+        k: {"declared": was.get(k), "used": v}
+        for k, v in now.items()
+        if k not in _STEERING and was.get(k) != v
+    }
+    if variants != p.variants:
+        out["variants"] = {"declared": p.variants, "used": variants}
+    if target != p.warm_target:
+        out["warm_target"] = {"declared": p.warm_target, "used": target}
+    return out
 
 
 def _check_args(
