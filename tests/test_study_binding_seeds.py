@@ -182,3 +182,26 @@ def test_obrien_fleming_spending_on_a_worked_example():
     z2 = 0.5**0.5 * z1 + 0.5**0.5 * rng.standard_normal(z1.size)
     total = ((np.abs(z1) >= stats.norm.isf(a1 / 2)) | (np.abs(z2) >= stats.norm.isf(a2 / 2))).mean()
     assert total == pytest.approx(0.05, abs=0.0005)  # binomial sd 0.00015
+
+
+@pytest.mark.slow
+def test_compare_on_other_seeds_and_settings_than_declared_is_not_preregistered(tmp_path):
+    """Issue 49 item 2 through the CLI: `gspo compare --preset confirm-lr-1e-3 --seeds 0 --lr 3e-4`
+    (a shipped, committed preset): the runs record their seeds and overrides, and the report says
+    "Not pre-registered", naming lr and the undeclared seed, with no verdict (~90 s on 2 busy cores)."""
+    from cli_helpers import gspo
+
+    out = tmp_path / "o"
+    tiny = ["--sft-steps", "0", "--steps", "1", "--eval-size", "2", "--prompts-per-step", "2"]
+    tiny += ["--group-size", "2", "--max-new-tokens", "8", "--no-progress", "--workers", "1"]
+    r = gspo("compare", "--preset", "confirm-lr-1e-3", "--seeds", "0", "--variants", "gspo,grpo", "--lr", "3e-4",
+             *tiny, "--out", str(out), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((out / "gspo-s0" / "declaration.json").read_text())
+    assert rec["seeds"] == [0] and rec["declared_seeds"][0] == 100
+    assert rec["overrides"]["lr"] == {"declared": 1e-3, "used": 3e-4}
+    pre = json.loads((out / "summary.json").read_text())["preregistration"]
+    assert pre["preregistered"] is False and "results" not in pre
+    assert "lr 0.001 -> 0.0003" in pre["why_not"] and "not declared 0" in pre["why_not"]
+    head = (out / "report.md").read_text().split("## Per variant")[0]
+    assert "**Not pre-registered**" in head and "before every run started" not in head
