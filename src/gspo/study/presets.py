@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -65,6 +66,8 @@ _KEYS = {
     "declared_at",
     "arms",
     "interim",
+    "secondary",
+    "secondary_family",
 }
 SPENDING = ("obrien-fleming",)  # the one declared interim look's alpha-spending rule
 # a warm_target is checked every 10 warm-start steps from step 50, on 200 held-out-like prompts
@@ -76,17 +79,29 @@ _TESTS = ("permutation", "t")
 @dataclass(frozen=True)
 class Endpoint:
     """A declared hypothesis: ``a - b`` of ``metric`` (a :func:`run_stats` key) is above (``greater``)
-    or below (``less``) ``margin``; ``margin < 0`` with ``greater`` reads as non-inferiority."""
+    or below (``less``) ``margin``; ``margin < 0`` with ``greater`` reads as non-inferiority. With
+    ``c`` and ``d`` an interaction: ``(a - b) - (c - d)``, paired by seed."""
 
     metric: str
     a: str
     b: str
     direction: str = "greater"
     margin: float = 0.0
+    c: str = ""
+    d: str = ""
 
     @property
     def contrast(self) -> str:
-        return f"{self.a} - {self.b}"
+        return f"({self.a} - {self.b}) - ({self.c} - {self.d})" if self.c else f"{self.a} - {self.b}"
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        return (self.a, self.b, self.c, self.d) if self.c else (self.a, self.b)
+
+    def record(self) -> dict[str, Any]:
+        """As run records store it (an endpoint of two arms without the interaction's keys, as before)."""
+        out = dataclasses.asdict(self)
+        return out if self.c else {k: v for k, v in out.items() if k not in ("c", "d")}
 
     def text(self) -> str:
         side = ">" if self.direction == "greater" else "<"
@@ -117,6 +132,8 @@ class Preset:
     family: Family | None = None
     declared_at: str | None = None
     interim: int | None = None  # seeds at the one declared interim look (O'Brien-Fleming-type spending)
+    secondary: list[Endpoint] = field(default_factory=list)  # their own declared family (Holm)
+    secondary_family: Family | None = None
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)  # the preset's own variants
 
     def settings(self) -> dict[str, dict[str, Any]]:
@@ -170,8 +187,27 @@ def load_preset(spec: str) -> Preset:
         family=_family(data.get("family"), path.stem, len(primary), at("family")) if primary else None,
         declared_at=_text(data.get("declared_at"), at("declared_at"), "declared_at") or None,
         interim=_interim(data.get("interim"), seeds, bool(primary), at("interim")),
+        **_secondary(data, variants, bool(primary), path.stem, at),
         arms=arms,
     )
+
+
+def _secondary(
+    data: dict[str, Any], variants: list[str], primary: bool, stem: str, at: Any
+) -> dict[str, Any]:
+    """``secondary`` endpoints (after a primary one) and their own ``secondary_family``."""
+    v = data.get("secondary")
+    if v is None:
+        if data.get("secondary_family") is not None:
+            raise GspoError(f"{at('secondary_family')}: 'secondary_family' without 'secondary' endpoints")
+        return {}
+    if not isinstance(v, list) or not v or not primary:
+        raise GspoError(
+            f"{at('secondary')}: 'secondary' must be a non-empty list of endpoints after 'primary'"
+        )
+    eps = [_endpoint(e, variants, at("secondary")) for e in v]
+    fam = _family(data.get("secondary_family"), f"{stem}-secondary", len(eps), at("secondary_family"))
+    return {"secondary": eps, "secondary_family": fam}
 
 
 def _interim(v: Any, seeds: list[int], primary: bool, where: str) -> int | None:
@@ -239,6 +275,7 @@ def _names(v: Any, where: str, key: str) -> list[str]:
     return [x.strip() for x in v]
 
 
+_INTERACTION = re.compile(r"\(\s*(\S+)\s+-\s+(\S+)\s*\)\s+-\s+\(\s*(\S+)\s+-\s+(\S+)\s*\)")
 _METRICS = set(run_stats([], Criteria()))  # what an endpoint may name: every per-run number
 
 
@@ -247,15 +284,20 @@ def _endpoint(e: Any, variants: list[str], where: str) -> Endpoint:
     if not isinstance(e, dict) or set(e) - {"metric", "contrast", "direction", "margin"}:
         raise GspoError(f"{where}: expected {{metric, contrast: 'a - b', direction, margin}}")
     contrast, metric, direction = e.get("contrast", ""), e.get("metric"), e.get("direction", "greater")
-    a, _, b = (contrast if isinstance(contrast, str) else "").partition(" - ")
-    a, b = a.strip(), b.strip()
-    if not a or not b or a not in variants or b not in variants:
-        raise GspoError(f"{where}: contrast must be 'a - b' of this preset's variants {variants}")
+    text = contrast if isinstance(contrast, str) else ""
+    both = _INTERACTION.fullmatch(text.strip())
+    a, _, b = text.partition(" - ")
+    arms = list(both.groups()) if both else [a.strip(), b.strip()]
+    if not all(arms) or any(x not in variants for x in arms):
+        raise GspoError(
+            f"{where}: contrast must be 'a - b' or '(a - b) - (c - d)' of this preset's variants {variants}"
+        )
     if not isinstance(metric, str) or metric not in _METRICS:
         raise GspoError(f"{where}: unknown metric (known: {', '.join(sorted(_METRICS))})")
     if not isinstance(direction, str) or direction not in _DIRECTIONS:
         raise GspoError(f"{where}: direction must be one of {', '.join(_DIRECTIONS)}")
-    return Endpoint(metric, a, b, direction, _number(e.get("margin", 0), where, "margin"))
+    c, d = arms[2:] if both else ("", "")
+    return Endpoint(metric, arms[0], arms[1], direction, _number(e.get("margin", 0), where, "margin"), c, d)
 
 
 def _family(f: Any, default_name: str, n: int, where: str) -> Family:
@@ -306,8 +348,16 @@ def run_record(
         "preset": preset.name,
         "preset_file": str(preset.path) if preset.path else None,
         "preset_sha256": preset_hash(preset.path) if preset.path else None,
-        "primary": [dataclasses.asdict(e) for e in preset.primary],
+        "primary": [e.record() for e in preset.primary],
         "family": dataclasses.asdict(preset.family) if preset.family else None,
+        **(
+            {
+                "secondary": [e.record() for e in preset.secondary],
+                "secondary_family": vars(preset.secondary_family),
+            }
+            if preset.secondary_family
+            else {}
+        ),
         "declared_seeds": list(preset.seeds),
         "interim": preset.interim,
         "seeds": list(preset.seeds if seeds is None else seeds),
@@ -404,9 +454,16 @@ def _binding(
     changed = [n for n, r in records.items() if r.get("preset_sha256") != now]
     if changed:
         return f"the preset changed after the runs: hashes differ ({_some(changed)} ran another preset file)"
-    endpoints = [dataclasses.asdict(e) for e in preset.primary]
+    endpoints = [e.record() for e in preset.primary]
     family = dataclasses.asdict(preset.family) if preset.family else None
-    other = [n for n, r in records.items() if r.get("primary") != endpoints or r.get("family") != family]
+    second = [e.record() for e in preset.secondary]
+    fam2 = dataclasses.asdict(preset.secondary_family) if preset.secondary_family else None
+    other = [
+        n
+        for n, r in records.items()
+        if (r.get("primary"), r.get("family"), r.get("secondary", []), r.get("secondary_family"))
+        != (endpoints, family, second, fam2)
+    ]
     if other:
         return f"runs {_some(other)} record other endpoints or another family than the preset declares"
     why = "; and ".join(w for w in (_settings(records), _seeds_analysed(preset, analysed)) if w)

@@ -18,6 +18,14 @@ from typing import Any
 
 from gspo.config import Config
 from gspo.resolve import pi_old_source
+from gspo.study.endpoints import (
+    PerSeed,
+    column,
+    endpoint_comparison,
+    secondary,
+    secondary_data,
+    secondary_lines,
+)
 from gspo.study.metrics import (
     PAIR_KEYS,
     PAIRS,
@@ -42,7 +50,6 @@ from gspo.study.statistics import (
 )
 from gspo.train.logger import read_metrics
 
-PerSeed = dict[str, dict[int, dict[str, Any]]]  # variant -> seed -> run_stats
 CI_NAMES = {"t": "Student t", "bootstrap": "percentile bootstrap"}
 
 
@@ -72,29 +79,20 @@ def run_records(out: Path, per: PerSeed) -> dict[str, Any]:
     return recs
 
 
-def column(per: PerSeed, v: str, key: str) -> dict[int, float | None]:
-    return {s: r.get(key) for s, r in per.get(v, {}).items()}
-
-
 def confirmatory(per: PerSeed, preset: Preset, level: float | None = None) -> list[Comparison]:
     """The preset's declared endpoints, tested and Holm-adjusted over its declared family (the
     family's endpoints not run here count as p = 1: what sibling folders hold on disk never enters);
     verdicts at ``level`` (the look's nominal level; default the family's alpha)."""
     if not preset.primary or preset.family is None:
         return []
-    comps = []
-    for e in preset.primary:
-        c = compare_paired(
-            e.metric, e.a, e.b, column(per, e.a, e.metric), column(per, e.b, e.metric), e.margin
-        )
-        comps.append(dataclasses.replace(c, direction=e.direction, test=preset.family.test))
+    comps = [endpoint_comparison(per, e, preset.family.test) for e in preset.primary]
     adjust_family(comps, preset.family.size, preset.family.alpha if level is None else level)
     return comps
 
 
 def analysed_seeds(per: PerSeed, preset: Preset) -> dict[str, list[int]]:
     """variant -> the seeds it has runs of, for every arm of the declared endpoints."""
-    arms = {x for e in preset.primary for x in (e.a, e.b)}
+    arms = {x for e in preset.primary + preset.secondary for x in e.arms}
     return {v: sorted(per.get(v, {})) for v in sorted(arms)}
 
 
@@ -313,8 +311,7 @@ def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, 
         "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | Holm-adjusted p | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in confirm:
-        e = next(e for e in preset.primary if (e.metric, e.a, e.b) == (c.metric, c.a, c.b))
+    for e, c in zip(preset.primary, confirm, strict=True):
         lines.append(
             f"| {e.text()} | {c.interval.n} | {c.interval.fmt()} | {fmt_p(c.p_t)} | {fmt_p(c.p_perm)} | "
             f"{fmt_p(c.p_adj)} | **{c.verdict}** |"
@@ -343,8 +340,7 @@ def _not_preregistered(preset: Preset, confirm: list[Comparison], decl: dict[str
         "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | status |",
         "|---|---|---|---|---|---|",
     ]
-    for c in confirm:
-        e = next(e for e in preset.primary if (e.metric, e.a, e.b) == (c.metric, c.a, c.b))
+    for e, c in zip(preset.primary, confirm, strict=True):
         lines.append(
             f"| {e.text()} | {c.interval.n} | {c.interval.fmt()} | {fmt_p(c.p_t)} | {fmt_p(c.p_perm)} | "
             "exploratory: no verdict |"
@@ -457,10 +453,14 @@ def write_report(
     images = band_plots(out, variants, seeds, ci)
     decl = declaration(preset, run_records(out, per), analysed_seeds(per, preset))
     confirm, pairs = confirmatory(per, preset, decl.get("level")), exploratory(per)
-    bound = confirm if decl.get("preregistered") else []  # no verdict without a binding declaration
+    second = secondary(per, preset, decl)
+    decl |= secondary_data(preset, second)
+    bound = list(confirm) if decl.get("preregistered") else []  # no verdict without a binding declaration
+    bound += [c for c in second if c.verdict]
     timing_file = out / "timing.json"
     timing = json.loads(timing_file.read_text()) if timing_file.exists() else {}
     lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl)
+    lines += secondary_lines(preset, second, decl)
     lines += _variant_tables(per, ci, crit) + _paired_table(pairs)
     lines += [
         "## The paper's claims and this run",
@@ -526,7 +526,7 @@ def _write_data(
             for (a, b, key), c in pairs.items()
         },
         "preregistration": {
-            "primary": [dataclasses.asdict(e) for e in preset.primary],
+            "primary": [e.record() for e in preset.primary],
             "family": dataclasses.asdict(preset.family) if preset.family else None,
             **decl,
             # endpoints whose runs are not bound to the declaration: numbers only, no study verdict
