@@ -514,7 +514,7 @@ def _seeds_analysed(preset: Preset, analysed: dict[str, list[int]]) -> str | Non
         return None
     target = min(allowed, key=lambda a: len(a ^ union))
     parts = [
-        f"declared {preset.seeds}"
+        f"declared {_span(preset.seeds)}"
         + (f" (interim look: the first {preset.interim})" if preset.interim else "")
     ]
     if target - common:
@@ -522,6 +522,17 @@ def _seeds_analysed(preset: Preset, analysed: dict[str, list[int]]) -> str | Non
     if union - target:
         parts.append(f"not declared {_some(union - target)}")
     return "the analysed seeds are not the declared ones (" + "; ".join(parts) + ")"
+
+
+def _span(seeds: list[int]) -> str:
+    """Seeds as runs of consecutive integers: [100, 101, 102, 7] -> "100-102, 7"."""
+    runs: list[list[int]] = []
+    for x in seeds:
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _ancestry(preset: Preset, decl: dict[str, Any], records: dict[str, Any]) -> str | None:
