@@ -40,6 +40,8 @@ class MetricsLogger:
         self.file = self.path.open("a")
         purge = None if resume_step is None else resume_step + 1
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+        self.tb.flush()  # each write waits for TensorBoard's thread: a run folder removed after an
+        # error never meets a write still queued there (a traceback from that thread)
         self.wandb = None
         if use_wandb:
             try:
@@ -60,6 +62,7 @@ class MetricsLogger:
         for k, v in metrics.items():
             if isinstance(v, int | float) and math.isfinite(v):
                 self.tb.add_scalar(k, v, step)
+        self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
