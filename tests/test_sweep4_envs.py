@@ -134,7 +134,6 @@ def test_a_float16_run_that_fails_prints_exactly_one_line(tmp_path, monkeypatch)
     assert died == []
 
 
-@pytest.mark.slow  # three processes start torch: ~20-40 s on 2 busy cores
 def test_torchrun_prints_no_banner_around_a_ranks_one_line_error(tmp_path):
     """Without OMP_NUM_THREADS in the environment torchrun set it and printed a banner of stars
     before the rank's error line; gspo now sets it to torchrun's own value."""
