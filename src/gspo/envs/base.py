@@ -124,6 +124,19 @@ def _valid_text(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
+#: the roles chat templates render (a template renders any string as a role: a typo would train)
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+
+
+def _check_roles(msgs: list[dict[str, Any]], name: str, what: str) -> None:
+    for i, m in enumerate(msgs):
+        if m.get("role") not in ROLES:
+            raise GspoError(
+                f"environment {name}: {what} message {i} has role {m.get('role')!r:.40}, not a chat role "
+                f"({', '.join(ROLES)})"
+            )
+
+
 def _check_messages(msgs: Any, name: str) -> list[dict[str, Any]]:
     """``Step.messages``: a non-empty list of ``{"role": str, "content": str, ...}`` (copied, text made
     valid UTF-8); anything else is a one-line :class:`GspoError` naming the environment."""
@@ -137,6 +150,7 @@ def _check_messages(msgs: Any, name: str) -> list[dict[str, Any]]:
             f"environment {name}: step() messages must be a non-empty list of "
             f'{{"role": str, "content": str}} dicts, got {str(msgs)[:60]!r}'
         )
+    _check_roles(msgs, name, "step()")
     return [dict(m, content=_valid_text(m["content"])) for m in msgs]
 
 
@@ -150,4 +164,6 @@ def check_prompt(out: Any, name: str) -> Prompt:
             f"environment {name}: reset() returned {type(out).__name__} {str(out)[:40]!r}, expected a "
             "non-empty prompt string or chat messages"
         )
+    if isinstance(out, list):
+        _check_roles(out, name, "reset()")
     return out

@@ -65,10 +65,14 @@ class TensorBoard(Tracker):
 
             text = yaml.safe_dump(config, sort_keys=False)  # indented: a code block in TB's markdown
             self.tb.add_text("config", "".join("    " + ln + "\n" for ln in text.splitlines()), purge or 0)
+        # each write waits for TensorBoard's thread: a run folder removed after an error never meets
+        # a write still queued there (a traceback from that thread after gspo's one line)
+        self.tb.flush()
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
             self.tb.add_scalar(k, v, step)
+        self.tb.flush()
 
     def log_image(self, key: str, path: Path, step: int) -> None:
         import matplotlib.image
