@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from filelock import Timeout, UnixFileLock
 
-from gspo.model.export import DCP_DIR
+from gspo.model.export import DCP_DIR, write_failure
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -171,21 +171,51 @@ def save_checkpoint(
     return final
 
 
-# a failed write as torch.save's zip writer and safetensors report it (not OSErrors): "[enforce fail
-# at inline_container.cc:672] . unexpected pos ...", "PytorchStreamWriter failed writing file ...",
-# "Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"
-_WRITER_ERRORS = ("inline_container", "PytorchStreamWriter", "IoError(Os")
+FINAL = "final"
+FINAL_TMP = ".final.tmp"  # final/ while it is written (renamed to final/ when complete)
+FINAL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
-def write_failure(e: BaseException) -> str | None:
-    """Why writing a checkpoint failed, in one line, when ``e`` is the disk's doing (a full disk, a
-    quota, an I/O error: an OSError or a writer's error wrapping one); None for anything else."""
-    text = str(e).strip()
-    if isinstance(e, OSError):
-        return e.strerror or (text.splitlines()[0] if text else type(e).__name__)
-    if isinstance(e, Exception) and any(w in text for w in _WRITER_ERRORS):
-        return text.splitlines()[0][:200]
-    return None
+def write_final(run_dir: Path, write: Any, kept: int) -> Path:
+    """The run's ``final/`` folder: ``write(path)`` fills ``.final.tmp`` beside it, every file is
+    fsynced and the folder renamed to ``final/`` (replacing an older one): a ``final/`` is always
+    complete. A failed write (a full disk) removes the half-written folder and is one line naming the
+    free space and the checkpoint kept (``kept``: its step), from which ``--resume`` writes it again."""
+    from gspo.errors import GspoError
+
+    final, tmp = run_dir / FINAL, run_dir / FINAL_TMP
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill while an earlier one was written
+        tmp.mkdir()
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        elif final.exists() or final.is_symlink():
+            final.unlink()
+        os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = write_failure(e)
+        if why is None:
+            raise
+        where = f"step {kept}" if kept >= 0 else "none"
+        raise GspoError(
+            f"cannot write the final model {final} ({free_space(run_dir)}): {why}; the last complete "
+            f"checkpoint is kept ({where}): make room and run the same command with --resume to write it"
+        ) from None
+    return final
+
+
+def final_complete(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` finished: ``final/`` holds its config and weights (gspo renames
+    ``final/`` into place complete; an older gspo wrote it in place, which a full disk could cut)."""
+    final = run_dir / FINAL
+    return (final / "config.json").is_file() and any((final / w).is_file() for w in FINAL_WEIGHTS)
 
 
 def free_space(path: Path) -> str:
@@ -321,7 +351,7 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
 LOCK = ".gspo.lock"
 # what a run writes into its folder: any of these means the folder holds (part of) a run
-TRACES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "tensorboard", "curves.png")
+TRACES = ("config.yaml", "metrics.jsonl", "checkpoints", FINAL, FINAL_TMP, "tensorboard", "curves.png")
 
 
 def lock_run_dir(run_dir: Path) -> UnixFileLock:

@@ -1,0 +1,112 @@
+"""What the fourth hostile sweep found in training, checkpoints and export (issues 44 and 49), each
+through the CLI: a 2-rank run whose weights were left gathered at its checkpoint, a full disk while a
+safetensors file is written (a checkpoint's, or ``final/``'s, which is now written beside and renamed),
+values a config or an environment gives that no float32 holds, a device index no int holds,
+``--resume`` on a read-only folder or over a ``latest`` that is a folder, and a manifest whose entries
+leave the checkpoint folder."""
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import transformers.modeling_utils as modeling_utils
+from cli_helpers import gspo_at_once, one_line
+
+from gspo.cli import main as gspo_main
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+
+SMALL = [
+    "--sft-steps", "0", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+    "--eval-size", "2", "--eval-every", "0", "--threads", "1", "--no-progress",
+]  # fmt: skip
+
+
+def test_two_ranks_checkpoint_after_a_no_grad_forward_and_refuse_non_finite_weights_together(tmp_path):
+    """`gspo train --nproc 2` with one minibatch on the MoE model: the routing-volatility forward that
+    follows the optimizer step (no backward after it) leaves FSDP2's root group gathered, its weights
+    plain tensors beside the others' shards, and the checkpoint's finiteness check crashed on both
+    ranks ("Replicate to Partial(product)"). Each rank now checks the values it holds, whatever their
+    placement, and the ranks agree: every checkpoint is written, final/ too; and weights that did turn
+    non-finite (lr 1e39) are still refused on both ranks together: one line, exit 2, step 0 kept."""
+    base = ["train", "--nproc", "2", "--prompts-per-step", "2", "--group-size", "2", "--num-minibatches", "1",
+            "--steps", "2", "--sft-steps", "2", "--eval-size", "2", "--save-every", "1",
+            "--max-new-tokens", "6", "--eval-every", "0", "--threads", "1", "--no-progress"]  # fmt: skip
+    runs = {
+        "plain": [*base, "--output-dir", str(tmp_path / "plain")],
+        "diverged": [*base, "--lr", "1e39", "--output-dir", str(tmp_path / "diverged")],
+    }
+    done = gspo_at_once(runs, tmp_path, 300)
+    rc, out = done["plain"]
+    assert rc == 0 and "Traceback" not in out, out[-4000:]
+    run = next((tmp_path / "plain").iterdir())
+    assert (run / "checkpoints" / "latest").read_text() == "step-000002"
+    assert (run / "checkpoints" / "step-000001" / "manifest.json").is_file()
+    assert (run / "final" / "model.safetensors").is_file()
+    rc, out = done["diverged"]
+    errors = [ln for ln in out.splitlines() if ln.startswith("gspo: error:")]
+    assert rc == 2 and "Traceback" not in out, out[-4000:]
+    assert errors and all(e == errors[0] for e in errors), out[-4000:]
+    assert "weights are not finite after step 1" in errors[0] and "last good checkpoint is step 0" in errors[0]
+    run = next((tmp_path / "diverged").iterdir())
+    assert (run / "checkpoints" / "latest").read_text() == "step-000000"
+
+
+def _full_disk(monkeypatch, where: dict[str, str | None]):
+    """safetensors' writer, as transformers and gspo call it, fails as on a full disk (half a file
+    written, then its error) for files in a folder whose name contains ``where["folder"]``."""
+    real = modeling_utils.safe_save_file
+
+    def save(tensors, filename, *args, **kwargs):
+        if where["folder"] and where["folder"] in Path(filename).parent.name:
+            Path(filename).write_bytes(b"half")
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", save)
+    monkeypatch.setattr(safetensors.torch, "save_file", save)
+
+
+def test_a_full_disk_while_safetensors_writes_is_one_line_and_final_is_whole_or_absent(
+    tmp_path, monkeypatch, capsys
+):
+    """The disk fills while safetensors writes step 2's checkpoint: one line with the free space and
+    the checkpoint kept, exit 2 (was the writer's traceback). Resumed, it fills while ``final/`` is
+    written: one line, exit 2, no ``final/`` at all (it was written in place: a config without
+    weights, which a re-run took as finished) and nothing half-written beside it. With room again,
+    ``--resume`` writes ``final/`` from the last checkpoint without training a step more."""
+    where: dict[str, str | None] = {"folder": "step-000002"}
+    _full_disk(monkeypatch, where)
+    args = ["train", *SMALL, "--steps", "3", "--save-every", "1", "--output-dir", str(tmp_path), "--name", "r"]
+    run = tmp_path / "r"
+    root = run / "checkpoints"
+    line = one_line(capsys, args, f"cannot write checkpoint step 2 under {root} (")
+    assert "GiB free there): No space left on device; the last complete checkpoint is kept (step 1)" in line
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000000", "step-000001"]
+
+    where["folder"] = "final"
+    capsys.readouterr()
+    assert gspo_main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("gspo: resuming from")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"gspo: error: cannot write the final model {run / 'final'} (")
+    assert "GiB free there): No space left on device; the last complete checkpoint is kept (step 3)" in lines[0]
+    assert lines[0].endswith("run the same command with --resume to write it")
+    assert (root / "latest").read_text() == "step-000003"
+    assert not (run / "final").exists() and [p.name for p in run.iterdir() if "final" in p.name] == []
+
+    where["folder"] = None
+    assert gspo_main([*args, "--resume"]) == 0
+    final = safetensors.torch.load_file(run / "final" / "model.safetensors")
+    last = safetensors.torch.load_file(root / "step-000003" / "model.safetensors")
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in last)
+    assert (run / "final" / "config.json").is_file()
+    assert [p.name for p in run.iterdir() if "final" in p.name] == ["final"]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
