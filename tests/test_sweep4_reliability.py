@@ -50,7 +50,9 @@ def test_two_ranks_checkpoint_after_a_no_grad_forward_and_refuse_non_finite_weig
     errors = [ln for ln in out.splitlines() if ln.startswith("gspo: error:")]
     assert rc == 2 and "Traceback" not in out, out[-4000:]
     assert errors and all(e == errors[0] for e in errors), out[-4000:]
-    assert "weights are not finite after step 1" in errors[0] and "last good checkpoint is step 0" in errors[0]
+    assert (
+        "weights are not finite after step 1" in errors[0] and "last good checkpoint is step 0" in errors[0]
+    )
     run = next((tmp_path / "diverged").iterdir())
     assert (run / "checkpoints" / "latest").read_text() == "step-000000"
 
@@ -82,7 +84,7 @@ def test_a_full_disk_while_safetensors_writes_is_one_line_and_final_is_whole_or_
     ``--resume`` writes ``final/`` from the last checkpoint without training a step more."""
     where: dict[str, str | None] = {"folder": "step-000002"}
     _full_disk(monkeypatch, where)
-    args = ["train", *SMALL, "--steps", "3", "--save-every", "1", "--output-dir", str(tmp_path), "--name", "r"]
+    args = ["train", *SMALL, "--steps", "3", "--save-every", "1", "--output-dir", str(tmp_path), "--name", "r"]  # fmt: skip
     run = tmp_path / "r"
     root = run / "checkpoints"
     line = one_line(capsys, args, f"cannot write checkpoint step 2 under {root} (")
@@ -96,7 +98,9 @@ def test_a_full_disk_while_safetensors_writes_is_one_line_and_final_is_whole_or_
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("gspo: resuming from")]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith(f"gspo: error: cannot write the final model {run / 'final'} (")
-    assert "GiB free there): No space left on device; the last complete checkpoint is kept (step 3)" in lines[0]
+    assert (
+        "GiB free there): No space left on device; the last complete checkpoint is kept (step 3)" in lines[0]
+    )
     assert lines[0].endswith("run the same command with --resume to write it")
     assert (root / "latest").read_text() == "step-000003"
     assert not (run / "final").exists() and [p.name for p in run.iterdir() if "final" in p.name] == []
