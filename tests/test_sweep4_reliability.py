@@ -114,3 +114,54 @@ def test_a_full_disk_while_safetensors_writes_is_one_line_and_final_is_whole_or_
     assert [p.name for p in run.iterdir() if "final" in p.name] == ["final"]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
+
+
+def test_values_no_float32_or_device_index_holds_are_one_line(tmp_path, capsys):
+    """VESPO's kernel shape past float32 (each of its four fields; was torch's "value cannot be
+    converted to type float without overflow" at the first update) and a rollout device whose index
+    torch cannot hold (was "Could not parse device index"; cuda:256 was silently cuda:0, the trainer's
+    GPU): one line naming the field, exit 2, before any weight is read."""
+    base = ["train", *SMALL, "--steps", "1", "--output-dir", str(tmp_path)]
+    for field in ("k-pos", "lambda-pos", "k-neg", "lambda-neg"):
+        line = one_line(
+            capsys, [*base, "--algo", "vespo", f"--vespo-{field}", "1e39"], "must be at most 3.403e+38"
+        )
+        assert f"config field 'vespo_{field.replace('-', '_')}'" in line and "(got 1e+39)" in line
+    async_args = [*base, "--async-staleness", "1", "--rollout-devices"]
+    for device in ("cuda:99999999999999999999", "cuda:256"):
+        line = one_line(
+            capsys, [*async_args, device], "config field 'rollout_devices': a device index is at most 127"
+        )
+        assert device in line
+    for device in ("cuda:01", "cuda:\u0663"):  # a leading zero; an Arabic-Indic three (str.isdigit())
+        one_line(
+            capsys, [*async_args, device], "config field 'rollout_devices': each device is 'cpu' or 'cuda:N'"
+        )
+    assert not any(tmp_path.iterdir())
+
+
+ENVS = """
+from gspo.envs.base import Step
+
+
+class Huge:
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, turn):
+        return Step(None, 10**400)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=OverflowError,
+    reason="needs check_step (src/gspo/envs/base.py) to check the reward with gspo.tasks.rewards.reward_value",
+)
+def test_an_environment_reward_past_float64_is_one_line(tmp_path, capsys):
+    """An environment whose step reward is a Python int past float64 (10**400): one line naming the
+    environment and the value, exit 2 (was OverflowError from the reward check)."""
+    (tmp_path / "envs.py").write_text(ENVS)
+    args = ["train", *SMALL, "--steps", "1", "--env", f"{tmp_path / 'envs.py'}:Huge", "--output-dir", str(tmp_path / "runs")]  # fmt: skip
+    line = one_line(capsys, args, "step() reward must be a finite number, got int too large for a float")
+    assert "envs.py:Huge" in line
