@@ -165,3 +165,38 @@ def test_an_environment_reward_past_float64_is_one_line(tmp_path, capsys):
     args = ["train", *SMALL, "--steps", "1", "--env", f"{tmp_path / 'envs.py'}:Huge", "--output-dir", str(tmp_path / "runs")]  # fmt: skip
     line = one_line(capsys, args, "step() reward must be a finite number, got int too large for a float")
     assert "envs.py:Huge" in line
+
+
+def test_resume_says_what_is_wrong_with_the_run_folder_before_training(tmp_path, monkeypatch, capsys):
+    """`--resume` where the run folder cannot be written (a read-only filesystem, as the kernel answers
+    there: EROFS) says so (it said "must be a plain file: remove it" of the lock file); and over a
+    ``latest`` replaced by a folder (which no checkpoint can replace) it refuses at the start, not after
+    training a step that it then cannot save. One line each, exit 2, nothing trained or changed."""
+    import errno
+    import os
+
+    args = ["train", *SMALL, "--steps", "1", "--output-dir", str(tmp_path), "--name", "r"]
+    assert gspo_main(args) == 0
+    run = tmp_path / "r"
+    metrics = (run / "metrics.jsonl").read_text()
+    resume = [*args, "--steps", "2", "--resume"]
+    real_open = os.open
+
+    def read_only(path, *a, **kw):
+        if str(path).endswith(".gspo.lock"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", read_only)
+        line = one_line(capsys, resume, f"run folder {run} cannot be written")
+    assert "(Read-only file system)" in line and "plain file" not in line and "make it writable" in line
+
+    latest = run / "checkpoints" / "latest"
+    latest.unlink()
+    latest.mkdir()
+    (latest / "mine.txt").write_text("mine")
+    line = one_line(capsys, resume, f"{latest} is a folder")
+    assert "move it away" in line
+    assert (run / "metrics.jsonl").read_text() == metrics and (latest / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000000", "step-000001"]

@@ -21,6 +21,7 @@ checkpoint whose files match its manifest and whose state has every entry a resu
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -330,6 +331,7 @@ def newest_complete(
 ) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
     """The newest complete checkpoint (of a step below ``below``, if given), its trainer state, and
     why each newer one was skipped; ``shards``: as :func:`verify`."""
+    check_latest(run_dir)
     skipped = []
     for path in reversed(step_folders(run_dir)):
         if below is not None and int(path.name.removeprefix("step-")) >= below:
@@ -339,6 +341,21 @@ def newest_complete(
             return path, state, skipped
         skipped.append(f"{path.name}: {why}")
     return None, None, skipped
+
+
+def check_latest(run_dir: Path) -> None:
+    """Refuse, before a step is trained, a ``latest`` (or ``latest.tmp``) that every checkpoint would
+    fail to replace: a folder, or anything else that is not a file or a symlink."""
+    from gspo.errors import GspoError
+
+    for name in ("latest", "latest.tmp"):
+        p = run_dir / "checkpoints" / name
+        if (p.exists() or p.is_symlink()) and not (p.is_symlink() or p.is_file()):
+            kind = "a folder" if p.is_dir() else "not a file"
+            raise GspoError(
+                f"{p} is {kind}: gspo writes a file there naming the newest checkpoint after each one, "
+                "so no checkpoint could be saved; move it away and run again"
+            )
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
@@ -374,10 +391,15 @@ def lock_run_dir(run_dir: Path) -> UnixFileLock:
             f"run folder {run_dir} is in use by another gspo process (PID {_lock_holder(path)}); wait for "
             "it to end or stop it, or pick another --name"
         ) from None
-    except OSError as e:  # a folder, a symlink, a filesystem without flock
-        raise GspoError(
-            f"run folder {run_dir}: cannot use {LOCK} as its lock file ({e.strerror}); it must be a plain "
-            "file: remove it"
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+            raise GspoError(
+                f"run folder {run_dir} cannot be written ({e.strerror}): a run keeps its lock, checkpoints "
+                "and metrics there; make it writable (or copy the run to a folder that is) and run again"
+            ) from None
+        hint = "; it must be a plain file: remove it" if e.errno in (errno.ELOOP, errno.EISDIR) else ""
+        raise GspoError(  # a folder, a symlink (never followed), a filesystem without flock
+            f"run folder {run_dir}: cannot use {LOCK} as its lock file ({e.strerror}){hint}"
         ) from None
     return lock
 
