@@ -200,3 +200,33 @@ def test_resume_says_what_is_wrong_with_the_run_folder_before_training(tmp_path,
     assert "move it away" in line
     assert (run / "metrics.jsonl").read_text() == metrics and (latest / "mine.txt").read_text() == "mine"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000000", "step-000001"]
+
+
+def test_export_refuses_manifest_entries_that_leave_the_checkpoint_folder(tmp_path, capsys):
+    """`gspo export` of a checkpoint whose manifest lists ``../../..``-style names, an absolute path,
+    or a file that is a symlink out of the folder, each matching a decoy file elsewhere in size and
+    checksum (so the old check stat'ed, read and hashed it, and passed): one line naming the entry,
+    exit 2, no --out folder made."""
+    import hashlib
+    import os
+
+    decoy = tmp_path / "scratch" / "decoy.txt"
+    decoy.parent.mkdir()
+    decoy.write_text("someone else's")
+    entry = {"size": decoy.stat().st_size, "sha256": hashlib.sha256(decoy.read_bytes()).hexdigest()}
+    step = tmp_path / "run" / "checkpoints" / "step-000001"
+    (step / "dcp").mkdir(parents=True)
+    (step / "dcp" / ".metadata").write_bytes(b"")
+    (step / "linked.bin").symlink_to(decoy)
+    names = [os.path.relpath(decoy, step), "../" * 8 + str(decoy).lstrip("/"), str(decoy), "linked.bin"]
+    for name in names:
+        (step / "manifest.json").write_text(
+            json.dumps({"files": {"dcp/.metadata": {"size": 0}, name: entry}})
+        )
+        out = tmp_path / "out"
+        line = one_line(
+            capsys, ["export", str(step), "--out", str(out)], "a path out of the checkpoint folder"
+        )
+        assert "manifest.json lists" in line and name[:20] in line
+        assert not out.exists()
+    assert decoy.read_text() == "someone else's"

@@ -30,7 +30,7 @@ import random
 import re
 import shutil
 import stat
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -128,12 +128,20 @@ def write_manifest(folder: Path, known: dict[str, dict[str, Any]] | None = None)
         os.fsync(fh.fileno())
 
 
+def _remove(path: Path) -> None:
+    """Delete what is at ``path`` (a folder, a file or a symlink, never followed), if anything."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def begin_checkpoint(run_dir: Path, step: int) -> Path:
     """The empty ``step-N.tmp`` folder checkpoint ``step`` is written into."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     tmp.mkdir()
     return tmp
 
@@ -161,8 +169,7 @@ def save_checkpoint(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        shutil.rmtree(final)
+    _remove(final)
     os.replace(tmp, final)
     latest_tmp = root / "latest.tmp"
     latest_tmp.write_text(final.name)
@@ -186,17 +193,14 @@ def write_final(run_dir: Path, write: Any, kept: int) -> Path:
 
     final, tmp = run_dir / FINAL, run_dir / FINAL_TMP
     try:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill while an earlier one was written
+        _remove(tmp)  # left by a kill while an earlier one was written
         tmp.mkdir()
         write(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        if final.is_dir() and not final.is_symlink():
-            shutil.rmtree(final)
-        elif final.exists() or final.is_symlink():
-            final.unlink()
+        _remove(final)
         os.replace(tmp, final)
         _fsync_dir(run_dir)
     except BaseException as e:
@@ -273,6 +277,9 @@ def check_manifest(path: Path, required: tuple[str, ...] = (), hashed: set[str] 
         return f"no {MANIFEST} (written last: incomplete, or written by an older gspo)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    outside = next((name for name, _, _ in entries if not _inside(path, name)), None)
+    if outside is not None:  # never stat, read or hash a file elsewhere (a planted or damaged manifest)
+        return f"{MANIFEST} lists {outside!r:.80}: a path out of the checkpoint folder (damaged or planted)"
     missing = [r for r in required if r not in files]
     if missing:
         return f"{MANIFEST} lists no {missing[0]}"
@@ -285,6 +292,18 @@ def check_manifest(path: Path, required: tuple[str, ...] = (), hashed: set[str] 
         if (hashed is None or name in hashed) and _sha256(f) != sha:
             return f"{name} does not match its checksum in the manifest (modified or damaged)"
     return ""
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """Whether the manifest name ``name`` is a relative path to a file within ``folder`` (no ``..``,
+    not absolute, no symlink out of it)."""
+    parts = PurePosixPath(name).parts
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+        return False
+    try:
+        return (folder / name).resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL in the name
+        return False
 
 
 def check_share(path: Path, rank: int, world: int) -> str:
@@ -442,8 +461,4 @@ def run_traces(run_dir: Path) -> list[str]:
 def remove_traces(run_dir: Path) -> None:
     """Delete what a run writes (the folder's other files, if any, are left alone)."""
     for name in TRACES:
-        p = run_dir / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
+        _remove(run_dir / name)
