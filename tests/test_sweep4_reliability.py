@@ -220,9 +220,8 @@ def test_export_refuses_manifest_entries_that_leave_the_checkpoint_folder(tmp_pa
     (step / "linked.bin").symlink_to(decoy)
     names = [os.path.relpath(decoy, step), "../" * 8 + str(decoy).lstrip("/"), str(decoy), "linked.bin"]
     for name in names:
-        (step / "manifest.json").write_text(
-            json.dumps({"files": {"dcp/.metadata": {"size": 0}, name: entry}})
-        )
+        empty = {"size": 0, "sha256": hashlib.sha256(b"").hexdigest()}
+        (step / "manifest.json").write_text(json.dumps({"files": {name: entry, "dcp/.metadata": empty}}))
         out = tmp_path / "out"
         line = one_line(
             capsys, ["export", str(step), "--out", str(out)], "a path out of the checkpoint folder"
