@@ -101,7 +101,7 @@ def test_a_full_disk_while_safetensors_writes_is_one_line_and_final_is_whole_or_
     assert (
         "GiB free there): No space left on device; the last complete checkpoint is kept (step 3)" in lines[0]
     )
-    assert lines[0].endswith("run the same command with --resume to write it")
+    assert lines[0].endswith("make room and run again (gspo train: add --resume) to write it")
     assert (root / "latest").read_text() == "step-000003"
     assert not (run / "final").exists() and [p.name for p in run.iterdir() if "final" in p.name] == []
 
@@ -229,3 +229,29 @@ def test_export_refuses_manifest_entries_that_leave_the_checkpoint_folder(tmp_pa
         assert "manifest.json lists" in line and name[:20] in line
         assert not out.exists()
     assert decoy.read_text() == "someone else's"
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_final_is_written_under_compare_is_one_line_and_a_rerun_finishes(
+    tmp_path, monkeypatch, capsys
+):
+    """`gspo compare` whose disk fills while a run's ``final/`` is written: one line, exit 2, no
+    ``final/`` (a half-written one was taken as "done already, reusing"); run again with room, the
+    run continues from its last checkpoint and writes ``final/``, weights included."""
+    where: dict[str, str | None] = {"folder": "final"}
+    _full_disk(monkeypatch, where)
+    out = tmp_path / "cmp"
+    args = ["compare", "--seeds", "0", "--variants", "gspo,grpo", "--steps", "1", "--sft-steps", "2",
+            "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "4",
+            "--no-progress", "--workers", "1", "--model", "embedded:tiny-moe", "--out", str(out)]  # fmt: skip
+    capsys.readouterr()
+    assert gspo_main(args) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("gspo: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"gspo: error: cannot write the final model {out / 'gspo-s0' / 'final'} (")
+    assert not (out / "gspo-s0" / "final").exists()
+    where["folder"] = None
+    assert gspo_main(args) == 0
+    for run in ("gspo-s0", "grpo-s0"):
+        assert (out / run / "final" / "model.safetensors").is_file()

@@ -211,7 +211,7 @@ def write_final(run_dir: Path, write: Any, kept: int) -> Path:
         where = f"step {kept}" if kept >= 0 else "none"
         raise GspoError(
             f"cannot write the final model {final} ({free_space(run_dir)}): {why}; the last complete "
-            f"checkpoint is kept ({where}): make room and run the same command with --resume to write it"
+            f"checkpoint is kept ({where}): make room and run again (gspo train: add --resume) to write it"
         ) from None
     return final
 
