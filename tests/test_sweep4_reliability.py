@@ -239,7 +239,6 @@ def test_export_refuses_manifest_entries_that_leave_the_checkpoint_folder(tmp_pa
     assert decoy.read_text() == "someone else's"
 
 
-@pytest.mark.slow
 def test_a_full_disk_while_final_is_written_under_compare_is_one_line_and_a_rerun_finishes(
     tmp_path, monkeypatch, capsys
 ):
