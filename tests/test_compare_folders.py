@@ -15,7 +15,8 @@ from gspo.cli import main
 from gspo.config import Config, make_config, save_yaml
 from gspo.study import write_report
 from gspo.study.folders import claim_folder
-from gspo.study.runner import final_has_weights, plan_run
+from gspo.study.runner import plan_run
+from gspo.train.checkpoint import final_complete
 
 FAST = ["--seeds", "0", "--variants", "gspo,grpo", "--workers", "1", "--sft-steps", "0", "--steps", "1"]
 FAST += ["--model", "embedded:tiny-moe", "--eval-size", "2", "--no-progress"]
@@ -77,18 +78,18 @@ def test_a_run_whose_final_folder_lacks_its_weights_is_not_reused(tmp_path):
     final.mkdir(parents=True)
     save_yaml(cfg, run / "config.yaml")
     (final / "config.json").write_text("{}")
-    assert not final_has_weights(final)
+    assert not final_complete(run)
     assert plan_run(cfg) is not None and plan_run(cfg).overwrite
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (final / "model.safetensors.index.json").write_text(json.dumps(index))
     (final / "model-00001-of-00002.safetensors").write_bytes(b"x")
-    assert not final_has_weights(final) and plan_run(cfg) is not None  # a shard missing
+    assert not final_complete(run) and plan_run(cfg) is not None  # a shard missing
     (final / "model-00002-of-00002.safetensors").write_bytes(b"x")
-    assert final_has_weights(final) and plan_run(cfg) is None
+    assert final_complete(run) and plan_run(cfg) is None
     for f in final.glob("model*"):
         f.unlink()
     (final / "model.safetensors").write_bytes(b"x")
-    assert final_has_weights(final) and plan_run(cfg) is None
+    assert final_complete(run) and plan_run(cfg) is None
 
 
 def test_empty_preset_and_a_locked_run_folder_are_one_line(tmp_path, capsys):

@@ -42,7 +42,17 @@ __all__ = ["plan_run", "run_compare", "warm_start_folder", "warm_start_job"]
 
 # config fields that steer a run but do not change what it computes: a finished run with other
 # values of these is still reused
-_STEERING = {"progress", "threads", "save_every", "wandb", "resume", "overwrite", "output_dir", "name"}
+_STEERING = {
+    "progress",
+    "threads",
+    "save_every",
+    "wandb",
+    "report_to",
+    "resume",
+    "overwrite",
+    "output_dir",
+    "name",
+}
 
 
 def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
@@ -80,19 +90,6 @@ def _differs(cfg: Config, saved: dict[str, Any]) -> str | None:
     return None
 
 
-def final_has_weights(final: Path) -> bool:
-    """Whether a run's ``final/`` holds its weights: ``model.safetensors``, or an index whose every
-    named shard is there. ``config.json`` alone (a save stopped by a full disk) is not a finished run."""
-    if (final / "model.safetensors").is_file():
-        return True
-    try:
-        index = json.loads((final / "model.safetensors.index.json").read_text())
-        shards = set(index["weight_map"].values())
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return bool(shards) and all(isinstance(f, str) and (final / f).is_file() for f in shards)
-
-
 def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     """What to run for ``cfg`` in its folder; deletes nothing itself. None when a finished run with
     the same settings is there (reused); an unfinished one continues from its newest complete
@@ -100,7 +97,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     settings is refused, or with ``overwrite`` started over (``gspo train --overwrite`` removes only
     what a run writes). Anything else there (a file, a folder that is not this comparison's run) is
     refused and left as it is."""
-    from gspo.train.checkpoint import LOCK, newest_complete
+    from gspo.train.checkpoint import LOCK, final_complete, newest_complete
 
     run = cfg.run_dir
     if not run.exists() and not run.is_symlink():
@@ -115,7 +112,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
             f"{run} is not a run of this comparison (no gspo config.yaml naming {cfg.run_name}); gspo "
             "compare neither writes into nor deletes it: move it away or pass another --out"
         )
-    finished = final_has_weights(run / "final")
+    finished = final_complete(run)
     diff = _differs(cfg, saved)
     if diff and not overwrite:
         raise GspoError(

@@ -181,7 +181,6 @@ def save_checkpoint(
 
 FINAL = "final"
 FINAL_TMP = ".final.tmp"  # final/ while it is written (renamed to final/ when complete)
-FINAL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def write_final(run_dir: Path, write: Any, kept: int) -> Path:
@@ -217,10 +216,19 @@ def write_final(run_dir: Path, write: Any, kept: int) -> Path:
 
 
 def final_complete(run_dir: Path) -> bool:
-    """Whether the run in ``run_dir`` finished: ``final/`` holds its config and weights (gspo renames
-    ``final/`` into place complete; an older gspo wrote it in place, which a full disk could cut)."""
+    """Whether the run in ``run_dir`` finished: ``final/`` holds its config and its weights,
+    ``model.safetensors`` or an index whose every named shard is there (gspo renames ``final/`` into
+    place complete; an older gspo wrote it in place, which a full disk could cut to config.json)."""
     final = run_dir / FINAL
-    return (final / "config.json").is_file() and any((final / w).is_file() for w in FINAL_WEIGHTS)
+    if not (final / "config.json").is_file():
+        return False
+    if (final / "model.safetensors").is_file():
+        return True
+    try:
+        shards = set(json.loads((final / "model.safetensors.index.json").read_text())["weight_map"].values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(shards) and all(isinstance(f, str) and (final / f).is_file() for f in shards)
 
 
 def free_space(path: Path) -> str:
