@@ -251,3 +251,22 @@ def test_export_of_a_path_too_long_to_look_at_is_one_line(tmp_path, capsys):
     """A file name over the system's 255 bytes made ``gspo export`` a traceback (OSError from stat)."""
     long = str(tmp_path / ("c" * 300))
     one_line(capsys, ["export", long, "--out", str(tmp_path / "o")], "File name too long")
+
+
+def test_a_chat_template_or_system_prompt_on_a_tokenizer_without_a_template_is_refused(tiny_moe):
+    """Any tokenizer without a chat template (the config check knows only the embedded one): asking for
+    the template or a system prompt is one line naming the field, never silently plain text."""
+    from gspo.plans import PromptPlan
+    from gspo.tasks.datasets import Example
+    from gspo.tasks.prompts import encode_prompts
+
+    _, tok = tiny_moe
+    assert not getattr(tok, "chat_template", None)
+    ex = [Example("123", "321")]
+    assert encode_prompts(tok, ex, PromptPlan(False, None, 64))  # plain text: fine
+    for plan, field in [
+        (PromptPlan(True, None, 64), "chat_template"),
+        (PromptPlan(False, "Be brief.", 64), "system_prompt"),
+    ]:
+        with pytest.raises(GspoError, match=f"config field '{field}': the tokenizer has no chat template"):
+            encode_prompts(tok, ex, plan)
