@@ -46,8 +46,10 @@ def _record_versions_and_batches(monkeypatch) -> tuple[dict[int, dict], dict[int
     return weights, batches
 
 
-def _sampled_by(model, weights: dict[int, dict], batch, tol: float = 1e-5) -> list[int]:
-    """The versions whose weights give ``batch``'s responses the sampler's log-probs (to ``tol``)."""
+def _sampled_by(model, weights: dict[int, dict], batch, tol: float = 1e-4) -> list[int]:
+    """The versions whose weights give ``batch``'s responses the sampler's log-probs (to ``tol``: a
+    float32 forward at another batch shape moves a log-prob by up to ~1e-5, measured 1.03e-5 on this
+    test's step 5; every other version is more than 1 nat away)."""
     from gspo.data import left_pad
     from gspo.model.logprobs import response_logprobs
 

@@ -36,7 +36,7 @@ from gspo.study.presets import (
     run_record,
 )
 from gspo.study.report import write_report
-from gspo.study.warm import _WARM_FIELDS, warm_start_folder, warm_start_job
+from gspo.study.warm import WARM_FIELDS, warm_start_folder, warm_start_job
 
 __all__ = ["plan_run", "run_compare", "warm_start_folder", "warm_start_job"]
 
@@ -275,7 +275,7 @@ class Jobs:
     def _key(self, v: str) -> str:
         """The warm-start settings variant ``v``'s arm changes (its own model...); "" for none."""
         arm = (VARIANTS | self.arms)[v]
-        return ",".join(f"{k}={arm[k]}" for k in sorted(arm) if k in _WARM_FIELDS)
+        return ",".join(f"{k}={arm[k]}" for k in sorted(arm) if k in WARM_FIELDS)
 
     def groups(self) -> dict[str, Config]:
         """Warm-start settings -> the base config of the variants that share one warm start per seed
@@ -285,7 +285,7 @@ class Jobs:
             key = self._key(v)
             arm = (VARIANTS | self.arms)[v]
             out.setdefault(
-                key, dataclasses.replace(self.base, **{k: arm[k] for k in arm if k in _WARM_FIELDS})
+                key, dataclasses.replace(self.base, **{k: arm[k] for k in arm if k in WARM_FIELDS})
             )
         return out
 

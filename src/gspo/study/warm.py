@@ -20,7 +20,7 @@ from gspo.config import Config
 from gspo.study.presets import WARM_CHECK_AFTER, WARM_CHECK_EVERY, WARM_CHECK_PROMPTS
 
 # the fields a warm start depends on (its folder is reused only when they match)
-_WARM_FIELDS = (
+WARM_FIELDS = (
     "model",
     "tokenizer",
     "task",
@@ -40,7 +40,7 @@ _WARM_FIELDS = (
 
 
 def _warm_key(cfg: Config) -> dict[str, Any]:
-    return {k: getattr(cfg, k) for k in _WARM_FIELDS} | {"seed": cfg.seed}
+    return {k: getattr(cfg, k) for k in WARM_FIELDS} | {"seed": cfg.seed}
 
 
 def warm_start_folder(base: Config, seed: int, target: float | None, warm_dir: Path) -> Path:
