@@ -38,6 +38,7 @@ from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_
 RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
 RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name", "save_dtype"}
 RESUMABLE_CHANGES |= {"rollout_devices"}  # where the sampler runs: the batches are the same bits
+RESUMABLE_CHANGES |= {"dist_timeout_min"}  # how long a collective may wait: not what is trained
 
 
 def train(cfg: Config) -> TrainResult:
@@ -185,7 +186,11 @@ def _own_shards(
         return None
     why = readable(model, folder) if folder.is_dir() else f"{cfg.model} is no local folder"
     if why and rank == 0:
-        print(f"gspo: rank 0 reads the whole model for every rank ({why})", file=sys.stderr, flush=True)
+        print(
+            f"gspo: rank 0 reads the whole model for every rank ({why}); the other ranks wait for it in "
+            f"a broadcast ({dist_utils.timeout_note()})",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     return None if why else folder
 
 

@@ -148,6 +148,7 @@ class DistPlan:
     threads: int
     expert_parallel_size: int = 1  # ranks an MoE's routed experts are split over (1: none)
     dp_replicate_size: int = 1  # HSDP: replicas of the sharded parameters (1: sharded over all ranks)
+    dist_timeout_min: int = 120  # the process group's timeout (minutes): see the config field
 
 
 @dataclass(frozen=True)

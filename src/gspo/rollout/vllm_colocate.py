@@ -65,14 +65,15 @@ def colocation(plan: EnginePlan, config: Any, name: str) -> dict[str, Any]:
     return dict(distributed_executor_backend="external_launcher", tensor_parallel_size=tp)
 
 
-def tp_subgroup(tp: int) -> Any:
+def tp_subgroup(tp: int, timeout: Any = None) -> Any:
     """This rank's group of ``tp`` consecutive ranks (vLLM's tensor-parallel group; collective: every
     rank calls it). None for ``tp`` 1."""
     if tp <= 1:
         return None
     world = torch.distributed.get_world_size()
     groups = [list(range(i, i + tp)) for i in range(0, world, tp)]
-    return torch.distributed.new_subgroups_by_enumeration(groups)[0]
+    # ``timeout``: the world group's (dist_timeout_min); None gives torch's default (10 minutes, NCCL)
+    return torch.distributed.new_subgroups_by_enumeration(groups, timeout=timeout)[0]
 
 
 def compute_dtype(trainer_dtype: torch.dtype, mixed_precision: str | None, vllm_dtype: str) -> torch.dtype:

@@ -29,6 +29,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +100,27 @@ def setup(plan: DistPlan) -> DistContext:
         elif plan.threads == 0:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         if not dist.is_initialized():
+            global _TIMEOUT
+            _TIMEOUT = timedelta(minutes=plan.dist_timeout_min)  # config field dist_timeout_min: why 120
             if device.type == "cuda":
-                dist.init_process_group("nccl", device_id=device)
+                dist.init_process_group("nccl", device_id=device, timeout=_TIMEOUT)
             else:
-                dist.init_process_group("gloo")
+                dist.init_process_group("gloo", timeout=_TIMEOUT)
     return DistContext(rank, world, local_rank, device)
+
+
+_TIMEOUT: timedelta | None = None  # the process group's, as set up here (None: torch's default)
+
+
+def pg_timeout() -> timedelta | None:
+    """The timeout :func:`setup` gave the process group, for subgroups made later (None: not set up here)."""
+    return _TIMEOUT
+
+
+def timeout_note() -> str:
+    """How long a wait in a collective may last, for the lines that say what a rank waits for."""
+    minutes = int(_TIMEOUT.total_seconds() // 60) if _TIMEOUT else None
+    return f"up to dist_timeout_min = {minutes} min" if minutes else "up to the process group's timeout"
 
 
 # ------------------------------------------------------------------------------------------------
