@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 PLAN_LINES = {  # the phase -> the label of its peak in `gspo plan`'s output
-    "start-up": "start-up peak, fresh run", "rollout": "rollout peak", "update": "update peak",
+    "start-up": "start-up peak, fresh", "rollout": "rollout peak", "update": "update peak",
     "sync": "sync peak",
 }  # fmt: skip
 
