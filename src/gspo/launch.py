@@ -96,7 +96,7 @@ def _build(
     load = resolve.load_plan(cfg)
     start = load_start(load, dctx.device, meta=sharded)
     from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
-    folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx.rank) if sharded else None
+    folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx) if sharded else None
     source = load_source(load) if sharded and folder is None and dctx.rank == 0 else None
     if sharded and folder is None:
         dist_utils.share_probes(start.model, source)
@@ -174,18 +174,25 @@ def _startup_peak(device: torch.device) -> dict[str, float]:
 
 
 def _own_shards(
-    cfg: Config, model: nn.Module, resume_from: Path | None, from_shards: bool, rank: int
+    cfg: Config, model: nn.Module, resume_from: Path | None, from_shards: bool, dctx: dist_utils.DistContext
 ) -> Path | None:
-    """The HF folder each rank of a sharded start reads its own shards from (the model's, or the
-    whole-model checkpoint being resumed); None when rank 0 must read the weights for all (a hub id,
-    an embedded model, a layout the files do not hold), said in one line."""
+    """The HF folder each rank of a sharded start reads its own shards from (the model's, a hub id's
+    snapshot fetched once per node, or the whole-model checkpoint being resumed); None when rank 0
+    must read the weights for all (an embedded or GGUF model, a layout the files do not hold), said
+    in one line. Collective for a hub id."""
+    from gspo.model.load import is_hub_id
     from gspo.model.shard_load import readable
 
-    folder = resume_from if resume_from is not None and not from_shards else Path(cfg.model).expanduser()
     if cfg.model.startswith("embedded:"):
         return None
+    if resume_from is not None and not from_shards:
+        folder = resume_from  # a whole-model checkpoint: its HF folder
+    elif is_hub_id(cfg.model):  # the model's weights (also under a sharded checkpoint's resume)
+        folder = dist_utils.node_snapshot(cfg.model, dctx)
+    else:
+        folder = Path(cfg.model).expanduser()
     why = readable(model, folder) if folder.is_dir() else f"{cfg.model} is no local folder"
-    if why and rank == 0:
+    if why and dctx.rank == 0:
         print(
             f"gspo: rank 0 reads the whole model for every rank ({why}); the other ranks wait for it in "
             f"a broadcast ({dist_utils.timeout_note()})",

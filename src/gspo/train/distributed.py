@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -121,6 +122,37 @@ def timeout_note() -> str:
     """How long a wait in a collective may last, for the lines that say what a rank waits for."""
     minutes = int(_TIMEOUT.total_seconds() // 60) if _TIMEOUT else None
     return f"up to dist_timeout_min = {minutes} min" if minutes else "up to the process group's timeout"
+
+
+def node_snapshot(repo_id: str, ctx: DistContext) -> Path:
+    """A hub model's snapshot folder on this rank's node (collective): local rank 0 of each node
+    downloads the weights into the hub's cache once, the node's other ranks wait for it in a gather
+    (bounded by the process group's timeout, and said), then each rank finds the snapshot in the cache
+    and reads its own shards from it as from a local folder. A failed download stops every rank with
+    its one line."""
+    from gspo.model.load import hub_snapshot
+
+    error, path = None, None
+    if ctx.local_rank == 0:
+        print(
+            f"gspo: rank {ctx.rank} fetches {repo_id}'s weights into the hub cache, once on this node "
+            f"(the node's other ranks wait for it, {timeout_note()})",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        try:
+            path = hub_snapshot(repo_id)
+        except GspoError as e:
+            error = str(e)
+    elif ctx.local_rank == 1:
+        print(
+            f"gspo: rank {ctx.rank} and the node's other ranks wait for local rank 0's download of "
+            f"{repo_id} ({timeout_note()})",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    errors = [e for e in gather_objects(error, ctx) if e]  # every node's download done (or failed)
+    if errors:
+        raise GspoError(errors[0])
+    return path if path is not None else hub_snapshot(repo_id, local_files_only=True)
 
 
 # ------------------------------------------------------------------------------------------------
