@@ -18,8 +18,9 @@ What one rank holds (bytes), for a decoder-only (dense or MoE) transformer:
 * **sampler**: the HF engine's KV cache for one generation chunk, beside its copy in another dtype
   (kept through the update) or under FSDP2 the trainer's weights gathered while it samples; vLLM its
   configured share of the GPU, given back during the update by sleep mode on a GPU;
-* **start-up**: this rank's shard while each full tensor is broadcast from rank 0 (whose copy is host
-  memory) and sharded; then AdamW's moments (on a resume) and the sampler started: vLLM's share and
+* **start-up**: this rank's shard while one full tensor at a time is read (each rank its own shards,
+  from a local folder or a hub snapshot) or broadcast from rank 0 (whose copy is host memory) and
+  sharded; then AdamW's moments (on a resume) and the sampler started: vLLM's share and
   the larger of its first weight sync and its start check (a probe through the sharded module, one
   layer gathered at a time).
 
@@ -535,10 +536,11 @@ def report(
     lines = [
         _title(cfg, spec, shape, gpus, gpu_bytes, given, nodes),
         "per GPU, start-up ("
-        + ("rank 0 reads the weights into host memory; each GPU holds its shard" if sharded else "weights loaded")
+        + ("each rank reads its own shards from the files (a hub id fetched once per node first)" if sharded
+           else "weights loaded")
         + "):",
         f"  weights                 {gib(e.weights)}",
-        f"  loading one tensor      {gib(e.load)}   (broadcast whole, then this rank's shard copied out)",
+        f"  loading one tensor      {gib(e.load)}   (one tensor whole, read or broadcast; this rank's shard copied out)",
         f"  AdamW moments           {gib(e.optimizer)}   (loaded before the sampler on --resume; none yet on a fresh run)",
         f"  sampler started         {gib(e.start_engine)}   ("
         + ("vLLM's share + max(first weight sync, start check one layer at a time)" if vllm
