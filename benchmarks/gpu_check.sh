@@ -5,13 +5,14 @@
 # Budget: <= 8 minutes in all on one H100 (a lent GPU gives 15 minutes of device time, 10 per command),
 # each step under its own `timeout`:
 #   0. dependencies (nvidia-smi, CUDA torch, transformers, safetensors, yaml, gspo)           ~10 s, no timeout
-#   1. update memory (benchmarks/memory_probe.py, 5 Qwen3 shapes, 35 s each) beside `gspo plan`   175 s
+#   1. update memory (benchmarks/memory_probe.py, 5 Qwen3 shapes, 30 s each) beside `gspo plan`   150 s
 #   2. `gspo train` on the embedded default, 20 RL steps                                           70 s
-#   3. phases: a random Qwen3-0.6B (make_random_model.py, 40 s), `gspo plan` (20 s), then `gspo train`
+#   3. phases: a random Qwen3-0.6B (make_random_model.py, 40 s), `gspo plan` (30 s), then `gspo train`
 #      in bf16 with activation checkpointing, 4 RL steps of 16 x 8 rows (150 s): the start-up peak and
 #      each phase's peak (memory/*) beside the plan's, step time, tokens per second
-#      (gpu_phase_summary.py). The model is random and never emits EOS, so --max-new-tokens 256 is
-#      where every row ends: the step's length is bounded by the cap, not by chance.             210 s
+#      (gpu_phase_summary.py, 10 s). The model is random and never emits EOS, so --max-new-tokens 256
+#      is where every row ends: the step's length is bounded by the cap, not by chance.          230 s
+#   in all at most 10 + 150 + 70 + 230 = 460 s (7.7 minutes)
 # `gpu_check.sh train` runs step 2 alone, `gpu_check.sh phases` step 3 alone.
 # Exit status: 2 when a dependency is missing (named, before anything runs), 1 when any step failed
 # (each failure named at the end), 0 when every step passed.
@@ -71,16 +72,19 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 
 t0=$(date +%s)
 failed=()
+exec 3>&1 4>&2 # the steps' own progress lines, whatever a step's output is redirected to
 # step NAME SECONDS CMD...: run CMD under its budget; a failure (or a timeout, rc 124) is recorded, not fatal
 step() {
   local name=$1 budget=$2 rc=0
   shift 2
   timeout "$budget" "$@" || rc=$?
   if [ "$rc" -ne 0 ]; then
-    failed+=("$name (rc $rc$([ "$rc" -eq 124 ] && echo ", over its ${budget} s"))")
-    echo "FAILED: $name rc=$rc" >&2
+    local why="rc $rc"
+    if [ "$rc" -eq 124 ]; then why="over its ${budget} s"; fi
+    failed+=("$name ($why)")
+    echo "FAILED: $name ($why)" >&4
   fi
-  echo "$(($(date +%s) - t0)) s: $name rc=$rc"
+  echo "$(($(date +%s) - t0)) s: $name rc=$rc" >&3
 }
 
 # ---- 1. update memory against the plan's model
@@ -88,8 +92,8 @@ if [ "$PART" = all ]; then
   : >"$OUT/memory_gpu.jsonl"
   while read -r args; do
     # shellcheck disable=SC2086
-    step "memory_probe $args" 35 python3 benchmarks/memory_probe.py --device cuda $args \
-      >>"$OUT/memory_gpu.jsonl" 2>>"$OUT/memory_gpu.err"
+    step "memory_probe $args" 30 python3 benchmarks/memory_probe.py --device cuda $args \
+      >>"$OUT/memory_gpu.jsonl" 2>>"$OUT/memory_gpu.err" </dev/null
   done <<'EOF'
 --shape dense-0.6b --rows 8 --prompt 256 --response 1024
 --shape dense-0.6b --rows 8 --prompt 256 --response 1024 --ac
@@ -115,13 +119,13 @@ if [ "$PART" = all ] || [ "$PART" = phases ]; then
     --dtype bfloat16 --activation-checkpointing)
   step "make_random_model" 40 python3 benchmarks/make_random_model.py --shape dense-0.6b \
     --out "$WORK/qwen3-0.6b-random" --dtype bfloat16 >"$OUT/phases_model.log" 2>&1
-  step "gspo plan" 20 python3 -m gspo plan "${PHASE_ARGS[@]}" --gpus 1 \
+  step "gspo plan" 30 python3 -m gspo plan "${PHASE_ARGS[@]}" --gpus 1 \
     --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 |
       awk '{printf "%.1f", $1 / 1024}')" >"$OUT/phases_plan.txt" 2>&1
   step "gspo train (phases)" 150 python3 -m gspo train "${PHASE_ARGS[@]}" --device cuda \
     --output-dir "$WORK/phase_runs" --name q06 --overwrite --no-progress >"$OUT/phases_train.log" 2>&1
   cp "$WORK/phase_runs/q06/metrics.jsonl" "$OUT/phases_metrics.jsonl" 2>/dev/null || true
-  step "gpu_phase_summary" 20 python3 benchmarks/gpu_phase_summary.py "$WORK/phase_runs/q06" \
+  step "gpu_phase_summary" 10 python3 benchmarks/gpu_phase_summary.py "$WORK/phase_runs/q06" \
     "$OUT/phases_plan.txt" >"$OUT/phases_summary.md" 2>&1
   cat "$OUT/phases_summary.md"
 fi
