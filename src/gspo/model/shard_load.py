@@ -12,6 +12,7 @@ index, so the stored tensors say, element by element, where in memory each of th
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -112,30 +113,31 @@ def _read_own_elements(
     parallelism: the other ranks' experts); of the others, this rank keeps its own elements."""
     from safetensors import safe_open
 
-    own = _own_flat(sd, group)
     total = sum(sd[k].numel() for k in group)
-    count = sum(o.numel() for o in own)
-    pos = torch.full((total,), -1, dtype=torch.int32 if count < 2**31 else torch.int64)
-    if count:
-        pos[torch.cat([o.flatten() for o in own]).long()] = torch.arange(count, dtype=pos.dtype)
+    pos = torch.full((total,), -1, dtype=torch.int32 if total < 2**31 else torch.int64)
+    shapes, count = [], 0  # pos: for each element of the layer, its place among this rank's (-1: not its)
+    for own in _own_flat(sd, group):  # (int32/int64 indices throughout: no int64 copy of the layer)
+        pos[own.flatten()] = torch.arange(count, count + own.numel(), dtype=pos.dtype)
+        shapes.append(tuple(own.shape))
+        count += own.numel()
     local = torch.empty(count, dtype=sd[group[0]].dtype)
     filled = torch.zeros(count, dtype=torch.bool)
     for name, where in layout_of(model, sd, group).items():
-        at = pos[where.flatten().long()]
+        at = pos[where.flatten()]
         mine = at >= 0
         if not bool(mine.any()):
             continue  # none of this rank's elements: not read
         with safe_open(str(stored[name][0]), "pt") as f:
             value = f.get_tensor(name).flatten()
-        local[at[mine].long()] = value[mine].to(local.dtype)
-        filled[at[mine].long()] = True
+        local[at[mine]] = value[mine].to(local.dtype)
+        filled[at[mine]] = True
     if not bool(filled.all()):
         raise GspoError(f"{folder}: the stored tensors do not cover {group[0]!r}'s layer")
     offset = 0
-    for k, o in zip(group, own, strict=True):
-        part = local[offset : offset + o.numel()].view(tuple(o.shape))
-        _local(sd[k]).copy_(part)
-        offset += o.numel()
+    for k, shape in zip(group, shapes, strict=True):
+        n = math.prod(shape)
+        _local(sd[k]).copy_(local[offset : offset + n].view(shape))
+        offset += n
 
 
 def _local(param: Any) -> torch.Tensor:

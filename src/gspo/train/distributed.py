@@ -14,8 +14,10 @@ loop really calls, through public APIs only:
 
 Under FSDP2 each rank only ever holds its shard of the weights when the run starts from weights on
 disk (no LoRA, no warm start to train first): every rank builds the model on the meta device, shards
-it, and rank 0 alone reads the weights (on the CPU) and broadcasts them through
-``torch.distributed.checkpoint.state_dict`` (:func:`builds_sharded`).
+it, and reads its own shards from the safetensors files (a hub id's snapshot fetched once per node
+first: :func:`node_snapshot`); where the files cannot feed that, rank 0 alone reads the weights (on
+the CPU) and broadcasts them through ``torch.distributed.checkpoint.state_dict`` (:func:`builds_sharded`).
+The process group's timeout is the config's ``dist_timeout_min``.
 
 Each rank samples its own prompts and stops at EOS, so its generation forwards differ from the other
 ranks'; nothing collective may run inside generation. DDP samples from the HF module inside the
