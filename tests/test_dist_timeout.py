@@ -40,3 +40,10 @@ def test_process_group_timeout_default_and_override(monkeypatch):
 def test_process_group_timeout_out_of_range_is_one_line(bad):
     with pytest.raises(GspoError, match="dist_timeout_min"):
         make_config(None, {"dist_timeout_min": bad})
+
+
+def test_the_engine_plan_carries_the_timeout_for_vllms_groups():
+    from gspo.resolve import engine_plan
+
+    assert engine_plan(make_config(None, {"dist_timeout_min": 7})).dist_timeout_min == 7
+    assert engine_plan(make_config(None, {})).dist_timeout_min == 120

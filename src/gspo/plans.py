@@ -70,6 +70,7 @@ class EnginePlan:
     return_routing: bool  # the engine records the experts it routed to (R3)
     vllm_gpu_memory_utilization: float
     vllm_tensor_parallel_size: int
+    dist_timeout_min: int = 120  # vLLM's tensor-parallel group waits as long as the world group
 
 
 @dataclass(frozen=True)
