@@ -10,12 +10,13 @@ from pathlib import Path
 from gspo.study.presets import RUN_RECORD, load_preset, run_record
 
 
-def commit(repo: Path, path: Path, when: float) -> None:
-    """Commit ``path`` in ``repo`` (created if need be) with author and committer time ``when``."""
+def commit(repo: Path, path: Path, when: float, committed: float | None = None) -> None:
+    """Commit ``path`` in ``repo`` (created if need be) with author time ``when`` and committer time
+    ``committed`` (default ``when``; a rebase moves only the committer's)."""
     env = {
         **os.environ,
         "GIT_AUTHOR_DATE": f"@{int(when)} +0000",
-        "GIT_COMMITTER_DATE": f"@{int(when)} +0000",
+        "GIT_COMMITTER_DATE": f"@{int(when if committed is None else committed)} +0000",
     }
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     if not (repo / ".git").exists():
@@ -24,13 +25,17 @@ def commit(repo: Path, path: Path, when: float) -> None:
     subprocess.run([*git, "commit", "-q", "-m", "declare", "--", str(path)], cwd=repo, check=True, env=env)
 
 
-def record_runs(out: Path, preset_path: Path, started: float | None = None) -> None:
-    """Every run folder under ``out`` records the preset as it is now, started at ``started``."""
-    rec = run_record(load_preset(str(preset_path)))
-    started = time.time() if started is None else started
+def record_runs(
+    out: Path, preset_path: Path, started: float | dict[str, float] | None = None, **fields: object
+) -> None:
+    """Every run folder under ``out`` records the preset as it is now, started at ``started`` (one
+    time, or run name -> its own), with ``fields`` replacing what gspo compare would record."""
+    rec = run_record(load_preset(str(preset_path))) | fields
     for run in out.iterdir():
         if (run / "metrics.jsonl").exists():
-            (run / RUN_RECORD).write_text(json.dumps({**rec, "run": run.name, "started_at": started}))
+            t = started.get(run.name) if isinstance(started, dict) else started
+            t = time.time() if t is None else t
+            (run / RUN_RECORD).write_text(json.dumps({**rec, "run": run.name, "started_at": t}))
 
 
 def bind(out: Path, preset_path: Path) -> None:

@@ -182,15 +182,17 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
     informative groups (all from version t-1-K: every row's log-probs are that version's), the
     data position moves past every prompt drawn, the overlong filter's cut responses have no
     advantage, and a run killed with 2 batches in flight and resumed ends bit for bit where the
-    uninterrupted one does (batch t depends on its version and t only)."""
+    uninterrupted one does (batch t depends on its version and t only): the resumed run trains on
+    the 2 batches of its checkpoint, then on its restarted sampler's first batch (step 5), drawn
+    from the data position after the last of them."""
     import copy
     import shutil
 
     from gspo.model.load import build_char_tokenizer
-    from gspo.train import loop
+    from gspo.train import checkpoint, loop
 
     cfg = dict(
-        TINY, steps=4, save_every=2, dynamic_sampling=True, overlong_filter=True,
+        TINY, steps=5, save_every=2, dynamic_sampling=True, overlong_filter=True,
         max_new_tokens=6, prompts_per_step=4, lr=3e-3,
     )  # fmt: skip
     trained, update = [], loop.policy_update
@@ -202,6 +204,7 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
             return update(policy, opt, sched, data, *a)
 
         mp.setattr(loop, "policy_update", recording_update)
+        mp.setattr(checkpoint, "prune", lambda *a: None)  # keep step 2's checkpoint past steps 4 and 5
         full = train(Config(name="dyn", output_dir=str(tmp_path), **cfg))
     rows = _rows(full.run_dir)
     rounds = [r["rollout/sampling_rounds"] for r in rows]
@@ -221,10 +224,16 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
     assert n_cut > 0  # the filter had responses to drop
     killed = tmp_path / "part" / "dyn"
     shutil.copytree(full.run_dir, killed)
-    shutil.rmtree(killed / "checkpoints" / "step-000004")
+    later = sorted(c.name for c in (killed / "checkpoints").glob("step-*") if c.name > "step-000002")
+    assert later == ["step-000004", "step-000005"]
+    for name in later:
+        shutil.rmtree(killed / "checkpoints" / name)
     shutil.rmtree(killed / "final")
     (killed / "checkpoints" / "latest").write_text("step-000002")
     again = train(Config(name="dyn", output_dir=str(tmp_path / "part"), resume=True, **cfg))
+    resumed = _rows(again.run_dir)[-3:]  # steps 3 and 4 from the checkpoint, 5 from the new sampler
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert [r["rollout/sampling_rounds"] for r in resumed] == rounds[2:5]
     for (k, v), w in zip(full.model.state_dict().items(), again.model.state_dict().values(), strict=True):
         torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
 
@@ -249,3 +258,45 @@ def test_what_async_still_refuses_says_why_in_one_line(extra, field):
     with pytest.raises(GspoError, match=rf"config field '{field}': is not supported with async.*\(.+\)") as e:
         Config(async_staleness=1, **extra).validate()
     assert "\n" not in str(e.value)
+
+
+def _ahead(step: int = 3, P: int = 4, G: int = 2, T: int = 5):
+    """A batch sampled ahead with partial rollouts' per-token versions (-1 on padding): P groups of G
+    rows, every tensor distinct per row, so a row moved or dropped shows."""
+    from gspo.data import SampleBatch, SamplerOutput
+    from gspo.rollout.async_state import Ahead
+
+    B = P * G
+    mask_BT = (torch.arange(T)[None, :] < torch.arange(B)[:, None] % T + 1).long()
+    ids_BT = (torch.arange(B * T).view(B, T) + 3) * mask_BT
+    logp_BT = -torch.rand(B, T, generator=torch.Generator().manual_seed(0)) * mask_BT
+    ver_BT = torch.where(mask_BT.bool(), (torch.arange(T) >= 2).long() + step - 3, -1)
+    rb = SampleBatch([[7, b] for b in range(B)], ids_BT, mask_BT, logp_BT, ver_BT)
+    return Ahead(step, step - 3, SamplerOutput(rb, 0.25, {"rollout/x": 1.0}), [10 + i for i in range(P)], 40)
+
+
+def _same_batch(a, b) -> None:
+    x, y = a.out.batch, b.out.batch
+    fields = lambda c: (c.step, c.version, c.idx, c.data_end, c.out.gen_s, c.out.info)  # noqa: E731
+    assert fields(a) == fields(b)
+    assert x.prompt_ids == y.prompt_ids
+    for name in ("response_ids_BT", "response_mask_BT", "sampler_logp_BT", "sampler_version_BT"):
+        u, v = getattr(x, name), getattr(y, name)
+        assert v is not None and torch.equal(u, v), name
+
+
+def test_in_flight_batches_round_trip_through_a_checkpoint(tmp_path):
+    """A checkpoint's batches in flight (read back with ``weights_only``, as a resume reads them) are
+    the batches that were in flight: tokens, masks, sampler log-probs and partial rollouts' per-token
+    versions, whose loss would drop ``async/token_staleness`` and the tokens' own versions of a
+    resumed run; the wire between the processes carries the same."""
+    from gspo.rollout.async_state import from_wire, in_flight_from_state, in_flight_to_state, to_wire
+
+    pending = [_ahead(3), _ahead(4)]
+    torch.save({"in_flight": in_flight_to_state(pending)}, tmp_path / "trainer_state.pt")
+    state = torch.load(tmp_path / "trainer_state.pt", weights_only=True)
+    back = in_flight_from_state(state["in_flight"], 4)
+    assert len(back) == 2
+    for a, b in zip(pending, back, strict=True):
+        _same_batch(a, b)
+        _same_batch(a, from_wire(to_wire(a)))

@@ -88,3 +88,28 @@ def test_two_ranks_resume_with_batches_in_flight_is_exact(runs):
     assert [r["rollout/reward_mean"] for r in _rows(resumed)] == [
         r["rollout/reward_mean"] for r in _rows(two)
     ]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_gets_the_rows_of_its_groups(world):
+    """Rank 0 splits a step's batch by groups, G rows each, as the synchronous path splits its
+    prompts: rank r's share is rows r P G / N .. (r + 1) P G / N (tokens, masks, log-probs, per-token
+    versions, prompts) and the training prompts of its groups; the shares together are the batch.
+    (The 2-rank runs above would also stop on a wrong share, but only through their own guard.)"""
+    from gspo.rollout.async_sampler import _shares
+    from gspo.rollout.async_state import from_wire
+    from tests.test_async import _ahead
+
+    P, G = 4, 3
+    a = _ahead(step=5, P=P, G=G)
+    shares = [from_wire(s) for s in _shares(a, world, G)]
+    n = P // world  # groups per rank
+    rb = a.out.batch
+    for r, s in enumerate(shares):
+        rows = slice(r * n * G, (r + 1) * n * G)
+        assert (s.step, s.version, s.data_end) == (a.step, a.version, a.data_end)
+        assert s.idx == a.idx[r * n : (r + 1) * n]
+        assert s.out.batch.prompt_ids == rb.prompt_ids[rows]
+        for name in ("response_ids_BT", "response_mask_BT", "sampler_logp_BT", "sampler_version_BT"):
+            assert torch.equal(getattr(s.out.batch, name), getattr(rb, name)[rows]), (r, name)
+    assert sum(len(s.out.batch.prompt_ids) for s in shares) == P * G

@@ -500,3 +500,129 @@ def test_verifiers_taskset_that_needs_a_runtime_is_refused_at_load(env_dir):
     with pytest.raises(GspoError, match=re.escape("its reward 'solved' reads the task's runtime")) as e:
         env_spec("verifiers:gspo_vf_runtime", lambda *a: [0.0], 5.0, "error")
     assert "\n" not in str(e.value) and "verifiers:gspo_vf_runtime" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# an environment that answers with several messages: every one reaches the model and the trace
+
+SKYRL_HINTS = '''
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+
+class Hints(BaseTextEnv):
+    """Two observation messages after a wrong answer: the answer, then "try again"; reward 1 and
+    done on the right answer, done after 3 turns."""
+
+    def __init__(self, env_config=None, extras={}):
+        super().__init__()
+        self.answer, self.n = extras["reward_spec"]["ground_truth"], 0
+
+    def step(self, action):
+        self.n += 1
+        if action == self.answer:
+            return {"observations": [], "reward": 1.0, "done": True}
+        hints = [{"role": "user", "content": f"the answer is {self.answer}"}, {"role": "user", "content": "try again"}]
+        return {"observations": hints, "reward": 0.0, "done": self.n >= 3}
+'''
+
+
+def _reads_the_answer(prompt, k):
+    found = re.findall(r"the answer is (\d)", prompt)
+    return found[-1] if found else "no idea"
+
+
+def test_skyrl_gym_step_with_several_observations_shows_them_all(env_dir):
+    """A skyrl-gym step that answers with two messages: the model sees both (one text, in order),
+    and the scripted model, which can only answer from the first, solves every task on its second turn."""
+    _need("skyrl-gym")
+    import skyrl_gym
+
+    (env_dir / "gspo_sk_hints.py").write_text(SKYRL_HINTS)
+    skyrl_gym.register(id="gspo_test_hints", entry_point="gspo_sk_hints:Hints")
+    try:
+        examples = [Example("q", "7"), Example("q", "7"), Example("r", "3"), Example("r", "3")]
+        eb = _play("skyrl-gym:gspo_test_hints", examples, _reads_the_answer)
+        tok, chat = _chat_play("skyrl-gym:gspo_test_hints", [Example("q", "7")] * 2, ["no idea", "7"])
+    finally:
+        skyrl_gym.envs.registration.deregister("gspo_test_hints")
+    real = (eb.obs_mask_BT + eb.response_mask_BT).tolist()
+    for b, ex in enumerate(examples):
+        segs = _segments(eb.response_ids_BT[b].tolist(), eb.response_mask_BT[b].tolist(), real[b])
+        assert segs == [(1, "no idea"), (0, f"the answer is {ex.answer}\ntry again"), (1, ex.answer)]
+    assert eb.reward_B.tolist() == [1.0] * 4 and eb.turns_B.tolist() == [2.0] * 4
+    from test_chat_tools import _check_against_template
+
+    conversation = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "no idea"},
+        {"role": "user", "content": "the answer is 7"},  # --chat-template: each message in its own role
+        {"role": "user", "content": "try again"},
+        {"role": "assistant", "content": "7"},
+    ]
+    _check_against_template(tok, chat, conversation, None)
+
+
+VERIFIERS_HEARD = """
+import verifiers.v1 as vf
+
+LOG = []  # per episode: the environment's messages, as sent
+
+
+class HeardData(vf.TaskData):
+    secret: int
+
+
+class HeardTask(vf.Task[HeardData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def heard(self, trace) -> float:
+        # 1 per line of the environment's messages in the trace: what the task scores is what was said
+        said = [m.content for m in trace.messages if getattr(m, "role", None) == "user"]
+        return float(sum(len(s.splitlines()) for s in said))
+
+
+class HeardTaskset(vf.Taskset[HeardTask, vf.TasksetConfig]):
+    def load(self):
+        for s in range(10):
+            yield HeardTask(HeardData(prompt="guess a digit", secret=s), self.config.task)
+
+
+class HeardEnvConfig(vf.EnvConfig):
+    player: vf.AgentConfig = vf.AgentConfig()
+
+
+class HeardEnv(vf.Env[HeardEnvConfig]):
+    # two messages after each of the model's first two turns: a hint, then "try again"
+    async def run(self, task, agents):
+        sent = []
+        LOG.append(sent)
+        async with agents.player.interaction(task) as x:
+            seg = await x.turn()
+            for _ in range(2):
+                g = seg.last_reply
+                hint = "higher" if not g.isdigit() or int(g) < task.data.secret else "lower"
+                sent.append(hint + "\\ntry again")
+                seg = await x.turn([vf.UserMessage(content=hint), vf.UserMessage(content="try again")])
+
+
+__all__ = ["HeardTaskset", "HeardEnv"]
+"""
+
+
+def test_verifiers_trace_holds_the_environments_messages(env_dir):
+    """The trace a verifiers task scores holds the environment's messages as the model saw them (two
+    messages a turn, joined), in order between the model's turns: a reward that counts their lines
+    gets 2 per message sent."""
+    _need("verifiers")
+    (env_dir / "gspo_vf_heard.py").write_text(VERIFIERS_HEARD)
+    import gspo_vf_heard as mod
+
+    mod.LOG.clear()
+    examples = [Example(f"seed {i}", "") for i in range(3) for _ in range(2)]
+    eb = _play("verifiers:gspo_vf_heard", examples, _guess_in_order, limits=Limits(10, 4, 200))
+    real = (eb.obs_mask_BT + eb.response_mask_BT).tolist()
+    assert len(mod.LOG) == len(examples)
+    for b, sent in enumerate(mod.LOG):
+        segs = _segments(eb.response_ids_BT[b].tolist(), eb.response_mask_BT[b].tolist(), real[b])
+        assert segs == [(1, "0"), (0, sent[0]), (1, "1"), (0, sent[1]), (1, "2")]
+        assert eb.turns_B[b].item() == 3
+    assert eb.reward_B.tolist() == [4.0] * len(examples)  # 2 messages x 2 lines, all in the trace

@@ -211,22 +211,52 @@ def test_dense_model_or_indivisible_experts_refused_from_the_config():
 # through gspo train: HF weights in, sharded checkpoints, resume, final/ and gspo export out
 
 
+EP_RUN = ("--nproc", "2", "--ep", "2", "--steps", "4")
+
+
 @pytest.fixture(scope="module")
-def ep_runs(tmp_path_factory):
-    """A 4-step ``--nproc 2 --ep 2`` run from an HF folder (each rank reads its own experts), and the
-    same run killed after its step-2 checkpoint and resumed."""
+def ep_straight(tmp_path_factory):
+    """A 4-step ``--nproc 2 --ep 2`` run from an HF folder (each rank reads its own experts)."""
     from gspo.model.load import save_pretrained
-    from tests.test_sharded_checkpoints import _killed_after_step_2, _train
+    from tests.test_sharded_checkpoints import _train
 
     tmp = tmp_path_factory.mktemp("ep-train")
     tok = build_char_tokenizer()
     save_pretrained(build_tiny_moe(len(tok), seed=3), tok, tmp / "model")
-    ep = ("--nproc", "2", "--ep", "2", "--steps", "4")
-    straight = _train(tmp, "straight", *ep)
+    return tmp, _train(tmp, "straight", *EP_RUN)
+
+
+@pytest.fixture(scope="module")
+def ep_runs(ep_straight):
+    """The 4-step ``--ep 2`` run, the same run killed after its step-2 checkpoint and resumed, and a
+    1-step run (its step-0 checkpoint)."""
+    from tests.test_sharded_checkpoints import _killed_after_step_2, _train
+
+    tmp, straight = ep_straight
+    ep = EP_RUN
     part = _killed_after_step_2(straight, tmp / "part" / straight.name)
     _train(tmp, "part", *ep, "--resume")
     first = _train(tmp, "first", *ep[:4], "--steps", "1")  # keeps its step-0 checkpoint
     return tmp, straight, part, first
+
+
+def test_expert_parallel_run_trains_its_experts(ep_straight):
+    """Every step of an ``--ep 2`` run samples with the experts gathered whole (whole_experts), then
+    trains them expert-parallel again: after 4 steps every expert of every MoE layer has moved from
+    the folder's weights, as the dense weights have (a sampler that left its plain forward in place
+    would train on detached copies: the experts frozen, the run still exit 0)."""
+    from safetensors.torch import load_file
+
+    from tests.test_sharded_checkpoints import _weights
+
+    tmp, straight = ep_straight
+    start, end = load_file(tmp / "model" / "model.safetensors"), _weights(straight / "final")
+    assert end.keys() == start.keys()
+    experts = sorted(k for k in start if ".experts." in k)
+    assert experts, "no expert tensor in the folder"
+    frozen = [k for k in experts if torch.equal(end[k], start[k])]
+    assert not frozen, f"{len(frozen)} of {len(experts)} expert tensors never moved: {frozen[:4]}"
+    assert any(not torch.equal(end[k], start[k]) for k in start if ".experts." not in k)
 
 
 def test_expert_parallel_run_resumes_bit_for_bit(ep_runs):

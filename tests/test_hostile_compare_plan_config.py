@@ -102,10 +102,11 @@ def test_plan_run_decides_without_deleting(tmp_path):
     assert plan_run(changed, overwrite=True).overwrite
     (run / "final").mkdir()
     (run / "final" / "config.json").write_text("{}")
+    (run / "final" / "model.safetensors").write_bytes(b"w")  # finished: final/ holds its weights
     assert plan_run(cfg) is None  # finished with the same settings: reused
     with pytest.raises(GspoError, match="is a finished run made with other settings"):
         plan_run(changed)
-    assert _snapshot(run) == {**before, "final/config.json": b"{}"}
+    assert _snapshot(run) == {**before, "final/config.json": b"{}", "final/model.safetensors": b"w"}
 
 
 def test_interrupted_compare_run_is_resumed_or_refused_never_wiped(tmp_path, capsys):

@@ -93,9 +93,16 @@ def test_ep_across_nodes():
 
 
 def test_one_node_runs_on_nvlink():
+    """On one node every move is NVLink's, EP's too: EP 2 of 4 ranks gathers and reduces each rank's
+    experts over the 2 ranks holding the same ones (on this node, at 8e9 bytes/s), and its tokens'
+    all-to-all stays within the node."""
     one = Link(nodes=1, gpus_per_node=4, intra=8e9, inter=1e9)
     ms = micro_batch_moves(Shape.from_config(TINY), one, 1, 10, 2, 4, True, True)
     assert {m.via for m in ms} == {"NVLink"} and ms[0].seconds == ms[0].nbytes / 8e9
+    ep = {m.what: m for m in micro_batch_moves(Shape.from_config(TINY), one, 2, 10, 2, 4, True, True)}
+    assert {"experts all-gather", "experts reduce-scatter", "tokens all-to-all"} <= set(ep)
+    assert {m.via for m in ep.values()} == {"NVLink"}
+    assert all(m.seconds == pytest.approx(m.nbytes / 8e9, rel=1e-12) for m in ep.values()), ep
 
 
 def _cfg(**kw) -> Config:

@@ -96,11 +96,26 @@ def test_sampler_and_trainer_logprobs_agree_with_truncation(tiny_moe, trunc):
     assert torch.isfinite(lp).all()
 
 
-def test_top_k_1_samples_greedily(tiny_moe):
-    """top-k 1 leaves one token: sampling is greedy decoding and every sampler log-prob is 0."""
+def test_a_tiny_top_p_keeps_exactly_the_most_likely_token():
+    """top-p 1e-8: 1 - top_p rounds to 1 in float32, so the cumulative probability of every token but
+    the last reaches it: the support is the argmax alone (never empty: no -inf row, no NaN log-prob),
+    in float32 as in float64, and its log-prob is 0."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, F64):
+        z = torch.randn(2000, 50, generator=g).to(dtype) * 3
+        keep = truncation_mask(z, 0, 1e-8)
+        assert torch.equal(keep, torch.nn.functional.one_hot(z.argmax(-1), 50).bool()), dtype
+        lp = naive_logprobs_from_hidden(z, torch.eye(50, dtype=dtype), z.argmax(-1), top_p=1e-8)
+        assert torch.isfinite(lp).all() and torch.equal(lp, torch.zeros_like(lp)), dtype
+
+
+@pytest.mark.parametrize("trunc", [{"top_k": 1}, {"top_p": 1e-8}])
+def test_top_k_1_samples_greedily(tiny_moe, trunc):
+    """top-k 1, or a top-p so small that only the most likely token reaches it, leaves one token:
+    sampling is greedy decoding and every sampler log-prob is 0."""
     model, tok = tiny_moe
     eng = HFRolloutEngine(
-        model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1), top_k=1
+        model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(1), **trunc
     )
     rb = eng.generate(_prompts(tok)[:4], 8, temperature=1.0)
     greedy = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id).generate(

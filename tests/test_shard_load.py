@@ -136,3 +136,53 @@ def test_each_rank_reads_only_its_own_experts(tmp_path):
         for k, v in got["local"].items():
             rows = -(-want[k].shape[0] // 2) if want[k].dim() else 0
             assert torch.equal(v, want[k][r * rows : r * rows + v.shape[0]] if want[k].dim() else want[k]), k
+
+
+def test_the_layout_index_is_exact_past_2_to_the_24():
+    """The flat index that finds where each stored value goes is an integer tensor, exact past 2^24
+    elements (float32 holds integers exactly only below 2^24: a real layer's tensors pass it). One
+    MoE layer whose first tensor is made 2^24 + 64 elements long (on the meta device; the index
+    itself is 64 MiB of int32): the stored tensors the conversion makes of the fused experts hold
+    every index after it exactly once."""
+    from gspo.model.export import layer_groups
+    from gspo.model.shard_load import layout_of
+
+    with torch.device("meta"):
+        model = build_tiny_moe(len(build_char_tokenizer()))
+    sd = dict(transformers_model.save_state_dict(model))
+    group = next(g for g in layer_groups(sd) if any(".experts." in k for k in g))
+    first = group[0]
+    assert ".experts." not in first
+    sd[first] = torch.empty(2**18 + 1, 64, device="meta")  # 2^24 + 64 elements
+    total = sum(sd[k].numel() for k in group)
+    index = layout_of(model, sd, group)
+    assert all(not t.is_floating_point() for t in index.values()), {k: t.dtype for k, t in index.items()}
+    assert set(group) - set(index), "the experts were not converted (nothing to check)"
+    head = index.pop(first).flatten()
+    assert torch.equal(head, torch.arange(sd[first].numel(), dtype=head.dtype))
+    rest = torch.cat([t.flatten().long() for t in index.values()]).sort().values
+    assert torch.equal(rest, torch.arange(sd[first].numel(), total))
+
+
+def test_stored_tensors_that_leave_a_hole_are_refused(tmp_path, monkeypatch):
+    """A layer whose stored tensors do not cover every in-memory element (here one expert's tensor
+    missing from the conversion's layout) stops the load in one line naming the layer, rather than
+    leaving that expert's weights as the uninitialized memory ``to_empty`` gave them."""
+    from gspo.errors import GspoError
+    from gspo.model import shard_load
+
+    tok = build_char_tokenizer()
+    save_pretrained(build_tiny_moe(len(tok), seed=1), tok, tmp_path / "m")
+    model = _meta_model(tmp_path / "m")
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    layout = shard_load.layout_of
+
+    def with_a_hole(model, sd, names):
+        out = layout(model, sd, names)
+        return {k: v for k, v in out.items() if ".experts.1." not in k}
+
+    monkeypatch.setattr(shard_load, "layout_of", with_a_hole)
+    with pytest.raises(GspoError, match=r"the stored tensors do not cover 'model\.layers\.0\.") as e:
+        load_own_shards(model, tmp_path / "m")
+    assert "\n" not in str(e.value)

@@ -76,7 +76,14 @@ def test_old_presets_are_exploratory_and_new_ones_declared():
         families.setdefault(p.family.name, []).append(name)
         assert not set(p.seeds) & set(range(5)), f"{name}: a confirmation needs fresh seeds"
     assert len(families.pop("issue21-confirm")) == 4  # one endpoint each of the family of 4
-    assert families == {"clip-mechanism": ["confirm-clip-mechanism"]}
+    assert families == {
+        "clip-mechanism": ["confirm-clip-mechanism"],
+        "moe-interaction": ["confirm-moe-interaction"],
+    }
+    moe = load_preset("confirm-moe-interaction")  # declared, not yet run (issue 46 item 3)
+    assert moe.primary[0].contrast == "(gspo - grpo) - (gspo_dense - grpo_dense)" and moe.family.size == 1
+    assert moe.secondary_family.size == len(moe.secondary) == 3 and len(moe.seeds) >= 28
+    assert not set(moe.seeds) & set(range(300)), "fresh seeds: none used by an earlier preset"
     mech = load_preset("confirm-clip-mechanism")
     assert mech.family.size == len(mech.primary) == 2
     assert not set(mech.seeds) & set(range(200)), "fresh seeds: none used by an earlier preset"

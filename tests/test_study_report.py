@@ -136,21 +136,36 @@ def test_report_volatility_interval_clusters_the_variants_of_a_seed():
     assert f"{interval([0.1]).fmt(pct=True)} of the activated experts change" in row[1]
 
 
-def test_a_preset_report_adjusts_over_the_family_as_run(tmp_path):
+def test_a_preset_report_adjusts_over_the_declared_family_never_what_is_on_disk(tmp_path):
     """r0 (every seed favours GSPO: sign-flip p 2/64) and r1 (one seed ties: p 4/64) each declare one
-    endpoint of a family of 3. r1's report, written beside r0's, adjusts over the family as run:
-    Holm(2/64, 4/64, and one unrun endpoint at p = 1) gives r1 max(3 x 2/64, 2 x 4/64) = 0.125, where
-    padding r0's endpoint with p = 1 too would give 3 x 4/64 = 0.1875."""
+    endpoint of a family of 3. r1's report, written beside r0's, adjusts over the declared family: its
+    other 2 endpoints count as p = 1 (3 x 4/64 = 0.1875), whatever sibling folders are on disk (the old
+    family-as-run read r0's folder and gave max(3 x 2/64, 2 x 4/64) = 0.125, and another number
+    without it: not reproducible, issue 46 item 1). The combined study adjusts over both folders."""
     seeds = list(range(6))
+    texts = []
     for k, gaps in enumerate([[0.1] * 6, [0.1] * 5 + [0.0]]):
         d = tmp_path / f"r{k}"
         _runs(d, {"gspo": [0.5 + g for g in gaps], "grpo": [0.5] * 6})
         bind(d, Path(_preset(tmp_path, f"r{k}")))
         preset = load_preset(_preset(tmp_path, f"r{k}"))
-        text = write_report(d, ["gspo", "grpo"], seeds, Config(**TINY), preset=preset).read_text()
+        texts.append(write_report(d, ["gspo", "grpo"], seeds, Config(**TINY), preset=preset).read_text())
     pre = json.loads((tmp_path / "r1" / "summary.json").read_text())["preregistration"]
     assert pre["results"][0]["p_perm"] == pytest.approx(4 / 64)
-    assert pre["results"][0]["p_adj"] == pytest.approx(max(3 * 2 / 64, 2 * 4 / 64))
-    assert pre["family_as_run"] == [{"preset": "r0", "p": pytest.approx(2 / 64)}]
-    assert "Holm over the family as run: this preset's 1 endpoint(s) and 1 run by the folders beside" in text
-    assert "(r0); the 1 not run count as p = 1." in text
+    assert pre["results"][0]["p_adj"] == pytest.approx(3 * 4 / 64)
+    assert "family_as_run" not in pre
+    assert (
+        "Holm over the declared family: this preset's 1 endpoint(s); the family's 2 others count as p = 1"
+        in texts[1]
+    )
+    import shutil
+
+    shutil.rmtree(tmp_path / "r0")  # the sibling gone: r1's report is the same
+    again = write_report(
+        tmp_path / "r1", ["gspo", "grpo"], seeds, Config(**TINY), preset=load_preset(_preset(tmp_path, "r1"))
+    )
+    assert (
+        json.loads((tmp_path / "r1" / "summary.json").read_text())["preregistration"]["results"]
+        == pre["results"]
+    )
+    assert again.read_text().split("Wall time")[1] == texts[1].split("Wall time")[1]

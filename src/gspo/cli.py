@@ -262,6 +262,8 @@ def _launch_torchrun(nproc: int) -> int:
     from gspo.procs import die_with_parent
 
     env = dict(os.environ, GSPO_LAUNCHED="1")
+    # torchrun sets this itself when unset, and says so in a banner around a rank's one-line error
+    env.setdefault("OMP_NUM_THREADS", "1")
     # own session: a terminal Ctrl-C reaches this launcher only, which passes one SIGTERM on (torchrun
     # hands it to every rank: they checkpoint the finished step and stop); torchrun gets SIGTERM too
     # if this process dies, even by kill -9 (and the ranks when torchrun dies)
@@ -379,12 +381,18 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    _quiet_upstream()
+    try:
+        return _export(Path(ns.checkpoint), Path(ns.out), ns.no_tokenizer)
+    except OSError as e:  # a path the system cannot even look at (a name over 255 bytes, say)
+        raise GspoError(f"{e.filename or ns.out}: {e.strerror or e}") from None
+
+
+def _export(src: Path, out: Path, no_tokenizer: bool) -> int:
     from gspo.model.export import export_dcp
     from gspo.train.checkpoint import check_manifest
     from gspo.train.sharded import is_sharded
 
-    _quiet_upstream()
-    src, out = Path(ns.checkpoint), Path(ns.out)
     if not src.is_dir():
         raise GspoError(f"checkpoint folder not found: {src}")
     if not is_sharded(src):
@@ -399,7 +407,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     above = next((a for a in out.parents if a.exists() or a.is_symlink()), None)
     if above is not None and not above.is_dir():
         raise GspoError(f"--out {out}: {above} is not a folder")
-    files = export_dcp(src, out, tokenizer=not ns.no_tokenizer)
+    files = export_dcp(src, out, tokenizer=not no_tokenizer)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''})")
     return 0
 

@@ -3,6 +3,7 @@ filters and the policy's training forward (dropout, MoE routing)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -72,6 +73,11 @@ class Algorithm(Group):
             for f in ("vespo_lambda_pos", "vespo_lambda_neg"):
                 if getattr(cfg, f) == 0:
                     raise bad(cfg, f, "must be > 0 (the kernel W^k e^(lambda (1 - W)) must decay)")
+            for f in VESPO_FIELDS:
+                if (getattr(cfg, f) or 0) > FLOAT32_MAX:
+                    raise bad(
+                        cfg, f, f"must be at most {FLOAT32_MAX:.4g} (the kernel is computed in float32)"
+                    )
         else:
             for f in VESPO_FIELDS:
                 if getattr(cfg, f) is not None:
@@ -81,6 +87,7 @@ class Algorithm(Group):
 
 
 VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max (torch is not imported here)
 
 
 def _loss(algo: str) -> Any:
@@ -193,6 +200,9 @@ class Async(Group):
                 raise bad(cfg, f, f"is not supported with async_staleness > 0 ({why})")
 
 
+MAX_DEVICE_INDEX = 127
+
+
 def rollout_device_list(value: str | None) -> tuple[str, ...]:
     """``rollout_devices`` as a tuple of device names (empty: not set)."""
     return tuple(d.strip() for d in value.split(",")) if value else ()
@@ -206,8 +216,11 @@ def _check_rollout_devices(cfg: Any) -> None:
         return
     if not cfg.async_staleness:
         raise bad(cfg, "rollout_devices", "needs async_staleness > 0 (it places the async sampler process)")
-    if any(d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()) for d in devices):
-        raise bad(cfg, "rollout_devices", "each device is 'cpu' or 'cuda:N'")
+    if any(d != "cpu" and not re.fullmatch(r"cuda:(0|[1-9][0-9]*)", d) for d in devices):
+        raise bad(cfg, "rollout_devices", "each device is 'cpu' or 'cuda:N' (N a number, no leading zero)")
+    # torch keeps a device index in 8 bits: a larger one is refused, or silently wraps (cuda:256 is cuda:0)
+    if any(d != "cpu" and int(d[5:]) > MAX_DEVICE_INDEX for d in devices):
+        raise bad(cfg, "rollout_devices", f"a device index is at most {MAX_DEVICE_INDEX} (torch's largest)")
     if len(devices) > 1:
         raise bad(cfg, "rollout_devices", "takes one device (one sampler process; tensor-parallel sampling "
                   "over several is not supported yet)")  # fmt: skip

@@ -89,6 +89,25 @@ class ModelAndTask(Group):
     max_prompt_tokens: Annotated[int, Ge(1)] = 256
     """Prompts longer than this are an error naming the example."""
 
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        # options that would be ignored: said now, not found in the results
+        embedded = (cfg.tokenizer or cfg.model).startswith("embedded:")
+        if cfg.chat_template and embedded:
+            raise bad(
+                cfg, "chat_template", "the embedded tokenizer has no chat template (an instruct model's has)"
+            )
+        if cfg.system_prompt is not None and embedded:
+            raise bad(cfg, "system_prompt", "the embedded tokenizer has no chat template to put it in")
+        from gspo.tasks.synthetic import SYNTHETIC_TASKS
+
+        if cfg.system_prompt is not None and not cfg.chat_template and cfg.task in SYNTHETIC_TASKS:
+            raise bad(
+                cfg,
+                "system_prompt",
+                f"is used only with chat_template: true (task {cfg.task}'s prompts are text)",
+            )
+
 
 @with_config(DOCUMENTED)
 @dataclass
@@ -111,3 +130,12 @@ class WarmStart(Group):
             raise bad(cfg, "sft_tool_fraction", "must be <= 1 (a share of the demonstrations)")
         if cfg.sft_tool_fraction < 1 and not cfg.env:  # single-turn rows have no tool to leave out
             raise bad(cfg, "sft_tool_fraction", "below 1 needs an environment with tools (env: tools)")
+        from gspo.envs.sft import DEMONSTRATIONS
+
+        if cfg.sft_tool_fraction < 1 and cfg.task not in DEMONSTRATIONS:  # no tool-using rows to thin
+            raise bad(
+                cfg,
+                "sft_tool_fraction",
+                f"below 1 needs a task with tool-using demonstrations ({', '.join(DEMONSTRATIONS)}); "
+                f"task {cfg.task} has none",
+            )

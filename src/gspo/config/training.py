@@ -82,10 +82,30 @@ class Evaluation(Group):
     """Held-out examples."""
     save_every: Annotated[int, Ge(0)] = 50
     """Checkpoint every N RL steps (always at the end)."""
+    report_to: str = "tensorboard"
+    """Experiment trackers that get every logged scalar, the resolved config and the curves,
+    comma-separated: ``tensorboard`` (in the run folder), ``wandb``, ``trackio``, ``mlflow`` (each the
+    ``gspo[...]`` extra of its name), or ``none`` (metrics.jsonl only, which is always written). All
+    work offline: docs/guides/tracking.md."""
     wandb: bool = False
-    """Also log to Weights & Biases (needs ``pip install wandb``)."""
+    """Also log to Weights & Biases: the same as adding ``wandb`` to ``report_to``."""
     progress: bool = True
     """Show a progress line on stderr."""
+
+    @staticmethod
+    def _rules(cfg: Any) -> None:
+        # every tracker's package is imported now: a missing one is named before any weight is read
+        from gspo.train.trackers import missing_package, tracker_names
+
+        try:
+            names = tracker_names(cfg.report_to, cfg.wandb)
+        except ValueError as e:
+            raise bad(cfg, "report_to", str(e)) from None
+        for name in names:
+            why = missing_package(name)
+            if why:
+                by_switch = name == "wandb" and name not in tracker_names(cfg.report_to)
+                raise bad(cfg, "wandb" if by_switch else "report_to", why)
 
 
 @with_config(DOCUMENTED)

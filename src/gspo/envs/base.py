@@ -22,7 +22,6 @@ Both are optional: an environment without them works unchanged.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example, Prompt
+from gspo.tasks.rewards import reward_value
 
 
 @dataclass
@@ -108,20 +108,36 @@ def check_step(out: Any, name: str) -> Step:
             f"environment {name}: step() observation is {type(out.observation).__name__}, expected str or None"
         )
     r = out.reward
-    # any real number (numpy's float32 included), never a bool
-    if isinstance(r, bool | np.bool_) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
-        raise GspoError(f"environment {name}: step() reward must be a finite number, got {r!r}")
+    # any real number (numpy's float32 included), never a bool; checked as a reward function's values
+    # are (10**400 is no float, 1e39 no float32)
+    real = isinstance(r, numbers.Real) and not isinstance(r, bool | np.bool_)
+    value = reward_value(r) if real else f"{r!r:.60}"
+    if isinstance(value, str):
+        raise GspoError(f"environment {name}: step() reward must be a finite number, got {value}")
     obs = out.observation
     if obs is not None:  # a lone surrogate cannot be tokenized: replaced, as invalid bytes are
         obs = _valid_text(obs)
     msgs = out.messages
     if obs is not None and msgs is not None:
         msgs = _check_messages(msgs, name)
-    return Step(obs, float(r), msgs if obs is not None else None)
+    return Step(obs, value, msgs if obs is not None else None)
 
 
 def _valid_text(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
+
+
+#: the roles chat templates render (a template renders any string as a role: a typo would train)
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+
+
+def _check_roles(msgs: list[dict[str, Any]], name: str, what: str) -> None:
+    for i, m in enumerate(msgs):
+        if m.get("role") not in ROLES:
+            raise GspoError(
+                f"environment {name}: {what} message {i} has role {m.get('role')!r:.40}, not a chat role "
+                f"({', '.join(ROLES)})"
+            )
 
 
 def _check_messages(msgs: Any, name: str) -> list[dict[str, Any]]:
@@ -137,6 +153,7 @@ def _check_messages(msgs: Any, name: str) -> list[dict[str, Any]]:
             f"environment {name}: step() messages must be a non-empty list of "
             f'{{"role": str, "content": str}} dicts, got {str(msgs)[:60]!r}'
         )
+    _check_roles(msgs, name, "step()")
     return [dict(m, content=_valid_text(m["content"])) for m in msgs]
 
 
@@ -150,4 +167,6 @@ def check_prompt(out: Any, name: str) -> Prompt:
             f"environment {name}: reset() returned {type(out).__name__} {str(out)[:40]!r}, expected a "
             "non-empty prompt string or chat messages"
         )
+    if isinstance(out, list):
+        _check_roles(out, name, "reset()")
     return out

@@ -6,7 +6,8 @@ single-turn task as a one-step environment), or a user factory ``pkg.mod:Name`` 
 environment (``reset(example)``, ``step(model_turn)``, :mod:`gspo.envs.base`), or a package's
 environment, ``verifiers:NAME``, ``openenv:pkg.module:Class``, ``skyrl-gym:NAME``
 (:mod:`gspo.envs.packages`), called as user environments are. User environments get
-``reward_timeout_s`` per call (the constructor, ``reset`` and ``step``); past it, or when they raise
+``reward_timeout_s`` per call (their module's import or the package's load, the constructor, ``reset``
+and ``step``); past it, or when they raise
 or return a wrong type, the run stops with one line naming the environment (``reward_on_error zero``:
 the trajectory ends with reward 0 and is counted, except for time-outs, which always stop, and a bad
 prompt from ``reset``, which leaves nothing to roll out). The task's reward inside ``task`` and
@@ -62,11 +63,17 @@ def env_spec(
         if "python" in names:
             _check_sandbox()
         return EnvSpec(lambda: ToolEnv(reward, names, reward_name), spec, None, on_error, builtin=True)
+    return EnvSpec(_bounded_load(spec, timeout_s, _user_factory), spec, timeout_s or None, on_error)
+
+
+def _user_factory(spec: str) -> Callable[[], Env]:
+    """The factory of a user's or a package's environment (its module imported, the package's
+    environment loaded)."""
     from gspo.envs.packages import package_factory
 
     packaged = package_factory(spec, _import)
     if packaged is not None:
-        return EnvSpec(packaged, spec, timeout_s or None, on_error)
+        return packaged
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise GspoError(
@@ -78,7 +85,28 @@ def env_spec(
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise GspoError(f"config field 'env': {target} has no callable {attr!r}")
-    return EnvSpec(factory, spec, timeout_s or None, on_error)
+    return factory
+
+
+def _bounded_load(
+    spec: str, timeout_s: float | None, load: Callable[[str], Callable[[], Env]]
+) -> Callable[[], Env]:
+    """``load(spec)`` under ``timeout_s`` (None or 0: no limit), as the environment's own calls are:
+    a module whose import never returns would otherwise hang the run before its first step."""
+    from gspo.tasks.timelimit import CallTimeout, call_with_timeout
+
+    if not timeout_s:
+        return load(spec)
+    label = f"env {spec} (loading)"
+    try:
+        return call_with_timeout(load, (spec,), timeout_s, label)
+    except CallTimeout as e:  # by type and name: the module's own limits keep their message
+        if e.name != label:
+            raise
+        raise GspoError(
+            f"config field 'env': loading {spec!r} (importing its module) did not finish within "
+            f"{timeout_s:g} s (reward_timeout_s)"
+        ) from None
 
 
 def _import(spec: str, target: str) -> Any:

@@ -92,12 +92,34 @@ def _message_text(messages: Any, what: str) -> str:
 # skyrl-gym: Env.init(prompt) -> (prompt, info); Env.step(action) -> {observations, reward, done}
 
 
+#: skyrl-gym's own environments that only score text, by entry point: the others run what the model
+#: writes on the host, as the user (lcb, searchcode: its Python; text2sql: its SQL) or send it to a
+#: server gspo does not set up (search). An allowlist: an environment a new skyrl-gym release adds is
+#: refused until checked. Environments a user registers from their own module are their code, trusted
+#: as ``--env pkg.module:Factory`` is.
+SKYRL_GYM_TEXT_ONLY = {
+    "aime": "skyrl_gym.envs.aime.env:AIMEEnv",
+    "gsm8k": "skyrl_gym.envs.gsm8k.env:GSM8kEnv",
+    "gsm8k_multi_turn": "skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv",
+}
+
+
 def _skyrl_gym(spec: str, name: str, importer: Any) -> Callable[[], Env]:
     gym = _require("skyrl_gym", "skyrl-gym", spec)
     if name not in gym.registry:
         known = ", ".join(sorted(gym.registry))
         raise GspoError(
             f"config field 'env': {spec}: no skyrl-gym environment {name!r} (registered: {known})"
+        )
+    entry = gym.registry[name].entry_point
+    if not isinstance(entry, str):  # a class or function: where its code lives
+        entry = f"{getattr(entry, '__module__', '')}:{getattr(entry, '__qualname__', '')}"
+    if entry.split(".")[0].split(":")[0] == "skyrl_gym" and entry not in SKYRL_GYM_TEXT_ONLY.values():
+        raise GspoError(
+            f"config field 'env': {spec} is refused: its tools act on the model's output outside gspo's "
+            f"sandbox (code run on this host as you, or requests to a server); gspo plays the skyrl-gym "
+            f"environments that score text alone ({', '.join(SKYRL_GYM_TEXT_ONLY)}); for Python tools "
+            "use --env tools:python"
         )
     return lambda: SkyRLGymEnv(gym, name)
 
@@ -110,7 +132,8 @@ class SkyRLGymEnv:
         self.gym, self.name, self.env = gym, name, None
 
     def reset(self, example: Example) -> Prompt:
-        extras = {"reward_spec": {"ground_truth": example.answer}, "extra_info": {}}
+        truth = {"ground_truth": example.answer}  # aime reads it from reward_model, the others reward_spec
+        extras = {"reward_spec": truth, "reward_model": truth, "extra_info": {}}
         self.env = self.gym.make(self.name, env_config={}, extras=extras)
         messages = (
             example.prompt
@@ -219,7 +242,11 @@ def _verifiers(spec: str, name: str, importer: Any) -> Callable[[], Env]:
         venv = vf.load_environment(vf.resolve_env_config({"taskset": {"id": name}}))
         taskset = venv.taskset
         tasks = list(taskset if taskset.bounded else taskset.take(INFINITE_TASKS))
-    except Exception as e:  # noqa: BLE001 (the package's own failure, in one line)
+    except BaseException as e:  # noqa: BLE001 (the package's or module's failure, a SystemExit too)
+        from gspo.tasks.rewards import is_interrupt
+
+        if is_interrupt(e):  # a real Ctrl-C, or the load's time limit
+            raise
         raise GspoError(
             f"config field 'env': {spec}: loading the verifiers environment failed: {_one_line(e)}"
         ) from None

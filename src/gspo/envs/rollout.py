@@ -16,6 +16,7 @@ the tokens it sampled. Without it, observations are tokenized as plain text afte
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -243,6 +244,9 @@ def _start(spec: EnvSpec, ex: Example, ids: list[int], encode: Callable[[Prompt]
     return _Traj(env, list(ids), [], [], [], chat=conv)
 
 
+TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+
+
 def _chat_tools(env: Env) -> list[dict[str, Any]] | None:
     """The environment's optional ``chat_tools`` (JSON schemas for the template's ``tools=``)."""
     try:
@@ -251,6 +255,14 @@ def _chat_tools(env: Env) -> list[dict[str, Any]] | None:
         raise GspoError(f"chat_tools raised {type(e).__name__}: {str(e)[:200]}") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(x, dict) for x in tools)):
         raise GspoError(f"chat_tools must be a list of JSON-schema dicts, got {type(tools).__name__}")
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function", tool)  # OpenAI's {"type": "function", "function": {...}}, or bare
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not (isinstance(name, str) and TOOL_NAME.fullmatch(name)):
+            raise GspoError(
+                f"chat_tools[{i}]: function name {name!r:.40} is not a name the model can call (letters, "
+                "digits, _ . -, starting with a letter or _)"
+            )
     return tools
 
 

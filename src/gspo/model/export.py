@@ -179,6 +179,32 @@ def _read_tokenizer(step_dir: Path, required: bool) -> Any:
 # reading a sharded checkpoint (gspo.train.sharded writes them)
 
 
+# a failed write as torch.save's zip writer and safetensors report it (not OSErrors): "[enforce fail
+# at inline_container.cc:672] . unexpected pos ...", "PytorchStreamWriter failed writing file ...";
+# safetensors names the OS error: "Error while serializing: I/O error: No space left on device (os
+# error 28)" (0.5+), "Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"
+_WRITER_ERRORS = ("inline_container", "PytorchStreamWriter")
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)|IoError\(Os \{ code: (\d+)")
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why writing weights or a checkpoint failed, in one line, when ``e`` is the disk's doing (a full
+    disk, a quota, an I/O error: an OSError, or a writer's error wrapping one, here or in what raised
+    it); None for anything else."""
+    for err in (e, e.__cause__, e.__context__):
+        if not isinstance(err, Exception):
+            continue
+        text = str(err).strip()
+        if isinstance(err, OSError):
+            return err.strerror or (text.splitlines()[0] if text else type(err).__name__)
+        code = _OS_ERROR_CODE.search(text)
+        if code:
+            return os.strerror(int(code.group(1) or code.group(2)))
+        if any(w in text for w in _WRITER_ERRORS):
+            return text.splitlines()[0][:200]
+    return None
+
+
 def failure(e: BaseException) -> str:
     """One line for a failed DCP load: the first rank's own error (not torch's traceback dump)."""
     import torch.distributed.checkpoint as dcp
@@ -289,7 +315,8 @@ def _write_atomically(out: Path, write: Any) -> list[Path]:
         os.replace(tmp, out)  # replaces an empty folder
     except BaseException as e:
         shutil.rmtree(made or tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise GspoError(f"--out {out}: cannot write it: {e.strerror or e}") from None
+        why = write_failure(e)  # a full disk: an OSError, or the safetensors writer's error
+        if why is not None:
+            raise GspoError(f"--out {out}: cannot write it: {why}") from None
         raise
     return [out / f.name for f in files]

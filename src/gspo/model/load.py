@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import re
 import string
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,7 +270,8 @@ def _load_gguf(
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(**where), dtype=dtype)
         if not meta:  # the dequantized weights in a plain model (one loaded from GGUF stays marked
             # as quantized, which save_pretrained refuses)
-            loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
+            with _no_gguf_bars():
+                loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
             model.load_state_dict(loaded.state_dict(), assign=True)
             for name, buf in loaded.named_buffers():  # rotary tables: not in the state dict
                 owner, _, attr = name.rpartition(".")
@@ -280,6 +284,28 @@ def _load_gguf(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+@contextlib.contextmanager
+def _no_gguf_bars() -> Iterator[None]:
+    """No progress bars while transformers reads a GGUF file (gspo prints its own progress, or none
+    under ``--no-progress``): its weight-loading bar is switched off, and the dequantization bar it
+    draws with tqdm on stderr is dropped from what the load printed there (the rest is kept)."""
+    import transformers
+
+    was = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        if was:
+            transformers.utils.logging.enable_progress_bar()
+        lines = re.split(r"[\r\n]+", printed.getvalue())
+        kept = [ln for ln in lines if ln.strip() and "de-quantizing GGUF tensors" not in ln]
+        if kept:
+            print("\n".join(kept), file=sys.stderr)
 
 
 def stored_dtype(spec: str) -> str | None:

@@ -15,6 +15,7 @@ from typing import Any
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.resolve import pi_old_source
+from gspo.study.folders import claim_folder
 from gspo.study.metrics import PAPER_VOLATILITY, seed_means
 from gspo.study.plots import accuracy_by_regime_plot, regimes_plot
 from gspo.study.report import sampler_dtype
@@ -122,16 +123,21 @@ def family_results(regs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             f["size"] = max(f["size"], fam["size"])
             p = endpoint_p(res)
             f["endpoints"].append(
-                {**res, "preset": r["preset"], "p": p, "declared_at": pre.get("file_commit")}
+                {
+                    **res,
+                    "preset": r["preset"],
+                    "p": p,
+                    "declared_at": pre.get("file_commit"),
+                    "level": pre.get("level"),
+                }
             )
     for f in fams.values():
         eps = f["endpoints"]
         f["size"] = max(f["size"], len(eps))
         for e, p_adj in zip(eps, holm([e["p"] for e in eps], f["size"]), strict=True):
             e["p_adj_study"] = p_adj
-            e["verdict_study"] = verdict(
-                e["interval"]["mean"], p_adj, e["direction"], e["margin"], f["alpha"]
-            )
+            level = e.get("level") or f["alpha"]  # a declared interim look's nominal level
+            e["verdict_study"] = verdict(e["interval"]["mean"], p_adj, e["direction"], e["margin"], level)
     return fams
 
 
@@ -248,6 +254,7 @@ def write_study(dirs: list[str], out_dir: str | Path, ci: str = "t") -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     regs = [_load_summary(d) for d in dirs]
+    claim_folder(out, "study")  # never over a study.json or study.md the command did not write
     rows = [_regime_row(r, ci) for r in regs]
     fams = family_results(regs)
     lines = [

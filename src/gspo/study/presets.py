@@ -8,9 +8,14 @@ tests (keys ``primary``, ``family``, ``declared_at``)::
       - {metric: acc_final, contrast: gspo - grpo, direction: greater, margin: -0.02}
     family: {name: issue21-confirm, size: 4, alpha: 0.05, test: permutation}
     declared_at: 1a2b3c4          # optional: the commit the declaration was made at (checked with git)
+    interim: {seeds: 14, spending: obrien-fleming}   # optional: one look after the first 14 seeds
 
 ``family`` groups endpoints over presets: Holm's adjustment runs over its ``size`` hypotheses
-(default: this preset's endpoints). A preset without ``primary`` is wholly exploratory.
+(default: this preset's endpoints), the ones run elsewhere counting as p = 1 in one compare's report
+(the combined study adjusts over every folder it is given). A preset without ``primary`` is wholly
+exploratory. The declaration binds (:func:`_binding`): the analysed seeds must be the declared
+``seeds`` (or, with ``interim``, their first ``interim.seeds``), every setting as declared, the
+preset committed before every run started and an ancestor of the checkout every run ran from.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,7 +36,7 @@ from gspo.config import coerce
 from gspo.config.parse import read_yaml
 from gspo.errors import GspoError
 from gspo.study.metrics import Criteria, run_stats
-from gspo.study.statistics import ALPHA
+from gspo.study.statistics import ALPHA, interim_levels
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "gspo": {"algo": "gspo", "routing_replay": False},
@@ -59,7 +65,11 @@ _KEYS = {
     "family",
     "declared_at",
     "arms",
+    "interim",
+    "secondary",
+    "secondary_family",
 }
+SPENDING = ("obrien-fleming",)  # the one declared interim look's alpha-spending rule
 # a warm_target is checked every 10 warm-start steps from step 50, on 200 held-out-like prompts
 WARM_CHECK_EVERY, WARM_CHECK_AFTER, WARM_CHECK_PROMPTS = 10, 50, 200
 _DIRECTIONS = ("greater", "less")
@@ -69,17 +79,29 @@ _TESTS = ("permutation", "t")
 @dataclass(frozen=True)
 class Endpoint:
     """A declared hypothesis: ``a - b`` of ``metric`` (a :func:`run_stats` key) is above (``greater``)
-    or below (``less``) ``margin``; ``margin < 0`` with ``greater`` reads as non-inferiority."""
+    or below (``less``) ``margin``; ``margin < 0`` with ``greater`` reads as non-inferiority. With
+    ``c`` and ``d`` an interaction: ``(a - b) - (c - d)``, paired by seed."""
 
     metric: str
     a: str
     b: str
     direction: str = "greater"
     margin: float = 0.0
+    c: str = ""
+    d: str = ""
 
     @property
     def contrast(self) -> str:
-        return f"{self.a} - {self.b}"
+        return f"({self.a} - {self.b}) - ({self.c} - {self.d})" if self.c else f"{self.a} - {self.b}"
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        return (self.a, self.b, self.c, self.d) if self.c else (self.a, self.b)
+
+    def record(self) -> dict[str, Any]:
+        """As run records store it (an endpoint of two arms without the interaction's keys, as before)."""
+        out = dataclasses.asdict(self)
+        return out if self.c else {k: v for k, v in out.items() if k not in ("c", "d")}
 
     def text(self) -> str:
         side = ">" if self.direction == "greater" else "<"
@@ -109,6 +131,9 @@ class Preset:
     primary: list[Endpoint] = field(default_factory=list)  # empty: everything exploratory
     family: Family | None = None
     declared_at: str | None = None
+    interim: int | None = None  # seeds at the one declared interim look (O'Brien-Fleming-type spending)
+    secondary: list[Endpoint] = field(default_factory=list)  # their own declared family (Holm)
+    secondary_family: Family | None = None
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)  # the preset's own variants
 
     def settings(self) -> dict[str, dict[str, Any]]:
@@ -127,7 +152,8 @@ def load_preset(spec: str) -> Preset:
     if not path.is_file():
         raise GspoError(f"--preset: unknown preset {spec!r} (known: {', '.join(list_presets())})")
     data, lines = read_yaml(path, "preset file")
-    data = {} if data is None else data
+    if data is None or data == {}:  # an empty file (or comments only) declares nothing: a mistake
+        raise GspoError(f"{path}: the preset file is empty (expected keys such as config, seeds, variants)")
     if not isinstance(data, dict):
         raise GspoError(f"{path}: expected a mapping of preset keys, got {type(data).__name__}")
     unknown = sorted(str(k) for k in data if k not in _KEYS)
@@ -147,11 +173,12 @@ def load_preset(spec: str) -> Preset:
         raise GspoError(f"{at('primary')}: 'primary' must be a list of endpoints (got {primary_list!r:.60})")
     primary = [_endpoint(e, variants, at("primary")) for e in primary_list]
     warm = data.get("warm_target")
+    seeds = _seeds(data.get("seeds", DEFAULT_SEEDS), at("seeds"))
     return Preset(
         name=path.stem,
         description=_text(data.get("description"), at("description"), "description"),
         config=conf,
-        seeds=_seeds(data.get("seeds", DEFAULT_SEEDS), at("seeds")),
+        seeds=seeds,
         variants=variants,
         runtime=_text(data.get("runtime"), at("runtime"), "runtime"),
         warm_target=None if warm is None else _number(warm, at("warm_target"), "warm_target"),
@@ -159,8 +186,43 @@ def load_preset(spec: str) -> Preset:
         primary=primary,
         family=_family(data.get("family"), path.stem, len(primary), at("family")) if primary else None,
         declared_at=_text(data.get("declared_at"), at("declared_at"), "declared_at") or None,
+        interim=_interim(data.get("interim"), seeds, bool(primary), at("interim")),
+        **_secondary(data, variants, bool(primary), path.stem, at),
         arms=arms,
     )
+
+
+def _secondary(
+    data: dict[str, Any], variants: list[str], primary: bool, stem: str, at: Any
+) -> dict[str, Any]:
+    """``secondary`` endpoints (after a primary one) and their own ``secondary_family``."""
+    v = data.get("secondary")
+    if v is None:
+        if data.get("secondary_family") is not None:
+            raise GspoError(f"{at('secondary_family')}: 'secondary_family' without 'secondary' endpoints")
+        return {}
+    if not isinstance(v, list) or not v or not primary:
+        raise GspoError(
+            f"{at('secondary')}: 'secondary' must be a non-empty list of endpoints after 'primary'"
+        )
+    eps = [_endpoint(e, variants, at("secondary")) for e in v]
+    fam = _family(data.get("secondary_family"), f"{stem}-secondary", len(eps), at("secondary_family"))
+    return {"secondary": eps, "secondary_family": fam}
+
+
+def _interim(v: Any, seeds: list[int], primary: bool, where: str) -> int | None:
+    """The one interim look a preset may declare: after its first ``seeds`` seeds, with its spending
+    rule named (O'Brien-Fleming type: :func:`gspo.study.statistics.interim_levels`)."""
+    if v is None:
+        return None
+    ok = isinstance(v, dict) and set(v) == {"seeds", "spending"} and v["spending"] in SPENDING
+    k = v.get("seeds") if isinstance(v, dict) else None
+    if not ok or type(k) is not int or not 2 <= k < len(seeds) or not primary:
+        raise GspoError(
+            f"{where}: 'interim' must be {{seeds: k, spending: {SPENDING[0]}}} with 2 <= k < the "
+            f"{len(seeds)} declared seeds, in a preset with primary endpoints (got {v!r:.60})"
+        )
+    return k
 
 
 def _arms(v: Any, where: str) -> dict[str, dict[str, Any]]:
@@ -213,6 +275,7 @@ def _names(v: Any, where: str, key: str) -> list[str]:
     return [x.strip() for x in v]
 
 
+_INTERACTION = re.compile(r"\(\s*(\S+)\s+-\s+(\S+)\s*\)\s+-\s+\(\s*(\S+)\s+-\s+(\S+)\s*\)")
 _METRICS = set(run_stats([], Criteria()))  # what an endpoint may name: every per-run number
 
 
@@ -221,15 +284,20 @@ def _endpoint(e: Any, variants: list[str], where: str) -> Endpoint:
     if not isinstance(e, dict) or set(e) - {"metric", "contrast", "direction", "margin"}:
         raise GspoError(f"{where}: expected {{metric, contrast: 'a - b', direction, margin}}")
     contrast, metric, direction = e.get("contrast", ""), e.get("metric"), e.get("direction", "greater")
-    a, _, b = (contrast if isinstance(contrast, str) else "").partition(" - ")
-    a, b = a.strip(), b.strip()
-    if not a or not b or a not in variants or b not in variants:
-        raise GspoError(f"{where}: contrast must be 'a - b' of this preset's variants {variants}")
+    text = contrast if isinstance(contrast, str) else ""
+    both = _INTERACTION.fullmatch(text.strip())
+    a, _, b = text.partition(" - ")
+    arms = list(both.groups()) if both else [a.strip(), b.strip()]
+    if not all(arms) or any(x not in variants for x in arms):
+        raise GspoError(
+            f"{where}: contrast must be 'a - b' or '(a - b) - (c - d)' of this preset's variants {variants}"
+        )
     if not isinstance(metric, str) or metric not in _METRICS:
         raise GspoError(f"{where}: unknown metric (known: {', '.join(sorted(_METRICS))})")
     if not isinstance(direction, str) or direction not in _DIRECTIONS:
         raise GspoError(f"{where}: direction must be one of {', '.join(_DIRECTIONS)}")
-    return Endpoint(metric, a, b, direction, _number(e.get("margin", 0), where, "margin"))
+    c, d = arms[2:] if both else ("", "")
+    return Endpoint(metric, arms[0], arms[1], direction, _number(e.get("margin", 0), where, "margin"), c, d)
 
 
 def _family(f: Any, default_name: str, n: int, where: str) -> Family:
@@ -263,52 +331,89 @@ def preset_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def run_record(preset: Preset) -> dict[str, Any]:
+def run_record(
+    preset: Preset, seeds: list[int] | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What a compare's runs are run for (written to each run folder's :data:`RUN_RECORD` before it
-    trains, with its start time): the preset file's sha256, its endpoints and family, the commit that
-    last changed the file, and the gspo checkout's commit and whether its tree was dirty."""
+    trains, with its start time): the preset file's sha256, its endpoints, family, declared seeds and
+    interim look, the seeds run and every setting changed from the declaration (``overrides``: name
+    -> {declared, used}), the commit that last changed the file, the commit of the checkout holding
+    the preset, and the gspo checkout's commit and whether its tree was dirty."""
     decl = declaration(preset)
     src = Path(__file__).resolve().parent
     head = _git(src, "rev-parse", "HEAD")
     status = _git(src, "status", "--porcelain", "--untracked-files=no") if head else None
+    here = preset.path.resolve().parent if preset.path else None
     return {
         "preset": preset.name,
         "preset_file": str(preset.path) if preset.path else None,
         "preset_sha256": preset_hash(preset.path) if preset.path else None,
-        "primary": [dataclasses.asdict(e) for e in preset.primary],
+        "primary": [e.record() for e in preset.primary],
         "family": dataclasses.asdict(preset.family) if preset.family else None,
+        **(
+            {
+                "secondary": [e.record() for e in preset.secondary],
+                "secondary_family": vars(preset.secondary_family),
+            }
+            if preset.secondary_family
+            else {}
+        ),
+        "declared_seeds": list(preset.seeds),
+        "interim": preset.interim,
+        "seeds": list(preset.seeds if seeds is None else seeds),
+        "overrides": dict(overrides or {}),
         "declared_at": preset.declared_at,
         "declaring_commit": decl.get("commit"),
         "preset_committed": decl.get("committed"),
+        "preset_repo_head": _git(here, "rev-parse", "HEAD") if here else None,
         "gspo_commit": head,
         "gspo_dirty": None if status is None else bool(status),
     }
 
 
-def declaration(preset: Preset, records: dict[str, Any] | None = None) -> dict[str, Any]:
+def declaration(
+    preset: Preset, records: dict[str, Any] | None = None, analysed: dict[str, list[int]] | None = None
+) -> dict[str, Any]:
     """Where the declaration comes from: the commit the preset file was last changed in (and its
-    commit time) and whether the file differs from it (a declaration that is not committed is not yet
-    a pre-registration); ``declared_at`` when the preset names one, and whether that commit holds the
-    same declaration. With ``records`` (run name -> its :data:`RUN_RECORD`, None where it has none):
-    ``preregistered`` and, when not, ``why_not`` (:func:`_binding`)."""
+    time: the earlier of author and committer date) and whether the file differs from it (a
+    declaration that is not committed is not yet a pre-registration); ``declared_at`` when the preset
+    names one, and whether that commit holds the same declaration. With ``records`` (run name -> its
+    :data:`RUN_RECORD`, None where it has none) and ``analysed`` (variant -> the seeds analysed):
+    ``preregistered``, when not ``why_not`` (:func:`_binding`), and when so the look (``interim`` or
+    ``final``) and its nominal ``level``."""
     out: dict[str, Any] = {"declared_at": preset.declared_at, "file_commit": None, "committed": None}
     if preset.path is not None and preset.primary:
         _from_git(preset, preset.path.resolve(), out)
     if records is not None and preset.primary:
-        why = _binding(preset, out, records)
+        why = _binding(preset, out, records, analysed or {})
         out |= {"preregistered": why is None, "why_not": why}
         if why is None:
             out["first_start"] = min(r["started_at"] for r in records.values())
+            out |= _look(preset, analysed or {})
     return out
+
+
+def _look(preset: Preset, analysed: dict[str, list[int]]) -> dict[str, Any]:
+    """Which declared look the analysed seeds are and its nominal level: the family's alpha without
+    an interim look, else the O'Brien-Fleming-type levels of :func:`interim_levels`."""
+    alpha = preset.family.alpha if preset.family else ALPHA
+    if preset.interim is None:
+        return {"look": "final", "level": alpha}
+    a1, a2 = interim_levels(alpha, preset.interim / len(preset.seeds))
+    n = len(set().union(*map(set, analysed.values()))) if analysed else 0
+    look = "interim" if n == preset.interim else "final"
+    return {"look": look, "level": a1 if look == "interim" else a2, "levels": [a1, a2]}
 
 
 def _from_git(preset: Preset, path: Path, out: dict[str, Any]) -> None:
     here, name = path.parent, path.name
-    log = _git(here, "log", "-1", "--format=%h %H %ct", "--", name)
+    log = _git(here, "log", "-1", "--format=%h %H %at %ct", "--", name)
     if log is None:  # no git, or not a checkout: unknown, never invented
         return
-    short, full, ct = log.split() if log else (None, None, None)
-    out |= {"file_commit": short, "commit": full, "commit_time": int(ct) if ct else None}
+    short, full, at, ct = log.split() if log else (None, None, None, None)
+    # a rebase moves the committer date, an amended author date the other: the earlier of the two
+    when = min(int(at), int(ct)) if at and ct else None
+    out |= {"file_commit": short, "commit": full, "commit_time": when}
     out["committed"] = bool(log) and _git(here, "diff", "--quiet", "HEAD", "--", name) is not None
     if preset.declared_at:
         text = _git(here, "show", f"{preset.declared_at}:./{name}")
@@ -325,28 +430,45 @@ def _when(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _binding(preset: Preset, decl: dict[str, Any], records: dict[str, Any]) -> str | None:
+def _some(names: Any) -> str:
+    names = sorted(names)
+    return ", ".join(map(str, names[:3])) + (" ..." if len(names) > 3 else "")
+
+
+def _binding(
+    preset: Preset, decl: dict[str, Any], records: dict[str, Any], analysed: dict[str, list[int]]
+) -> str | None:
     """Why the runs are not bound to the preset's committed declaration (None: they are): every run
-    must record this file's current sha256 and endpoints, and the commit that last changed the file
-    must precede every run's start."""
+    must record this file's current sha256 and endpoints and no setting changed from it, the analysed
+    seeds must be the declared ones (or the declared interim look's), the commit that last changed the
+    file must precede every run's start and be an ancestor of the checkout every run ran from."""
     if not records:
         return "no run has finished"
-    some = lambda names: ", ".join(sorted(names)[:3]) + (" ..." if len(names) > 3 else "")  # noqa: E731
     missing = [n for n, r in records.items() if not isinstance(r, dict)]
     if missing:
         return (
             f"runs do not record their declaration (run before this check existed, or not by gspo "
-            f"compare): {some(missing)} have no {RUN_RECORD}"
+            f"compare): {_some(missing)} have no {RUN_RECORD}"
         )
     now = preset_hash(preset.path) if preset.path and preset.path.is_file() else None
     changed = [n for n, r in records.items() if r.get("preset_sha256") != now]
     if changed:
-        return f"the preset changed after the runs: hashes differ ({some(changed)} ran another preset file)"
-    endpoints = [dataclasses.asdict(e) for e in preset.primary]
+        return f"the preset changed after the runs: hashes differ ({_some(changed)} ran another preset file)"
+    endpoints = [e.record() for e in preset.primary]
     family = dataclasses.asdict(preset.family) if preset.family else None
-    other = [n for n, r in records.items() if r.get("primary") != endpoints or r.get("family") != family]
+    second = [e.record() for e in preset.secondary]
+    fam2 = dataclasses.asdict(preset.secondary_family) if preset.secondary_family else None
+    other = [
+        n
+        for n, r in records.items()
+        if (r.get("primary"), r.get("family"), r.get("secondary", []), r.get("secondary_family"))
+        != (endpoints, family, second, fam2)
+    ]
     if other:
-        return f"runs {some(other)} record other endpoints or another family than the preset declares"
+        return f"runs {_some(other)} record other endpoints or another family than the preset declares"
+    why = "; and ".join(w for w in (_settings(records), _seeds_analysed(preset, analysed)) if w)
+    if why:
+        return why
     if decl.get("commit_time") is None:
         return "the preset file has no commit (no git history): when it was declared is unknown"
     if decl.get("committed") is not True:
@@ -354,12 +476,81 @@ def _binding(preset: Preset, decl: dict[str, Any], records: dict[str, Any]) -> s
     starts = {n: r.get("started_at") for n, r in records.items()}
     unknown = [n for n, t in starts.items() if not isinstance(t, (int, float))]
     if unknown:
-        return f"runs {some(unknown)} record no start time"
+        return f"runs {_some(unknown)} record no start time"
     first = min(starts, key=lambda n: starts[n])
     if decl["commit_time"] >= starts[first]:
         return (
             f"the declaration was committed ({decl['file_commit']}, {_when(decl['commit_time'])}) after run "
             f"{first} started ({_when(starts[first])})"
+        )
+    return _ancestry(preset, decl, records)
+
+
+def _settings(records: dict[str, Any]) -> str | None:
+    """Runs whose record does not say their seeds and settings, or names a setting changed from the
+    declaration (each change named: the runs are then exploratory)."""
+    blind = [n for n, r in records.items() if not isinstance(r.get("overrides"), dict) or "seeds" not in r]
+    if blind:
+        return f"runs {_some(blind)} record neither their seeds nor their settings (run before this check)"
+    changed: dict[str, Any] = {}
+    for r in records.values():
+        changed |= r["overrides"]
+    if not changed:
+        return None
+    what = "; ".join(
+        f"{k} {c.get('declared')!r} -> {c.get('used')!r}" if isinstance(c, dict) else f"{k} {c!r}"
+        for k, c in sorted(changed.items())
+    )
+    return f"settings changed from the declaration, so every endpoint is exploratory: {what}"
+
+
+def _seeds_analysed(preset: Preset, analysed: dict[str, list[int]]) -> str | None:
+    """The analysed seeds (every endpoint arm's) against the declared ones, or the declared interim
+    look's first ``interim`` seeds: fewer, more or others are named."""
+    union = set().union(*map(set, analysed.values())) if analysed else set()
+    common = set.intersection(*map(set, analysed.values())) if analysed else set()
+    allowed = [set(preset.seeds)] + ([set(preset.seeds[: preset.interim])] if preset.interim else [])
+    if union == common and common in allowed:
+        return None
+    target = min(allowed, key=lambda a: len(a ^ union))
+    parts = [
+        f"declared {_span(preset.seeds)}"
+        + (f" (interim look: the first {preset.interim})" if preset.interim else "")
+    ]
+    if target - common:
+        parts.append(f"missing {_some(target - common)}")
+    if union - target:
+        parts.append(f"not declared {_some(union - target)}")
+    return "the analysed seeds are not the declared ones (" + "; ".join(parts) + ")"
+
+
+def _span(seeds: list[int]) -> str:
+    """Seeds as runs of consecutive integers: [100, 101, 102, 7] -> "100-102, 7"."""
+    runs: list[list[int]] = []
+    for x in seeds:
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def _ancestry(preset: Preset, decl: dict[str, Any], records: dict[str, Any]) -> str | None:
+    """The declaring commit must be in the history of the checkout each run ran from (its recorded
+    ``preset_repo_head``: for a shipped preset, gspo's own commit)."""
+    here = preset.path.resolve().parent if preset.path else None
+    heads = {n: r.get("preset_repo_head") for n, r in records.items()}
+    unknown = [n for n, h in heads.items() if not isinstance(h, str) or not h]
+    if unknown or here is None:
+        return f"runs {_some(unknown)} record no commit of the checkout they ran from"
+    outside = [
+        n for n, h in heads.items()
+        if _git(here, "merge-base", "--is-ancestor", decl["commit"], h) is None
+    ]  # fmt: skip
+    if outside:
+        return (
+            f"the declaring commit {decl['file_commit']} is not an ancestor of the commit runs "
+            f"{_some(outside)} ran from"
         )
     return None
 

@@ -13,12 +13,19 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gspo.config import Config
 from gspo.resolve import pi_old_source
+from gspo.study.endpoints import (
+    PerSeed,
+    column,
+    endpoint_comparison,
+    secondary,
+    secondary_data,
+    secondary_lines,
+)
 from gspo.study.metrics import (
     PAIR_KEYS,
     PAIRS,
@@ -37,14 +44,12 @@ from gspo.study.statistics import (
     Comparison,
     adjust_family,
     compare_paired,
-    endpoint_p,
     fmt_p,
     interval,
     sign_flip_is_exact,
 )
 from gspo.train.logger import read_metrics
 
-PerSeed = dict[str, dict[int, dict[str, Any]]]  # variant -> seed -> run_stats
 CI_NAMES = {"t": "Student t", "bootstrap": "percentile bootstrap"}
 
 
@@ -74,46 +79,21 @@ def run_records(out: Path, per: PerSeed) -> dict[str, Any]:
     return recs
 
 
-def column(per: PerSeed, v: str, key: str) -> dict[int, float | None]:
-    return {s: r.get(key) for s, r in per.get(v, {}).items()}
-
-
-def family_as_run(out: Path, preset: Preset) -> list[tuple[str, float]]:
-    """(preset, raw p) of the family's endpoints that other presets' compare folders beside ``out``
-    have run and bound to their declarations, so this preset's Holm adjustment is over the family
-    as run rather than with those endpoints padded as p = 1."""
-    if preset.family is None or not out.parent.is_dir():
-        return []
-    found = []
-    for d in sorted(out.parent.iterdir()):
-        try:
-            data = json.loads((d / "summary.json").read_text()) if d != out else None
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
-        pre = data.get("preregistration") if isinstance(data, dict) else None
-        if not isinstance(pre, dict) or data.get("preset") == preset.name:
-            continue
-        if (pre.get("family") or {}).get("name") != preset.family.name:
-            continue
-        found += [
-            (str(data.get("preset")), p) for r in pre.get("results", []) if (p := endpoint_p(r)) is not None
-        ]
-    return found
-
-
-def confirmatory(per: PerSeed, preset: Preset, others: Sequence[float] = ()) -> list[Comparison]:
-    """The preset's declared endpoints, tested and Holm-adjusted over its family: with ``others``,
-    the raw p of the family's endpoints other presets ran; endpoints never run count as p = 1."""
+def confirmatory(per: PerSeed, preset: Preset, level: float | None = None) -> list[Comparison]:
+    """The preset's declared endpoints, tested and Holm-adjusted over its declared family (the
+    family's endpoints not run here count as p = 1: what sibling folders hold on disk never enters);
+    verdicts at ``level`` (the look's nominal level; default the family's alpha)."""
     if not preset.primary or preset.family is None:
         return []
-    comps = []
-    for e in preset.primary:
-        c = compare_paired(
-            e.metric, e.a, e.b, column(per, e.a, e.metric), column(per, e.b, e.metric), e.margin
-        )
-        comps.append(dataclasses.replace(c, direction=e.direction, test=preset.family.test))
-    adjust_family(comps, preset.family.size, preset.family.alpha, others)
+    comps = [endpoint_comparison(per, e, preset.family.test) for e in preset.primary]
+    adjust_family(comps, preset.family.size, preset.family.alpha if level is None else level)
     return comps
+
+
+def analysed_seeds(per: PerSeed, preset: Preset) -> dict[str, list[int]]:
+    """variant -> the seeds it has runs of, for every arm of the declared endpoints."""
+    arms = {x for e in preset.primary + preset.secondary for x in e.arms}
+    return {v: sorted(per.get(v, {})) for v in sorted(arms)}
 
 
 def exploratory(per: PerSeed) -> dict[tuple[str, str, str], Comparison]:
@@ -277,18 +257,30 @@ def _test_name(test: str, ns: list[int]) -> str:
     return f"sign-flip permutation (exact up to {EXACT_MAX_N} seeds, Monte Carlo with {MC_FLIPS} draws above)"
 
 
-def _family_text(preset: Preset, confirm: list[Comparison], others: list[tuple[str, float]]) -> str:
-    unrun = max(0, preset.family.size - len(confirm) - len(others)) if preset.family else 0
-    ran = f"Holm over the family as run: this preset's {len(confirm)} endpoint(s)"
-    if others:
-        names = ", ".join(sorted({n for n, _ in others}))
-        ran += f" and {len(others)} run by the folders beside this one ({names})"
-    return ran + (f"; the {unrun} not run count as p = 1." if unrun else ".")
+def _family_text(preset: Preset, confirm: list[Comparison], decl: dict[str, Any]) -> str:
+    unrun = max(0, preset.family.size - len(confirm)) if preset.family else 0
+    text = f"Holm over the declared family: this preset's {len(confirm)} endpoint(s)"
+    text += (
+        f"; the family's {unrun} others count as p = 1 here (the combined study adjusts over them)."
+        if unrun
+        else "."
+    )
+    if decl.get("look") and preset.interim:
+        a1, a2 = decl["levels"]
+        text += (
+            f" Declared interim look after {preset.interim} of {len(preset.seeds)} seeds, O'Brien-Fleming-"
+            f"type spending: nominal levels {a1:.4g} (interim) and {a2:.4g} (final); this is the "
+            f"**{decl['look']} look**, read at {decl['level']:.4g}"
+            + (
+                f" (not significant: continue to all {len(preset.seeds)} declared seeds)."
+                if decl["look"] == "interim"
+                else "."
+            )
+        )
+    return text
 
 
-def _preregistration(
-    preset: Preset, confirm: list[Comparison], decl: dict[str, Any], others: list[tuple[str, float]]
-) -> list[str]:
+def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, Any]) -> list[str]:
     if not confirm or preset.family is None:
         return [
             "## Pre-registration",
@@ -305,7 +297,8 @@ def _preregistration(
         "",
         f"Pre-registered: declared in `{preset.path.name if preset.path else preset.name}`, committed at "
         f"`{decl.get('file_commit')}` ({_utc(decl.get('commit_time'))}), before every run started (the "
-        f"first at {_utc(decl.get('first_start'))}); every run records this file's sha256 and endpoints"
+        f"first at {_utc(decl.get('first_start'))}), in the history of every run's checkout; every run records "
+        "this file's sha256, its endpoints and no setting changed from it; the analysed seeds are the declared ones"
         + (
             f"; declared at `{preset.declared_at}` (same declaration there: {decl.get('declared_at_matches')})"
             if preset.declared_at
@@ -313,13 +306,12 @@ def _preregistration(
         )
         + f". Family `{f.name}`: {f.size} hypotheses, family-wise error {f.alpha} (Holm), test: "
         f"{_test_name(f.test, [c.interval.n for c in confirm])} (two-sided; the verdict "
-        "reads its sign). " + _family_text(preset, confirm, others),
+        "reads its sign). " + _family_text(preset, confirm, decl),
         "",
         "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | Holm-adjusted p | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in confirm:
-        e = next(e for e in preset.primary if (e.metric, e.a, e.b) == (c.metric, c.a, c.b))
+    for e, c in zip(preset.primary, confirm, strict=True):
         lines.append(
             f"| {e.text()} | {c.interval.n} | {c.interval.fmt()} | {fmt_p(c.p_t)} | {fmt_p(c.p_perm)} | "
             f"{fmt_p(c.p_adj)} | **{c.verdict}** |"
@@ -348,8 +340,7 @@ def _not_preregistered(preset: Preset, confirm: list[Comparison], decl: dict[str
         "| endpoint | n | mean [raw 95% CI] | p (t) | p (sign-flip) | status |",
         "|---|---|---|---|---|---|",
     ]
-    for c in confirm:
-        e = next(e for e in preset.primary if (e.metric, e.a, e.b) == (c.metric, c.a, c.b))
+    for e, c in zip(preset.primary, confirm, strict=True):
         lines.append(
             f"| {e.text()} | {c.interval.n} | {c.interval.fmt()} | {fmt_p(c.p_t)} | {fmt_p(c.p_perm)} | "
             "exploratory: no verdict |"
@@ -460,14 +451,16 @@ def write_report(
     preset = preset or Preset(name="custom")
     per = collect(out, variants, seeds, crit)
     images = band_plots(out, variants, seeds, ci)
-    others = family_as_run(out, preset)
-    confirm, pairs = confirmatory(per, preset, [p for _, p in others]), exploratory(per)
-    decl = declaration(preset, run_records(out, per))
-    decl["family_as_run"] = [{"preset": n, "p": p} for n, p in others]
-    bound = confirm if decl.get("preregistered") else []  # no verdict without a binding declaration
+    decl = declaration(preset, run_records(out, per), analysed_seeds(per, preset))
+    confirm, pairs = confirmatory(per, preset, decl.get("level")), exploratory(per)
+    second = secondary(per, preset, decl)
+    decl |= secondary_data(preset, second)
+    bound = list(confirm) if decl.get("preregistered") else []  # no verdict without a binding declaration
+    bound += [c for c in second if c.verdict]
     timing_file = out / "timing.json"
     timing = json.loads(timing_file.read_text()) if timing_file.exists() else {}
-    lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl, others)
+    lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl)
+    lines += secondary_lines(preset, second, decl)
     lines += _variant_tables(per, ci, crit) + _paired_table(pairs)
     lines += [
         "## The paper's claims and this run",
@@ -533,7 +526,7 @@ def _write_data(
             for (a, b, key), c in pairs.items()
         },
         "preregistration": {
-            "primary": [dataclasses.asdict(e) for e in preset.primary],
+            "primary": [e.record() for e in preset.primary],
             "family": dataclasses.asdict(preset.family) if preset.family else None,
             **decl,
             # endpoints whose runs are not bound to the declaration: numbers only, no study verdict

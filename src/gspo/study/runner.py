@@ -9,7 +9,6 @@ model, so the variants differ only in the RL algorithm. Runs go to a pool of wor
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shlex
@@ -27,164 +26,33 @@ from gspo.compat.process_pool import kill_workers
 from gspo.config import Config, make_config
 from gspo.errors import GspoError
 from gspo.procs import die_with_parent
+from gspo.study.folders import claim_folder
 from gspo.study.metrics import Criteria
 from gspo.study.presets import (
     RUN_RECORD,
     VARIANTS,
-    WARM_CHECK_AFTER,
-    WARM_CHECK_EVERY,
-    WARM_CHECK_PROMPTS,
     Preset,
     load_preset,
     run_record,
 )
 from gspo.study.report import write_report
+from gspo.study.warm import _WARM_FIELDS, warm_start_folder, warm_start_job
+
+__all__ = ["plan_run", "run_compare", "warm_start_folder", "warm_start_job"]
 
 # config fields that steer a run but do not change what it computes: a finished run with other
 # values of these is still reused
-_STEERING = {"progress", "threads", "save_every", "wandb", "resume", "overwrite", "output_dir", "name"}
-# the fields a warm start depends on (its folder is reused only when they match)
-_WARM_FIELDS = (
-    "model",
-    "tokenizer",
-    "task",
-    "eval_task",
-    "reward",
-    "prompt_field",
-    "answer_field",
-    "eval_size",
-    "chat_template",
-    "system_prompt",
-    "max_prompt_tokens",
-    "sft_steps",
-    "sft_lr",
-    "sft_batch_size",
-    "logp_chunk_size",
-)
-
-
-def _warm_key(cfg: Config) -> dict[str, Any]:
-    return {k: getattr(cfg, k) for k in _WARM_FIELDS} | {"seed": cfg.seed}
-
-
-def warm_start_folder(base: Config, seed: int, target: float | None, warm_dir: Path) -> Path:
-    """Where the warm start of these settings and ``seed`` lives: ``<warm_dir>/<model>-<hash>/s<seed>``,
-    so presets that differ only in their RL settings (staleness, lr...) share their warm starts."""
-    key = _warm_key(dataclasses.replace(base, seed=0)) | {"target": target}
-    h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-    name = Path(base.model.replace("embedded:", "")).name
-    return warm_dir / f"{name}-{h}" / f"s{seed}"
-
-
-def warm_start_job(
-    base: Config, seed: int, out: Path, target: float | None = None, warm_dir: Path | None = None
-) -> tuple[int, str | None, float]:
-    """Run only the supervised warm start for ``seed`` (float32) and save it; returns
-    ``(seed, model folder, seconds)``. Reused when a folder with the same warm-start settings exists
-    (:func:`warm_start_folder`; ``warm_dir`` defaults to ``<out>/../warm-starts``).
-
-    It begins as ``gspo train`` does (:func:`gspo.train.sft.load_start`: seeds, model, task with its
-    reward limits, context checks) and trains with the same :func:`gspo.train.sft.warm_start_run`.
-    With ``target`` it stops early, at the first check (every 10 steps from step 50) where greedy
-    accuracy on 200 prompts like the held-out ones (:func:`_gate_examples`) reaches ``target``;
-    ``sft_steps`` is then the most it runs. Accuracy jumps steeply during a warm start and where
-    depends on the seed, so a fixed step count leaves some seeds near 0 and others near 1; a target
-    starts every seed (and model) from partial accuracy."""
-    t0 = time.time()
-    if base.sft_steps == 0:
-        return seed, None, 0.0
-    import torch
-    import transformers
-
-    from gspo.model.load import save_pretrained
-    from gspo.resolve import load_plan, sft_plan
-    from gspo.train.sft import load_start, warm_start_run
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    cfg = dataclasses.replace(base, seed=seed)
-    folder = warm_start_folder(base, seed, target, warm_dir or out.parent / "warm-starts")
-    key = _warm_key(cfg) | {"target": target}
-    if (folder / "config.json").exists():
-        key_file = folder / "warm_start.json"
-        if key_file.exists() and json.loads(key_file.read_text()).get("key") == key:
-            return seed, str(folder), 0.0
-        shutil.rmtree(folder)  # made with other settings (or by an older gspo): redo
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    start = load_start(load_plan(cfg, "float32"), torch.device("cpu"))
-    gate = _Gate(start, cfg, target)
-    try:
-        warm_start_run(start, sft_plan(cfg), torch.device("cpu"), cfg.progress, gate)
-    except KeyboardInterrupt:
-        if not gate.reached:  # a real Ctrl-C
-            raise
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # written whole, then renamed
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(start.model, start.tokenizer, tmp)
-    info = {"key": key, "steps": gate.steps, "reached_target": gate.reached, "gate_acc": gate.last_acc}
-    (tmp / "warm_start.json").write_text(json.dumps(info))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return seed, str(folder), time.time() - t0
-
-
-class _Gate:
-    """Polled before every warm-start step (``warm_start``'s ``should_stop``): measures the gate's
-    accuracy every ``WARM_CHECK_EVERY`` steps from ``WARM_CHECK_AFTER`` and ends the warm start (True)
-    once it reaches the target."""
-
-    def __init__(self, start: Any, cfg: Config, target: float | None) -> None:
-        self.start, self.cfg, self.target = start, cfg, target
-        self.examples = _gate_examples(cfg, start.task) if target is not None else []
-        self.done, self.reached, self.last_acc = 0, False, None
-
-    def __call__(self) -> bool:
-        if self.target is not None and self.done >= WARM_CHECK_AFTER and self.done % WARM_CHECK_EVERY == 0:
-            s = self.start
-            self.last_acc = _gate_accuracy(s.model, s.tokenizer, s.task, self.examples, self.cfg)
-            s.model.train()
-            self.reached = self.last_acc >= self.target
-        self.done += 1
-        return self.reached
-
-    @property
-    def steps(self) -> int:
-        return self.done - 1 if self.reached else self.done
-
-
-def _gate_examples(cfg: Config, task: Any) -> list[Any]:
-    """Prompts the warm start's gate measures: like the held-out set but disjoint from it. Embedded
-    tasks: fresh prompts outside the training set (whose short prompts are all "seen", so the held-out
-    set has none; measuring on training prompts would overstate accuracy); datasets: the first
-    training examples (the held-out set is a random split of the same data)."""
-    from gspo.tasks.synthetic import SYNTHETIC_TASKS, synthetic_examples
-
-    n = WARM_CHECK_PROMPTS
-    if cfg.task in SYNTHETIC_TASKS:
-        taken = {e.prompt for e in task.train} | {e.prompt for e in task.eval}
-        pool = synthetic_examples(cfg.task, 8 * n, cfg.seed + 2_000_003)
-        fresh = [e for e in pool if e.prompt not in taken][:n]
-        if len(fresh) >= n // 2:
-            return fresh
-    return task.train[:n]
-
-
-def _gate_accuracy(model: Any, tok: Any, task: Any, examples: list[Any], cfg: Config) -> float:
-    """Greedy accuracy on the gate's prompts."""
-    import torch
-
-    from gspo.resolve import engine_plan, prompt_plan, score_plan
-    from gspo.rollout.factory import make_engine
-    from gspo.tasks.prompts import encode_prompts
-    from gspo.train.scoring import evaluate
-
-    model.eval()  # the warm start's own model, sampled in place by the HF engine
-    hf = dataclasses.replace(cfg, rollout_engine="hf")
-    engine = make_engine(engine_plan(hf), model, tok, torch.Generator().manual_seed(0))
-    sub = dataclasses.replace(task, eval=examples)
-    ids = encode_prompts(tok, examples, prompt_plan(cfg))
-    return evaluate(engine, tok, sub, ids, score_plan(cfg))["eval/accuracy"]
+_STEERING = {
+    "progress",
+    "threads",
+    "save_every",
+    "wandb",
+    "report_to",
+    "resume",
+    "overwrite",
+    "output_dir",
+    "name",
+}
 
 
 def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
@@ -229,14 +97,14 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     settings is refused, or with ``overwrite`` started over (``gspo train --overwrite`` removes only
     what a run writes). Anything else there (a file, a folder that is not this comparison's run) is
     refused and left as it is."""
-    from gspo.train.checkpoint import newest_complete
+    from gspo.train.checkpoint import LOCK, final_complete, newest_complete
 
     run = cfg.run_dir
     if not run.exists() and not run.is_symlink():
         return cfg
     if not run.is_dir():
         raise GspoError(f"{run} exists and is not a folder; move it away or pass another --out")
-    if all(p.name == RUN_RECORD for p in run.iterdir()):  # empty, or stopped before train wrote anything
+    if all(p.name in (RUN_RECORD, LOCK) for p in run.iterdir()):  # empty, or stopped before train wrote
         return cfg
     saved = _saved_config(cfg)
     if saved is None:
@@ -244,7 +112,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
             f"{run} is not a run of this comparison (no gspo config.yaml naming {cfg.run_name}); gspo "
             "compare neither writes into nor deletes it: move it away or pass another --out"
         )
-    finished = (run / "final" / "config.json").exists()
+    finished = final_complete(run)
     diff = _differs(cfg, saved)
     if diff and not overwrite:
         raise GspoError(
@@ -307,8 +175,11 @@ def run_compare(
     warm_path = out_folder(warm_dir, "--warm-dir") if warm_dir else out.parent / "warm-starts"
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
-    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=run_record(p), arms=p.arms)
+    changed = _changed(p, _base_config(p, None, {}, workers), base, variants, target)
+    record = run_record(p, seeds, changed)
+    jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=record, arms=p.arms)
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
+    claim_folder(out, "compare")  # nor a report file the comparison did not write
     t_start = time.time()
     load = _LoadSampler()
     with _continue_hint(command):
@@ -320,6 +191,24 @@ def run_compare(
     (out / "warm_starts.json").write_text(json.dumps(jobs.warm_folders, indent=1))
     _write_timing(out, jobs.timing, time.time() - t_start, workers, load.mean(), command)
     return write_report(out, variants, seeds, base, preset=p, ci=ci, criteria=criteria or Criteria())
+
+
+def _changed(
+    p: Preset, declared: Config, base: Config, variants: list[str], target: float | None
+) -> dict[str, dict[str, Any]]:
+    """Every setting this compare runs otherwise than the preset declares (name -> {declared, used}):
+    config values (those that only steer a run aside), the variants and the warm-start target."""
+    was, now = declared.to_dict(), base.to_dict()
+    out = {
+        k: {"declared": was.get(k), "used": v}
+        for k, v in now.items()
+        if k not in _STEERING and was.get(k) != v
+    }
+    if variants != p.variants:
+        out["variants"] = {"declared": p.variants, "used": variants}
+    if target != p.warm_target:
+        out["warm_target"] = {"declared": p.warm_target, "used": target}
+    return out
 
 
 def _check_args(
@@ -378,19 +267,42 @@ class Jobs:
     def check_folders(self) -> None:
         """:func:`plan_run` on every (variant, seed) with the warm-start folder it will have."""
         for seed in self.seeds:
-            warm = None if self.base.sft_steps == 0 else str(self.warm_folder(seed))
-            for v in self.variants:
-                plan_run(self.run_cfg(v, seed, warm), self.overwrite)
+            for key, base in self.groups().items():
+                warm = None if base.sft_steps == 0 else str(self.warm_folder(seed, key))
+                for v in self.group_variants(key):
+                    plan_run(self.run_cfg(v, seed, warm), self.overwrite)
 
-    def warm_folder(self, seed: int) -> Path:
-        return warm_start_folder(self.base, seed, self.target, self.warm_dir)
+    def _key(self, v: str) -> str:
+        """The warm-start settings variant ``v``'s arm changes (its own model...); "" for none."""
+        arm = (VARIANTS | self.arms)[v]
+        return ",".join(f"{k}={arm[k]}" for k in sorted(arm) if k in _WARM_FIELDS)
 
-    def warm_done(self, seed: int, warm: str | None, dt: float) -> list[Config]:
-        """Record a seed's warm start; the runs of that seed still to train."""
-        self.timing[f"warm-start-s{seed}"] = dt
-        self.warm_folders[str(seed)] = warm
-        todo = []
+    def groups(self) -> dict[str, Config]:
+        """Warm-start settings -> the base config of the variants that share one warm start per seed
+        (an arm on another model gets its own, from that model)."""
+        out: dict[str, Config] = {}
         for v in self.variants:
+            key = self._key(v)
+            arm = (VARIANTS | self.arms)[v]
+            out.setdefault(
+                key, dataclasses.replace(self.base, **{k: arm[k] for k in arm if k in _WARM_FIELDS})
+            )
+        return out
+
+    def group_variants(self, key: str) -> list[str]:
+        return [v for v in self.variants if self._key(v) == key]
+
+    def warm_folder(self, seed: int, key: str = "") -> Path:
+        return warm_start_folder(self.groups().get(key, self.base), seed, self.target, self.warm_dir)
+
+    def warm_done(self, seed: int, warm: str | None, dt: float, key: str = "") -> list[Config]:
+        """Record a seed's warm start (of the variants of warm-start settings ``key``); the runs of
+        that seed and group still to train."""
+        name = f"{seed}" + (f":{key}" if key else "")
+        self.timing[f"warm-start-s{name}"] = dt
+        self.warm_folders[name] = warm
+        todo = []
+        for v in self.group_variants(key):
             cfg = plan_run(self.run_cfg(v, seed, warm), self.overwrite)
             if cfg is None:
                 print(f"[compare] {v} seed {seed}: done already, reusing {self.out / f'{v}-s{seed}'}")
@@ -472,11 +384,16 @@ class _LoadSampler:
 def _run_serial(jobs: Jobs) -> None:
     """One seed after the other in this process: its warm start, then its runs."""
     for seed in jobs.seeds:
-        _, warm, dt = warm_start_job(jobs.base, seed, jobs.out, jobs.target, jobs.warm_dir)
-        for cfg in jobs.warm_done(seed, warm, dt):
-            print(f"[compare] {cfg.run_name} -> {cfg.run_dir}", flush=True)
-            name, dt, _, _ = _train_job(cfg)
-            jobs.timing[name] = dt
+        for key, base in jobs.groups().items():
+            _, warm, dt = warm_start_job(base, seed, jobs.out, jobs.target, jobs.warm_dir)
+            _train_all(jobs, jobs.warm_done(seed, warm, dt, key))
+
+
+def _train_all(jobs: Jobs, todo: list[Config]) -> None:
+    for cfg in todo:
+        print(f"[compare] {cfg.run_name} -> {cfg.run_dir}", flush=True)
+        name, dt, _, _ = _train_job(cfg)
+        jobs.timing[name] = dt
 
 
 def _run_pool(jobs: Jobs, workers: int) -> None:
@@ -494,17 +411,21 @@ def _run_pool(jobs: Jobs, workers: int) -> None:
     )
     warm_args = (jobs.out, jobs.target, jobs.warm_dir)
     try:
-        pending = {ex.submit(warm_start_job, jobs.base, s, *warm_args): "warm" for s in jobs.seeds}
+        pending = {
+            ex.submit(warm_start_job, base, s, *warm_args): f"warm:{key}"
+            for s in jobs.seeds
+            for key, base in jobs.groups().items()
+        }
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
                 kind = pending.pop(fut)
                 res = fut.result()  # re-raises a worker's GspoError here
-                if kind == "warm":
+                if kind.startswith("warm:"):
                     seed, warm, dt = res
                     if dt:
                         print(f"[compare] warm start seed {seed}: {dt:.0f} s", flush=True)
-                    for cfg in jobs.warm_done(seed, warm, dt):
+                    for cfg in jobs.warm_done(seed, warm, dt, kind.removeprefix("warm:")):
                         pending[ex.submit(_train_job, cfg)] = "train"
                 else:
                     name, dt, a0, a1 = res
@@ -538,8 +459,9 @@ def _continue_hint(command: str) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"finished runs are kept; to continue, {again}: {command}") from None
-    except GspoError as e:  # a run's own hint names `gspo train`'s flag
-        raise GspoError(str(e).replace("continue with --resume", f"to continue, {again}")) from None
+    except GspoError as e:  # a run's own hint names `gspo train`'s flags, which compare sets itself
+        msg = str(e).replace("continue with --resume", f"to continue, {again}")
+        raise GspoError(msg.replace("pick another --name", "pass another --out")) from None
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)

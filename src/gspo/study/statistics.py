@@ -394,3 +394,40 @@ def size_from_pilot(
         "delta": delta, "alpha": alpha, "family_size": family_size, "power_target": power, "seeds": n,
         "test": test, "power": power_of(test, n, delta, plan, alpha / family_size),
     }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# one declared interim look: O'Brien-Fleming-type alpha spending (Lan & DeMets 1983)
+
+
+def obrien_fleming_spent(alpha: float, t: float) -> float:
+    """Two-sided type I error spent by information fraction ``t`` (0 < t <= 1) under the
+    O'Brien-Fleming-type spending function ``2 - 2 Phi(z_{1-alpha/2} / sqrt(t))``; ``alpha`` at t = 1."""
+    return float(2.0 * stats.norm.sf(stats.norm.isf(alpha / 2.0) / math.sqrt(t)))
+
+
+def interim_levels(alpha: float, t: float) -> tuple[float, float]:
+    """Nominal two-sided levels of a two-look design (an interim look at information fraction ``t``,
+    the final at 1) that spends ``alpha`` by :func:`obrien_fleming_spent`: the interim level is what is
+    spent by ``t``; the final boundary ``c2`` solves ``P(|Z1| < c1, |Z2| >= c2) = alpha - alpha_1``
+    for the look statistics' bivariate normal with correlation ``sqrt(t)`` (scipy's bivariate
+    normal cdf, then a root search). A look rejects when its p is below its level."""
+    if not 0 < t < 1:
+        raise ValueError(f"interim information fraction must be in (0, 1), got {t}")
+    a1 = obrien_fleming_spent(alpha, t)
+    c1 = float(stats.norm.isf(a1 / 2.0))
+    mvn = stats.multivariate_normal(mean=[0.0, 0.0], cov=[[1.0, math.sqrt(t)], [math.sqrt(t), 1.0]])
+
+    def box(c2: float) -> float:  # P(|Z1| < c1, |Z2| < c2)
+        return float(mvn.cdf([c1, c2]) - mvn.cdf([-c1, c2]) - mvn.cdf([c1, -c2]) + mvn.cdf([-c1, -c2]))
+
+    # P(|Z1| < c1, |Z2| >= c2) = P(|Z1| < c1) - box(c2), decreasing in c2
+    inside = 1.0 - a1
+
+    def excess(c2: float) -> float:
+        return inside - box(c2) - (alpha - a1)
+
+    from scipy.optimize import brentq
+
+    c2 = float(brentq(excess, 0.5, 10.0, xtol=1e-10))
+    return a1, float(2.0 * stats.norm.sf(c2))

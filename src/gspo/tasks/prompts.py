@@ -27,6 +27,13 @@ def encode_prompts(tokenizer: Any, examples: list[Example], plan: PromptPlan) ->
     """Token ids per prompt (chat template if asked); too-long prompts are an error naming the prompt."""
     from gspo.tasks.datasets import apply_chat_template, is_chat, prompt_text
 
+    if (plan.chat_template or plan.system_prompt is not None) and not getattr(
+        tokenizer, "chat_template", None
+    ):
+        flag = "chat_template" if plan.chat_template else "system_prompt"  # else silently ignored
+        raise GspoError(
+            f"config field '{flag}': the tokenizer has no chat template (an instruct model's has)"
+        )
     out = []
     unk = getattr(tokenizer, "unk_token_id", None)
     with_unk: list[str] = []

@@ -425,8 +425,10 @@ class RewardFailure(GspoError):
     under ``reward_on_error zero`` (an environment's step) may score the sample 0 instead."""
 
 
-def _score(v: Any) -> float | str:
-    """The float for a returned value, or a description of why it is not one."""
+def reward_value(v: Any) -> float | str:
+    """The float for a returned reward, or a description of why it is not one (not a number, not
+    finite, an int past float64, a value past float32); also what an environment's step reward is
+    checked with."""
     if v is None or isinstance(v, (str, bytes)):
         return f"{_type_name(v)} {v!r:.40}" if v is not None else "None"
     try:
@@ -467,7 +469,7 @@ def _scores(out: Any, n: int) -> list[float | str]:
     values = list(itertools.islice(out, n + 1))  # an endless generator must not hang the trainer
     if len(values) != n:
         raise _BadBatch(f"returned {len(values)} values for {n} samples")
-    return [_score(v) for v in values]
+    return [reward_value(v) for v in values]
 
 
 def safe_rewards(

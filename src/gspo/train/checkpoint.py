@@ -21,6 +21,7 @@ checkpoint whose files match its manifest and whose state has every entry a resu
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -29,14 +30,14 @@ import random
 import re
 import shutil
 import stat
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 import torch
 from filelock import Timeout, UnixFileLock
 
-from gspo.model.export import DCP_DIR
+from gspo.model.export import DCP_DIR, write_failure
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -127,12 +128,20 @@ def write_manifest(folder: Path, known: dict[str, dict[str, Any]] | None = None)
         os.fsync(fh.fileno())
 
 
+def _remove(path: Path) -> None:
+    """Delete what is at ``path`` (a folder, a file or a symlink, never followed), if anything."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def begin_checkpoint(run_dir: Path, step: int) -> Path:
     """The empty ``step-N.tmp`` folder checkpoint ``step`` is written into."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     tmp.mkdir()
     return tmp
 
@@ -160,8 +169,7 @@ def save_checkpoint(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        shutil.rmtree(final)
+    _remove(final)
     os.replace(tmp, final)
     latest_tmp = root / "latest.tmp"
     latest_tmp.write_text(final.name)
@@ -171,21 +179,56 @@ def save_checkpoint(
     return final
 
 
-# a failed write as torch.save's zip writer and safetensors report it (not OSErrors): "[enforce fail
-# at inline_container.cc:672] . unexpected pos ...", "PytorchStreamWriter failed writing file ...",
-# "Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"
-_WRITER_ERRORS = ("inline_container", "PytorchStreamWriter", "IoError(Os")
+FINAL = "final"
+FINAL_TMP = ".final.tmp"  # final/ while it is written (renamed to final/ when complete)
 
 
-def write_failure(e: BaseException) -> str | None:
-    """Why writing a checkpoint failed, in one line, when ``e`` is the disk's doing (a full disk, a
-    quota, an I/O error: an OSError or a writer's error wrapping one); None for anything else."""
-    text = str(e).strip()
-    if isinstance(e, OSError):
-        return e.strerror or (text.splitlines()[0] if text else type(e).__name__)
-    if isinstance(e, Exception) and any(w in text for w in _WRITER_ERRORS):
-        return text.splitlines()[0][:200]
-    return None
+def write_final(run_dir: Path, write: Any, kept: int) -> Path:
+    """The run's ``final/`` folder: ``write(path)`` fills ``.final.tmp`` beside it, every file is
+    fsynced and the folder renamed to ``final/`` (replacing an older one): a ``final/`` is always
+    complete. A failed write (a full disk) removes the half-written folder and is one line naming the
+    free space and the checkpoint kept (``kept``: its step), from which ``--resume`` writes it again."""
+    from gspo.errors import GspoError
+
+    final, tmp = run_dir / FINAL, run_dir / FINAL_TMP
+    try:
+        _remove(tmp)  # left by a kill while an earlier one was written
+        tmp.mkdir()
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = write_failure(e)
+        if why is None:
+            raise
+        where = f"step {kept}" if kept >= 0 else "none"
+        raise GspoError(
+            f"cannot write the final model {final} ({free_space(run_dir)}): {why}; the last complete "
+            f"checkpoint is kept ({where}): make room and run again (gspo train: add --resume) to write it"
+        ) from None
+    return final
+
+
+def final_complete(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` finished: ``final/`` holds its config and its weights,
+    ``model.safetensors`` or an index whose every named shard is there (gspo renames ``final/`` into
+    place complete; an older gspo wrote it in place, which a full disk could cut to config.json)."""
+    final = run_dir / FINAL
+    if not (final / "config.json").is_file():
+        return False
+    if (final / "model.safetensors").is_file():
+        return True
+    try:
+        shards = set(json.loads((final / "model.safetensors.index.json").read_text())["weight_map"].values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return bool(shards) and all(isinstance(f, str) and (final / f).is_file() for f in shards)
 
 
 def free_space(path: Path) -> str:
@@ -242,6 +285,9 @@ def check_manifest(path: Path, required: tuple[str, ...] = (), hashed: set[str] 
         return f"no {MANIFEST} (written last: incomplete, or written by an older gspo)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    outside = next((name for name, _, _ in entries if not _inside(path, name)), None)
+    if outside is not None:  # never stat, read or hash a file elsewhere (a planted or damaged manifest)
+        return f"{MANIFEST} lists {outside!r:.80}: a path out of the checkpoint folder (damaged or planted)"
     missing = [r for r in required if r not in files]
     if missing:
         return f"{MANIFEST} lists no {missing[0]}"
@@ -254,6 +300,18 @@ def check_manifest(path: Path, required: tuple[str, ...] = (), hashed: set[str] 
         if (hashed is None or name in hashed) and _sha256(f) != sha:
             return f"{name} does not match its checksum in the manifest (modified or damaged)"
     return ""
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """Whether the manifest name ``name`` is a relative path to a file within ``folder`` (no ``..``,
+    not absolute, no symlink out of it)."""
+    parts = PurePosixPath(name).parts
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+        return False
+    try:
+        return (folder / name).resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL in the name
+        return False
 
 
 def check_share(path: Path, rank: int, world: int) -> str:
@@ -300,6 +358,7 @@ def newest_complete(
 ) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
     """The newest complete checkpoint (of a step below ``below``, if given), its trainer state, and
     why each newer one was skipped; ``shards``: as :func:`verify`."""
+    check_latest(run_dir)
     skipped = []
     for path in reversed(step_folders(run_dir)):
         if below is not None and int(path.name.removeprefix("step-")) >= below:
@@ -309,6 +368,21 @@ def newest_complete(
             return path, state, skipped
         skipped.append(f"{path.name}: {why}")
     return None, None, skipped
+
+
+def check_latest(run_dir: Path) -> None:
+    """Refuse, before a step is trained, a ``latest`` (or ``latest.tmp``) that every checkpoint would
+    fail to replace: a folder, or anything else that is not a file or a symlink."""
+    from gspo.errors import GspoError
+
+    for name in ("latest", "latest.tmp"):
+        p = run_dir / "checkpoints" / name
+        if (p.exists() or p.is_symlink()) and not (p.is_symlink() or p.is_file()):
+            kind = "a folder" if p.is_dir() else "not a file"
+            raise GspoError(
+                f"{p} is {kind}: gspo writes a file there naming the newest checkpoint after each one, "
+                "so no checkpoint could be saved; move it away and run again"
+            )
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
@@ -321,7 +395,7 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
 LOCK = ".gspo.lock"
 # what a run writes into its folder: any of these means the folder holds (part of) a run
-TRACES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "tensorboard", "curves.png")
+TRACES = ("config.yaml", "metrics.jsonl", "checkpoints", FINAL, FINAL_TMP, "tensorboard", "curves.png")
 
 
 def lock_run_dir(run_dir: Path) -> UnixFileLock:
@@ -344,10 +418,15 @@ def lock_run_dir(run_dir: Path) -> UnixFileLock:
             f"run folder {run_dir} is in use by another gspo process (PID {_lock_holder(path)}); wait for "
             "it to end or stop it, or pick another --name"
         ) from None
-    except OSError as e:  # a folder, a symlink, a filesystem without flock
-        raise GspoError(
-            f"run folder {run_dir}: cannot use {LOCK} as its lock file ({e.strerror}); it must be a plain "
-            "file: remove it"
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+            raise GspoError(
+                f"run folder {run_dir} cannot be written ({e.strerror}): a run keeps its lock, checkpoints "
+                "and metrics there; make it writable (or copy the run to a folder that is) and run again"
+            ) from None
+        hint = "; it must be a plain file: remove it" if e.errno in (errno.ELOOP, errno.EISDIR) else ""
+        raise GspoError(  # a folder, a symlink (never followed), a filesystem without flock
+            f"run folder {run_dir}: cannot use {LOCK} as its lock file ({e.strerror}){hint}"
         ) from None
     return lock
 
@@ -390,8 +469,4 @@ def run_traces(run_dir: Path) -> list[str]:
 def remove_traces(run_dir: Path) -> None:
     """Delete what a run writes (the folder's other files, if any, are left alone)."""
     for name in TRACES:
-        p = run_dir / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
+        _remove(run_dir / name)

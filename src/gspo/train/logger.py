@@ -1,23 +1,30 @@
-"""Metrics sinks: JSONL (the source of truth), TensorBoard, optional Weights & Biases, a progress line."""
+"""Metrics sinks: JSONL (the source of truth), the experiment trackers (TensorBoard by default, W&B,
+trackio, MLflow: :mod:`gspo.train.trackers`), a progress line, the curves' PNG."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gspo.errors import GspoError
+from gspo.train.trackers import Tracker, close_all, open_trackers, tracker_names
 
 
 class MetricsLogger:
-    """Writes one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """Writes one JSON object per step to ``metrics.jsonl`` and mirrors its finite scalars to the
+    trackers ``report_to`` names (:mod:`gspo.train.trackers`; TensorBoard by default).
 
     On resume, lines after ``resume_step`` are dropped (they belong to work the checkpoint lost) and
-    TensorBoard purges the same steps, so curves never show the lost segment twice.
+    TensorBoard purges the same steps, so curves never show the lost segment twice. ``report_to``
+    (None: the config's) and ``use_wandb`` (the older switch, which adds wandb) pick the trackers;
+    each gets ``config`` at the start and the run folder's PNG curves written before :meth:`close`.
     """
 
     def __init__(
@@ -26,9 +33,16 @@ class MetricsLogger:
         resume_step: int | None = None,
         use_wandb: bool = False,
         config: dict[str, Any] | None = None,
+        report_to: str | None = None,
     ) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+        config = config or {}
+        if report_to is None:
+            report_to = config.get("report_to", "tensorboard")
+        try:
+            names = tracker_names(report_to, use_wandb or bool(config.get("wandb")))
+        except ValueError as e:
+            raise GspoError(f"config field 'report_to': {e} (got {report_to!r:.80})") from None
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
@@ -38,17 +52,12 @@ class MetricsLogger:
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
-        purge = None if resume_step is None else resume_step + 1
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
-        self.wandb = None
-        if use_wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise GspoError(
-                    "config field 'wandb': wandb is not installed (pip install gspo[wandb])"
-                ) from None
-            self.wandb = wandb.init(project="gspo", name=run_dir.name, config=config, resume="allow")
+        self.opened, self.last_step = time.time(), resume_step or 0
+        try:
+            self.trackers = open_trackers(names, run_dir, config, resume_step)
+        except BaseException:
+            self.file.close()
+            raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {
@@ -57,18 +66,33 @@ class MetricsLogger:
         }
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        for k, v in metrics.items():
-            if isinstance(v, int | float) and math.isfinite(v):
-                self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        self.last_step = step
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+        self._each(lambda t: t.log(step, scalars))
+
+    def _each(self, call: Callable[[Tracker], None]) -> None:
+        """``call`` on every tracker; one that fails is dropped with a line on stderr (metrics.jsonl,
+        the source of truth, has the step already: a tracker's outage does not stop training)."""
+        for t in list(self.trackers):
+            try:
+                call(t)
+            except Exception as e:
+                self.trackers.remove(t)
+                with contextlib.suppress(Exception):
+                    t.close()
+                msg = " ".join(str(e).split())[:200] or type(e).__name__
+                print(
+                    f"gspo: report_to {t.name}: {msg}; no longer logging to it", file=sys.stderr, flush=True
+                )
 
     def close(self) -> None:
         self.file.close()
-        self.tb.flush()
-        self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        # the curves the run wrote since this logger opened (an earlier process's are not this run's)
+        curves = sorted(p for p in self.run_dir.glob("*.png") if p.stat().st_mtime >= self.opened - 1)
+        for p in curves:
+            self._each(lambda t, p=p: t.log_image(p.stem, p, self.last_step))
+        trackers, self.trackers = self.trackers, []
+        close_all(trackers)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

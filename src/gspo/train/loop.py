@@ -31,6 +31,7 @@ from gspo.model.unwrap import is_peft
 from gspo.plans import LoopPlan
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
+from gspo.train import checkpoint as ckpt
 from gspo.train import distributed as dist_utils
 from gspo.train.logger import Progress, plot_metrics, read_metrics
 from gspo.train.run import Run, save_hf
@@ -228,20 +229,20 @@ def _finish(run: Run, plan: LoopPlan) -> TrainResult:
     """Final HF folder, curves and summary."""
     hf = run.trainer.hf
     result = TrainResult(plan.run_dir, hf)
-    final_dir = plan.run_dir / "final"
     dtype = getattr(torch, plan.save_dtype) if plan.save_dtype else None
     if dtype == next(hf.parameters()).dtype:
         dtype = None  # saved as trained
     if run.folder.sharded or (dtype is not None and not is_peft(hf)):
         # gathered, cast and written one decoder layer at a time (collective)
         dist_utils.reshard(run.trainer.policy)
-        save_streamed(hf, run.tokenizer, final_dir if run.rank == 0 else None, dtype)
+        write = lambda p: save_streamed(hf, run.tokenizer, p, dtype)  # noqa: E731
+        if run.rank != 0:
+            save_streamed(hf, run.tokenizer, None, dtype)  # the gathers only
     else:
         model, final_sd = run.savable()  # collective
-        if run.rank == 0:
-            save_hf(model, run.tokenizer, final_dir, final_sd, dtype)
-    if run.rank == 0:
-        result.final_dir = final_dir
+        write = lambda p: save_hf(model, run.tokenizer, p, final_sd, dtype)  # noqa: E731
+    if run.rank == 0:  # written beside and renamed: a final/ is complete, or absent
+        result.final_dir = ckpt.write_final(plan.run_dir, write, run.state.last_saved)
         rows = read_metrics(plan.run_dir / "metrics.jsonl")
         result.plot = plan.run_dir / "curves.png"
         plot_metrics(rows, result.plot, title=plan.title)

@@ -164,7 +164,10 @@ class Run:
 
     def _save(self) -> None:
         t, s, folder = self.trainer, self.state, self.folder
-        _check_finite(t.policy, s.step, s.last_saved)
+        # a no-grad forward after the last backward (e.g. the routing-volatility probe) leaves FSDP2's
+        # root group unsharded: its parameters are then plain full tensors beside the others' DTensors
+        dist_utils.reshard(t.policy)
+        _check_finite(t.policy, s.step, s.last_saved, self.dctx)
         gens = dist_utils.gather_objects(s.sample_gen.get_state(), self.dctx)
         tmp, known = None, None
         if folder.sharded:  # each rank writes (and checksums) its shards; rank 0 the rest, as below
@@ -258,10 +261,16 @@ class Run:
             self.folder.lock = None
 
 
-def _check_finite(policy: nn.Module, step: int, last_saved: int) -> None:
-    """Refuse to checkpoint non-finite weights (a diverged run keeps its last good checkpoint)."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
+def _check_finite(policy: nn.Module, step: int, last_saved: int, dctx: dist_utils.DistContext) -> None:
+    """Refuse to checkpoint non-finite weights (a diverged run keeps its last good checkpoint).
+    Collective: each rank checks the values it holds (its local shards, whatever their placement:
+    sharded, replicated, gathered or empty) and every rank refuses when any rank found one."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in policy.parameters() if p.requires_grad]
+    local = [p.detach() for p in local if p.numel()]
+    bad = bool(local) and not bool(torch.stack([p.isfinite().all() for p in local]).all())
+    if dist_utils.any_rank(bad, dctx):
         where = f"the last good checkpoint is step {last_saved}" if last_saved >= 0 else "nothing was saved"
         raise GspoError(
             f"weights are not finite after step {step} (lr too high?); {where} (lower 'lr' / 'sft_lr')"

@@ -1,0 +1,116 @@
+"""`gspo compare`'s folders (issue 49 items 1, 3, 7, 8): a user's report files are never overwritten,
+a run whose final/ lacks its weights is not reused as finished, an empty preset and a locked run folder
+are one line naming the right option."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from cli_helpers import gspo
+from test_study_report import TINY, _runs
+
+from gspo.cli import main
+from gspo.config import Config, make_config, save_yaml
+from gspo.study import write_report
+from gspo.study.folders import claim_folder
+from gspo.study.runner import plan_run
+from gspo.train.checkpoint import final_complete
+
+FAST = ["--seeds", "0", "--variants", "gspo,grpo", "--workers", "1", "--sft-steps", "0", "--steps", "1"]
+FAST += ["--model", "embedded:tiny-moe", "--eval-size", "2", "--no-progress"]
+
+
+def _md5s(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _one_line(r) -> str:
+    err = r.stderr.strip()
+    assert r.returncode == 2, (r.returncode, r.stdout, err)
+    assert err.startswith("gspo: error:") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_compare_and_study_never_overwrite_a_users_report_files(tmp_path):
+    """A folder holding a user's report.md, summary.json and per_seed.csv (not a compare's): compare
+    --out it is refused in one line before any run, every byte kept (md5 before and after); the same
+    for --study over a user's study.json. A folder the comparison wrote (its marker, or from before
+    the marker its own summary.json) is written again."""
+    mine = tmp_path / "D"
+    mine.mkdir()
+    for name in ("report.md", "summary.json", "per_seed.csv"):
+        (mine / name).write_text(f"mine: {name}\n")
+    before = _md5s(mine)
+    r = gspo("compare", *FAST, "--out", str(mine), timeout=120)
+    err = _one_line(r)
+    assert str(mine) in err and "report.md" in err and "did not write" in err
+    assert _md5s(mine) == before and sorted(p.name for p in mine.iterdir()) == sorted(before)
+
+    ran = tmp_path / "ran"  # a compare's folder, as write_report leaves it (the summary the study reads)
+    _runs(ran, {"gspo": [0.6, 0.7], "grpo": [0.5, 0.5]})
+    write_report(ran, ["gspo", "grpo"], [0, 1], Config(**TINY))
+    study = tmp_path / "S"
+    study.mkdir()
+    (study / "study.json").write_text('{"my": "data"}')
+    before = _md5s(study)
+    r = gspo("compare", "--study", str(ran), "--out", str(study), timeout=120)
+    err = _one_line(r)
+    assert "study.json" in err and "did not write" in err and _md5s(study) == before
+
+    fresh = tmp_path / "fresh"
+    r = gspo("compare", "--study", str(ran), "--out", str(fresh), timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = gspo("compare", "--study", str(ran), "--out", str(fresh), timeout=120)  # its own: again
+    assert r.returncode == 0 and (fresh / "study.json").exists() and (fresh / ".gspo-study").is_file()
+    claim_folder(ran, "compare")  # from before the marker: its own summary.json says so
+    assert (ran / ".gspo-compare").is_file()
+
+
+def test_a_run_whose_final_folder_lacks_its_weights_is_not_reused(tmp_path):
+    """final/ with config.json only (a save stopped by a full disk): the run is not finished, so the
+    comparison does not say "done already" (it starts it over: no checkpoint); with model.safetensors,
+    or an index whose every shard is there, it is reused."""
+    values = dict(name="gspo-s0", output_dir=str(tmp_path), seed=0, algo="gspo", routing_replay=False)
+    cfg = make_config(None, {**values, "sft_steps": 0})
+    run, final = cfg.run_dir, cfg.run_dir / "final"
+    final.mkdir(parents=True)
+    save_yaml(cfg, run / "config.yaml")
+    (final / "config.json").write_text("{}")
+    assert not final_complete(run)
+    assert plan_run(cfg) is not None and plan_run(cfg).overwrite
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (final / "model.safetensors.index.json").write_text(json.dumps(index))
+    (final / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    assert not final_complete(run) and plan_run(cfg) is not None  # a shard missing
+    (final / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    assert final_complete(run) and plan_run(cfg) is None
+    for f in final.glob("model*"):
+        f.unlink()
+    (final / "model.safetensors").write_bytes(b"x")
+    assert final_complete(run) and plan_run(cfg) is None
+
+
+def test_empty_preset_and_a_locked_run_folder_are_one_line(tmp_path, capsys):
+    """An empty preset file (or comments only) is refused, not run as the defaults; a run folder
+    another gspo holds is refused naming compare's own option (--out), not train's --name."""
+    from gspo.train.checkpoint import lock_run_dir
+
+    for text in ("", "# nothing yet\n", "{}\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        rc = main(["compare", "--preset", str(empty), "--out", str(tmp_path / "o"), *FAST])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "\n" not in err and str(empty) in err and "preset file is empty" in err, err
+    assert not (tmp_path / "o").exists()
+    out = tmp_path / "out"
+    (out / "gspo-s0").mkdir(parents=True)
+    held = lock_run_dir(out / "gspo-s0")  # another gspo's run in this folder
+    try:
+        rc = main(["compare", "--out", str(out), *FAST[:2], "--variants", "gspo", *FAST[4:]])
+    finally:
+        held.release()
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "in use by another gspo process" in err, err
+    assert "pass another --out" in err and "--name" not in err
