@@ -45,13 +45,19 @@ def _as_stored(model: nn.Module, sd: dict[str, Any], names: list[str]) -> dict[s
 def layout_of(model: nn.Module, sd: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
     """For the in-memory tensors ``names`` (one layer's, of ``sd``): each stored tensor the save-time
     conversion makes of them, holding for every element its flat index in those tensors laid end to end."""
+    return transformers_model.revert_weight_conversion(model, _flat_indices(sd, names))
+
+
+def _flat_indices(sd: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """Each tensor of ``names`` shaped as itself, holding its elements' flat indices in the tensors laid
+    end to end (integers: exact past 2^24 elements, where float32 is not)."""
     index, offset = {}, 0
     for k in names:
         n = sd[k].numel()
         dtype = torch.int32 if offset + n < 2**31 else torch.int64
         index[k] = torch.arange(offset, offset + n, dtype=dtype).view(tuple(sd[k].shape))
         offset += n
-    return transformers_model.revert_weight_conversion(model, index)
+    return index
 
 
 def readable(model: nn.Module, folder: Path) -> str:
@@ -92,16 +98,12 @@ def _own_flat(sd: dict[str, Any], group: list[str]) -> list[torch.Tensor]:
     placement applied to an index tensor (``src_data_rank=None``: no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    out, offset = [], 0
-    for k in group:
-        n = sd[k].numel()
-        dtype = torch.int32 if offset + n < 2**31 else torch.int64
-        index = torch.arange(offset, offset + n, dtype=dtype).view(tuple(sd[k].shape))
+    out = []
+    for k, index in _flat_indices(sd, group).items():
         if isinstance(sd[k], DTensor):
             own = distribute_tensor(index, sd[k].device_mesh, sd[k].placements, src_data_rank=None)
             index = own.to_local().cpu()
         out.append(index)
-        offset += n
     return out
 
 
