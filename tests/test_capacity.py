@@ -5,6 +5,7 @@ given, and the command's output and refusals (no margin beyond the GPU)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -262,3 +263,30 @@ def test_no_margin_beyond_the_gpu(capsys, ratio):
     else:
         check_plan_fits(cfg, 1, gpu)
         assert rc == 0 and ": fits" in captured.out
+
+
+def test_fresh_and_resumed_start_ups_are_two_lines_and_the_kv_cache_is_weighed(capsys):
+    """Issue 47: a fresh run has no AdamW moments at start-up (they are made at the first optimizer
+    step; the plan counted them, 125.4 GiB where the arithmetic gives 96.9); a resume loads them first.
+    vLLM's KV cache (its share less its weights) in tokens beside what a step asks, with one warning
+    line when the batch asks more (preemption: slower, not a refusal)."""
+    cfg, shape = _one_node(), shape_of("Qwen/Qwen3-30B-A3B")
+    e = estimate(cfg, shape, 8, H200_GIB * 2**30)
+    assert e.fresh_startup_peak == pytest.approx(e.weights + e.start_engine)
+    assert e.startup_peak == pytest.approx(e.fresh_startup_peak + e.optimizer)
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"start-up peak, fresh +96\.9 GiB", out) and re.search(
+        r"start-up peak, resume +125\.4 GiB", out
+    )
+    per_token = 2 * 48 * 4 * 128 * 2  # keys and values, 48 layers, 4 KV heads of 128, bf16: 96 KiB
+    kv = 0.55 * H200_GIB * 2**30 - shape.params() * 2
+    assert f"{kv / per_token / 1e3:,.0f}k tokens at 96 KiB per token" in out
+    assert "a step asks up to 655k (128 rows x 1024+4096 tokens)" in out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "preempt" in warnings[0]
+    # a batch within the cache: the capacity line, no warning; still exit 0
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8", "--max-new-tokens", "512")
+    out = capsys.readouterr().out
+    assert rc == 0 and "KV cache per rank" in out and "warning:" not in out

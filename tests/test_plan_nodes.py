@@ -421,3 +421,43 @@ def test_the_outputs_pasted_in_the_recipes_readme_are_current(capsys, monkeypatc
     rc, out, err = _plan(capsys, *shlex.split(command)[2:])
     assert rc == 0, err
     assert out == output
+
+
+LAYOUT_FLAGS = {"--gpus": 1, "--nodes": 1, "--gpus-per-node": 1, "--gpu-memory-gib": 1, "--nproc": 1}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--config", str(ROOT / "recipes" / "qwen3-0.6b-gsm8k.yaml"), "--gpus", "1", "--micro-batch-size", "4"),
+        (*QWEN30, "--gpus", "8", "--ep", "8", "--tp", "2", "--max-new-tokens", "512", "--rollout-engine", "vllm",
+         "--no-activation-checkpointing", "--system-prompt", "it's $HOME"),
+        (*QWEN30, "--nodes", "2", "--gpus-per-node", "8", "--ep", "8", "--mixed-precision", "bf16"),
+    ],
+    ids=["micro-batch", "ep-tp-tokens", "two-nodes"],
+)  # fmt: skip
+def test_the_printed_launch_carries_every_override_and_plans_the_same(capsys, args):
+    """Issue 49 item 5: the launch command the plan prints ran another run than the one planned (it
+    dropped --micro-batch-size, --ep, --tp, --max-new-tokens). Parsed back (shell words) and planned
+    again on the same layout, it gives the same plan, word for word."""
+    layout = [a for i, a in enumerate(args) if a in LAYOUT_FLAGS or (i and args[i - 1] in LAYOUT_FLAGS)]
+    layout += ["--gpu-memory-gib", "1000"]
+    rc, out, err = _plan(capsys, *args, "--gpu-memory-gib", "1000")
+    assert rc == 0, err
+    command = out[out.index("launch:") :].splitlines()
+    command = command[0].removeprefix("launch: ") if len(command) == 1 else command[1].split(" -m ", 1)[1]
+    words = shlex.split(command)
+    assert words[:2] == ["gspo", "train"]
+    if "--nproc" in words:  # one node: gspo train starts the ranks; the plan takes them as --gpus
+        assert words[words.index("--nproc") + 1] == layout[layout.index("--gpus") + 1]
+        del words[words.index("--nproc") : words.index("--nproc") + 2]
+    rc, again, err = _plan(capsys, *words[2:], *layout)
+    assert rc == 0, err
+    assert again == out
+
+
+def test_refuses_a_bandwidth_no_link_has(capsys):
+    """Issue 49 item 7: --inter-gbps 1e-320 was taken and timed as "inf s"; one line, exit 2."""
+    for flag, value in (("--inter-gbps", "1e-320"), ("--intra-gbps", "1e9")):
+        err = _refused(capsys, "--model", "Qwen/Qwen3-0.6B", flag, value)
+        assert f"{flag} must be between 0.001 and 1e+06 Gb/s" in err

@@ -103,6 +103,41 @@ def test_without_safetensors_rank_0_reads_for_all_and_says_so(tmp_path):
     assert "rank 0 reads the whole model for every rank" in p.stderr and "no safetensors files" in p.stderr
 
 
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
+def test_each_rank_reads_only_its_own_experts(tmp_path):
+    """Issue 47: experts stored one per tensor and fused in memory took the slow path, where every
+    rank read every layer whole. Under FSDP2 over 2 ranks each holds 4 of a layer's 8 experts: it
+    reads those experts' tensors only, and its shards equal its rows of ``from_pretrained``'s."""
+    import socket
+
+    tok = build_char_tokenizer()
+    folder = tmp_path / "moe"
+    save_pretrained(build_tiny_moe(len(tok), seed=2).to(torch.bfloat16), tok, folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    worker = ROOT / "tests" / "shard_read_worker.py"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), "2", port, str(folder), str(tmp_path)],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    want = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in got["opened"] if ".experts." in n}
+        assert experts == set(range(4 * r, 4 * r + 4)), (r, sorted(experts))
+        for k, v in got["local"].items():
+            rows = -(-want[k].shape[0] // 2) if want[k].dim() else 0
+            assert torch.equal(v, want[k][r * rows : r * rows + v.shape[0]] if want[k].dim() else want[k]), k
+
+
 def test_the_layout_index_is_exact_past_2_to_the_24():
     """The flat index that finds where each stored value goes is an integer tensor, exact past 2^24
     elements (float32 holds integers exactly only below 2^24: a real layer's tensors pass it). One

@@ -18,8 +18,9 @@ What one rank holds (bytes), for a decoder-only (dense or MoE) transformer:
 * **sampler**: the HF engine's KV cache for one generation chunk, beside its copy in another dtype
   (kept through the update) or under FSDP2 the trainer's weights gathered while it samples; vLLM its
   configured share of the GPU, given back during the update by sleep mode on a GPU;
-* **start-up**: this rank's shard while each full tensor is broadcast from rank 0 (whose copy is host
-  memory) and sharded; then AdamW's moments (on a resume) and the sampler started: vLLM's share and
+* **start-up**: this rank's shard while one full tensor at a time is read (each rank its own shards,
+  from a local folder or a hub snapshot) or broadcast from rank 0 (whose copy is host memory) and
+  sharded; then AdamW's moments (on a resume) and the sampler started: vLLM's share and
   the larger of its first weight sync and its start check (a probe through the sharded module, one
   layer gathered at a time).
 
@@ -230,8 +231,9 @@ class Estimate:
     sampler_kept: float = 0.0  # the sampler's memory that stays through the update and the sync
     load: float = 0.0  # start-up: the buffers of one weight tensor being broadcast and sharded
     start_engine: float = 0.0  # start-up: the sampler started, its first sync or vLLM's start check
-    startup_peak: float = 0.0
+    startup_peak: float = 0.0  # on --resume (AdamW's moments loaded first): the start-up that must fit
     sync_peak: float = 0.0
+    fresh_startup_peak: float = 0.0  # a fresh run: AdamW's moments are made at the first optimizer step
 
     @property
     def peak(self) -> float:
@@ -332,14 +334,16 @@ def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None)
         s = _Sampler(0.0, 0.0, 0.0, transfer_piece(cfg, shape), 0.0)
     states = weights + optimizer
     update = states + held_grads + unsharded + activations + lm_part + s.kept
-    # start-up: FSDP2 from disk (rank 0 reads the model into host memory) broadcasts one full
-    # tensor at a time in the trainer's dtype and copies this rank's shard out of it; AdamW's
-    # moments exist before the sampler starts when a sharded checkpoint is resumed
+    # start-up: FSDP2 from disk holds one full tensor at a time in the trainer's dtype (broadcast
+    # from rank 0, or read by this rank) and copies this rank's shard out of it; AdamW's moments
+    # exist before the sampler starts only when a checkpoint is resumed (a fresh run makes them at
+    # its first optimizer step, counted in the update)
     load = 2 * largest_tensor(shape) * bw if shards > 1 else 0.0
     startup = weights + max(load, optimizer + s.start)
     return Estimate(
         weights, optimizer, held_grads, unsharded, activations, lm_part, s.sampling, s.sync, update,
         states + s.sampling, rows, s.kept, load, s.start, startup, states + s.at_sync + s.sync,
+        weights + max(load, s.start),
     )  # fmt: skip
 
 
@@ -448,6 +452,36 @@ def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) ->
     return lo
 
 
+def kv_bytes_per_token(cfg: Any, shape: Shape) -> float:
+    """vLLM's KV cache per token on one rank: keys and values of every layer, this rank's KV heads
+    (split over the tensor-parallel ranks; a head is copied where there are more ranks than heads)."""
+    heads = -(-shape.kv_heads // cfg.vllm_tensor_parallel_size)
+    return 2 * shape.layers * heads * shape.head_dim * BYTES[cfg.rollout_dtype or cfg.dtype]
+
+
+def kv_lines(cfg: Any, shape: Shape, world: int, kv_bytes: float) -> list[str]:
+    """vLLM's KV-cache capacity in tokens (its share less its weights: at most, before its activations
+    and CUDA graphs) beside the tokens one step's rollout asks of each rank (its instance's rows x
+    prompt + response); a warning line when the batch asks more: vLLM then preempts and recomputes
+    sequences (slower, not a failure)."""
+    per_token = kv_bytes_per_token(cfg, shape)
+    capacity = max(0.0, kv_bytes) / per_token
+    rows = cfg.prompts_per_step * cfg.group_size // world * cfg.vllm_tensor_parallel_size
+    asked = rows * (cfg.max_prompt_tokens + response_tokens(cfg))
+    lines = [
+        f"vLLM KV cache per rank at most {kv_bytes / 2**30:.1f} GiB: {capacity / 1e3:,.0f}k tokens at "
+        f"{per_token / 2**10:.0f} KiB per token; a step asks up to {asked / 1e3:,.0f}k ({rows} rows x "
+        f"{cfg.max_prompt_tokens}+{response_tokens(cfg)} tokens)"
+    ]
+    if asked > capacity:
+        lines.append(
+            f"warning: the batch asks {asked / max(capacity, 1):.1f}x the KV cache vLLM holds: it will preempt "
+            "and recompute sequences (slower, not a failure); fewer prompts_per_step or max_new_tokens, or a "
+            "larger vllm_gpu_memory_utilization, avoid it"
+        )
+    return lines
+
+
 def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[float, str]:
     """One GPU's memory in bytes, from ``--gpu-memory-gib`` (2**30 bytes, what ``nvidia-smi`` and
     ``torch.cuda`` report: an H200 is ~139.8 GiB) or ``--gpu-memory-gb`` (1e9 bytes: the "141 GB" of a
@@ -502,16 +536,18 @@ def report(
     lines = [
         _title(cfg, spec, shape, gpus, gpu_bytes, given, nodes),
         "per GPU, start-up ("
-        + ("rank 0 reads the weights into host memory; each GPU holds its shard" if sharded else "weights loaded")
+        + ("each rank reads its own shards from the files (a hub id fetched once per node first)" if sharded
+           else "weights loaded")
         + "):",
         f"  weights                 {gib(e.weights)}",
-        f"  loading one tensor      {gib(e.load)}   (broadcast whole, then this rank's shard copied out)",
-        f"  AdamW moments           {gib(e.optimizer)}   (loaded before the sampler on --resume)",
+        f"  loading one tensor      {gib(e.load)}   (one tensor whole, read or broadcast; this rank's shard copied out)",
+        f"  AdamW moments           {gib(e.optimizer)}   (loaded before the sampler on --resume; none yet on a fresh run)",
         f"  sampler started         {gib(e.start_engine)}   ("
         + ("vLLM's share + max(first weight sync, start check one layer at a time)" if vllm
            else "the HF engine's copy and its first sync" if e.start_engine else "samples from the trainer")
         + ")",
-        f"  start-up peak           {gib(e.startup_peak)}",
+        f"  start-up peak, fresh    {gib(e.fresh_startup_peak)}   (no AdamW moments yet)",
+        f"  start-up peak, resume   {gib(e.startup_peak)}   (AdamW moments loaded first)",
         f"per GPU, update (micro-batch of {e.rows_per_forward} x up to {P}+{T} tokens):",
         f"  weights + AdamW moments {gib(states)}",
         f"  gradients held          {gib(e.gradients)}",
@@ -548,6 +584,7 @@ def report(
                 False,
                 "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights)",
             )
+        lines += kv_lines(cfg, shape, gpus, e.sampler - need)
     lines.append(f"peak {gib(e.peak).strip()} ({worst}) of {gpu_bytes / 2**30:.1f} GiB per GPU: {verdict}")
     best = largest_micro_batch(cfg, shape, gpus, gpu_bytes)
     lines.append(f"largest micro_batch_size that fits: {best}" if best else "no micro_batch_size fits")

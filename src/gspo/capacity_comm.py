@@ -42,6 +42,7 @@ from gspo.limits import INT_LIMITS
 # 450 GB/s = 3600 Gb/s each way; one 400 Gb/s NDR InfiniBand NIC per GPU (ConnectX-7)
 INTRA_GBPS = 3600.0
 INTER_GBPS = 400.0
+MIN_GBPS, MAX_GBPS = 1e-3, 1e6  # 1 Mb/s to 1 Pb/s per GPU: beyond, a typo (and times of inf or 0 s)
 GPUS_PER_NODE = 8  # one node's GPUs when only --gpus is given
 
 
@@ -83,6 +84,8 @@ def link_of(
     for flag, v in (("--intra-gbps", intra_gbps), ("--inter-gbps", inter_gbps)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise GspoError(f"{flag} must be a positive finite number of Gb/s (got {v!r})")
+        if not MIN_GBPS <= v <= MAX_GBPS:  # a time of "inf s" or "0 s" is no estimate
+            raise GspoError(f"{flag} must be between {MIN_GBPS:g} and {MAX_GBPS:g} Gb/s (got {v:g})")
     return Link(nodes, per_node, intra_gbps * 1e9 / 8, inter_gbps * 1e9 / 8)
 
 
@@ -397,10 +400,15 @@ def comm_report(cfg: Any, shape: Shape, link: Link, gpu_bytes: float | None = No
     return lines
 
 
-def launch_lines(link: Link, config: str | None) -> list[str]:
+def launch_lines(link: Link, config: str | None, flags: tuple[str, ...] = ()) -> list[str]:
     """How to start the run the plan describes: ``gspo train`` on one node (it starts torchrun),
-    torchrun with a c10d rendezvous on each node past one."""
-    train = f"gspo train --config {config or 'FILE'}"
+    torchrun with a c10d rendezvous on each node past one; with every config flag the plan was given
+    (``flags``, as typed), so the run is the one planned."""
+    import shlex
+
+    train = " ".join(
+        ["gspo train", *(["--config", shlex.quote(config)] if config else []), *map(shlex.quote, flags)]
+    )
     if link.nodes == 1:
         return [f"launch: {train}" + (f" --nproc {link.world}" if link.world > 1 else "")]
     return [

@@ -46,6 +46,18 @@ def _overrides(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, 
     return parse_values({k: v for k, v in vars(ns).items() if k in names and v is not None}, "command line")
 
 
+def _given_flags(ns: argparse.Namespace, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The config flags given, as ``gspo train`` takes them (``--ep 8`` as --expert-parallel-size 8)."""
+    out: list[str] = []
+    for f in dataclasses.fields(Config):
+        v = getattr(ns, f.name, None)
+        if f.name in skip or v is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        out += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
+    return tuple(out)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:  # one line, exit 2, like GspoError
         self.exit(2, f"gspo: error: {message} (see '{self.prog} --help')\n")
@@ -361,7 +373,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     shape = shape_of(cfg.model)
     check_layout(cfg, shape, link)
     text, fits = report(cfg, cfg.model, link.world, gpu, given, link.nodes, shape)
-    print("\n".join([text, *comm_report(cfg, shape, link, gpu), *launch_lines(link, ns.config)]))
+    launch = launch_lines(link, ns.config, _given_flags(ns, ("nproc",)))
+    print("\n".join([text, *comm_report(cfg, shape, link, gpu), *launch]))
     if not fits:
         raise GspoError(f"does not fit in {gpu / 2**30:.1f} GiB per GPU ({given}; see the table above)")
     return 0

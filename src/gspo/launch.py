@@ -38,6 +38,7 @@ from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_
 RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
 RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name", "save_dtype"}
 RESUMABLE_CHANGES |= {"rollout_devices"}  # where the sampler runs: the batches are the same bits
+RESUMABLE_CHANGES |= {"dist_timeout_min"}  # how long a collective may wait: not what is trained
 
 
 def train(cfg: Config) -> TrainResult:
@@ -95,7 +96,7 @@ def _build(
     load = resolve.load_plan(cfg)
     start = load_start(load, dctx.device, meta=sharded)
     from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
-    folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx.rank) if sharded else None
+    folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx) if sharded else None
     source = load_source(load) if sharded and folder is None and dctx.rank == 0 else None
     if sharded and folder is None:
         dist_utils.share_probes(start.model, source)
@@ -145,29 +146,58 @@ def _build(
         run.folder.logger = MetricsLogger(
             cfg.run_dir, run_state.step if state else None, cfg.wandb, cfg.to_dict()
         )
+    startup = _startup_peak(dctx.device)  # before the step-0 evaluation (a rollout, not start-up)
+    if startup and dctx.rank == 0:
+        print(
+            f"gspo: start-up peak {startup['memory/startup_peak_gib']:.2f} GiB allocated on {dctx.device} "
+            f"({'resume' if state is not None else 'fresh run'}; gspo plan's 'start-up peak' line)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     if state is None:
         run_state.initial = run.evaluate()
-        run.log(0, run_state.initial)
+        run.log(0, {**run_state.initial, **startup})
         run.save()
     elif dctx.rank == 0:
         run_state.initial = state.get("initial") or read_metrics(cfg.run_dir / "metrics.jsonl")[0]
     return run
 
 
+def _startup_peak(device: torch.device) -> dict[str, float]:
+    """On a GPU, the peak memory of the start-up so far (weights, sampler started, its start check):
+    the number ``gspo plan``'s start-up line estimates; {} elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "memory/startup_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "memory/startup_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
+
+
 def _own_shards(
-    cfg: Config, model: nn.Module, resume_from: Path | None, from_shards: bool, rank: int
+    cfg: Config, model: nn.Module, resume_from: Path | None, from_shards: bool, dctx: dist_utils.DistContext
 ) -> Path | None:
-    """The HF folder each rank of a sharded start reads its own shards from (the model's, or the
-    whole-model checkpoint being resumed); None when rank 0 must read the weights for all (a hub id,
-    an embedded model, a layout the files do not hold), said in one line."""
+    """The HF folder each rank of a sharded start reads its own shards from (the model's, a hub id's
+    snapshot fetched once per node, or the whole-model checkpoint being resumed); None when rank 0
+    must read the weights for all (an embedded or GGUF model, a layout the files do not hold), said
+    in one line. Collective for a hub id."""
+    from gspo.model.load import is_hub_id
     from gspo.model.shard_load import readable
 
-    folder = resume_from if resume_from is not None and not from_shards else Path(cfg.model).expanduser()
     if cfg.model.startswith("embedded:"):
         return None
+    if resume_from is not None and not from_shards:
+        folder = resume_from  # a whole-model checkpoint: its HF folder
+    elif is_hub_id(cfg.model):  # the model's weights (also under a sharded checkpoint's resume)
+        folder = dist_utils.node_snapshot(cfg.model, dctx)
+    else:
+        folder = Path(cfg.model).expanduser()
     why = readable(model, folder) if folder.is_dir() else f"{cfg.model} is no local folder"
-    if why and rank == 0:
-        print(f"gspo: rank 0 reads the whole model for every rank ({why})", file=sys.stderr, flush=True)
+    if why and dctx.rank == 0:
+        print(
+            f"gspo: rank 0 reads the whole model for every rank ({why}); the other ranks wait for it in "
+            f"a broadcast ({dist_utils.timeout_note()})",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     return None if why else folder
 
 

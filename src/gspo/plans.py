@@ -70,6 +70,7 @@ class EnginePlan:
     return_routing: bool  # the engine records the experts it routed to (R3)
     vllm_gpu_memory_utilization: float
     vllm_tensor_parallel_size: int
+    dist_timeout_min: int = 120  # vLLM's tensor-parallel group waits as long as the world group
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class DistPlan:
     threads: int
     expert_parallel_size: int = 1  # ranks an MoE's routed experts are split over (1: none)
     dp_replicate_size: int = 1  # HSDP: replicas of the sharded parameters (1: sharded over all ranks)
+    dist_timeout_min: int = 120  # the process group's timeout (minutes): see the config field
 
 
 @dataclass(frozen=True)

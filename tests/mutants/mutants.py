@@ -120,8 +120,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "shard-load-coverage-unchecked",
         "src/gspo/model/shard_load.py",
-        "        if not bool(filled.all()):",
-        "        if False:",
+        "    if not bool(filled.all()):",
+        "    if False:",
         ("tests/test_shard_load.py::test_stored_tensors_that_leave_a_hole_are_refused",),
         "issue 44 gap 8: a layer the stored tensors do not cover loads uninitialized memory",
     ),

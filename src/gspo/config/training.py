@@ -131,6 +131,14 @@ class Distributed(Group):
     Under ``expert_parallel_size E`` the dense parameters are replicated over the ``world / E``
     groups of E ranks already, so N is 1 or ``world / E`` there."""
 
+    dist_timeout_min: Annotated[int, Interval(ge=1, le=10080)] = 120
+    """Minutes a rank waits in one collective before the job is stopped (``init_process_group``'s
+    timeout: NCCL's watchdog, gloo's). 120, not torch's 10: on a cold cache each node's local rank 0
+    downloads the weights from the hub while its other ranks wait (the 235B recipe's 470 GB take ~80
+    minutes at 100 MB/s), then rank 0 may read them for all. A rank that really hangs is found this
+    late: lower it once the weights are cached. Groups over part of the world (HSDP's and expert
+    parallelism's meshes, vLLM's tensor-parallel groups) keep torch's default."""
+
     @staticmethod
     def _rules(cfg: Any) -> None:
         if cfg.mixed_precision != "none":

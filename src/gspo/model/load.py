@@ -376,6 +376,31 @@ def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec
         )
 
 
+# what a sharded start needs of a hub snapshot: the weights, their index, the config (the tokenizer
+# is read by transformers through the same cache)
+HUB_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.json")
+
+
+def is_hub_id(spec: str) -> bool:
+    """``spec`` names a model on the Hugging Face Hub (neither embedded, GGUF nor a local folder)."""
+    return not spec.startswith((EMBEDDED_PREFIX, GGUF_PREFIX)) and not _looks_local(spec)
+
+
+def hub_snapshot(repo_id: str, local_files_only: bool = False) -> Path:
+    """The folder of ``repo_id``'s snapshot in the hub's own cache (``huggingface_hub``'s client:
+    ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` apply), its weights downloaded first unless
+    ``local_files_only``; one line naming the model when that fails."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        where = snapshot_download(
+            repo_id, allow_patterns=list(HUB_WEIGHT_FILES), local_files_only=local_files_only
+        )
+    except Exception as e:  # noqa: BLE001 (network, authentication, a missing repo, a full disk...)
+        raise GspoError(f"config field 'model': cannot fetch {repo_id!r} from the hub: {_first(e)}") from None
+    return Path(where)
+
+
 def _looks_local(spec: str) -> bool:
     """A folder path rather than a hub id (``org/name``): absolute, relative with ``.``/``~``, more than
     one ``/``, or a first component that exists here."""

@@ -2,7 +2,8 @@
 
 No rank holds the whole model: the weights are read one decoder layer at a time (the layer's tensors
 as stored), laid out as the model keeps them in memory (transformers 5 fuses MoE experts that the
-files store one by one), and each rank copies its own rows into its shards. The layout is found
+files store one by one), and each rank copies its own rows into its shards; a stored tensor none of
+whose elements this rank holds (another rank's expert) is not read at all. The layout is found
 without knowing any conversion: the save-time conversion (``revert_weight_conversion``, which the HF
 export and the vLLM sync already use) is run once per layer on tensors that hold their own flat
 index, so the stored tensors say, element by element, where in memory each of their values goes.
@@ -11,6 +12,7 @@ index, so the stored tensors say, element by element, where in memory each of th
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +45,19 @@ def _as_stored(model: nn.Module, sd: dict[str, Any], names: list[str]) -> dict[s
 def layout_of(model: nn.Module, sd: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
     """For the in-memory tensors ``names`` (one layer's, of ``sd``): each stored tensor the save-time
     conversion makes of them, holding for every element its flat index in those tensors laid end to end."""
+    return transformers_model.revert_weight_conversion(model, _flat_indices(sd, names))
+
+
+def _flat_indices(sd: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """Each tensor of ``names`` shaped as itself, holding its elements' flat indices in the tensors laid
+    end to end (integers: exact past 2^24 elements, where float32 is not)."""
     index, offset = {}, 0
     for k in names:
         n = sd[k].numel()
         dtype = torch.int32 if offset + n < 2**31 else torch.int64
         index[k] = torch.arange(offset, offset + n, dtype=dtype).view(tuple(sd[k].shape))
         offset += n
-    return transformers_model.revert_weight_conversion(model, index)
+    return index
 
 
 def readable(model: nn.Module, folder: Path) -> str:
@@ -71,9 +79,8 @@ def readable(model: nn.Module, folder: Path) -> str:
 @torch.no_grad()
 def load_own_shards(model: nn.Module, folder: Path) -> None:
     """Fill ``model``'s parameters (FSDP2 shards after ``to_empty``, or whole tensors) from ``folder``:
-    each rank reads one layer's stored tensors at a time and keeps its own rows (no collective)."""
-    from safetensors import safe_open
-
+    each rank reads one layer's stored tensors at a time and keeps its own rows (no collective);
+    a stored tensor holding none of them (another rank's expert) is not read."""
     stored = stored_tensors(folder)
     sd = transformers_model.save_state_dict(model)
     for group in layer_groups(sd):
@@ -82,22 +89,63 @@ def load_own_shards(model: nn.Module, folder: Path) -> None:
             for k in group:  # stored as kept in memory: read this rank's rows alone
                 _read_own_rows(sd[k], stored[k][0], k)
             continue
-        total = sum(sd[k].numel() for k in group)
-        flat = torch.empty(total, dtype=sd[group[0]].dtype)
-        filled = torch.zeros(total, dtype=torch.bool)
-        for name, where in layout_of(model, sd, group).items():
-            with safe_open(str(stored[name][0]), "pt") as f:
-                value = f.get_tensor(name)
-            at = where.flatten().long()
-            flat[at] = value.flatten().to(flat.dtype)
-            filled[at] = True
-        if not bool(filled.all()):
-            raise GspoError(f"{folder}: the stored tensors do not cover {group[0]!r}'s layer")
-        offset = 0
-        for k in group:
-            n = sd[k].numel()
-            _copy_own_rows(sd[k], flat[offset : offset + n].view(tuple(sd[k].shape)))
-            offset += n
+        _read_own_elements(model, sd, group, stored, folder)
+
+
+def _own_flat(sd: dict[str, Any], group: list[str]) -> list[torch.Tensor]:
+    """For each in-memory tensor of ``group`` (one layer's), the flat indices (into the group's
+    tensors laid end to end) of the elements this rank holds, in its local shard's order: a DTensor's
+    placement applied to an index tensor (``src_data_rank=None``: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = []
+    for k, index in _flat_indices(sd, group).items():
+        if isinstance(sd[k], DTensor):
+            own = distribute_tensor(index, sd[k].device_mesh, sd[k].placements, src_data_rank=None)
+            index = own.to_local().cpu()
+        out.append(index)
+    return out
+
+
+def _read_own_elements(
+    model: nn.Module, sd: dict[str, Any], group: list[str], stored: dict[str, Any], folder: Path
+) -> None:
+    """One layer stored otherwise than kept in memory (experts one tensor each, fused in memory): the
+    stored tensors holding none of this rank's elements are never read (under FSDP2 or expert
+    parallelism: the other ranks' experts); of the others, this rank keeps its own elements."""
+    from safetensors import safe_open
+
+    total = sum(sd[k].numel() for k in group)
+    pos = torch.full((total,), -1, dtype=torch.int32 if total < 2**31 else torch.int64)
+    shapes, count = [], 0  # pos: for each element of the layer, its place among this rank's (-1: not its)
+    for own in _own_flat(sd, group):  # (int32/int64 indices throughout: no int64 copy of the layer)
+        pos[own.flatten()] = torch.arange(count, count + own.numel(), dtype=pos.dtype)
+        shapes.append(tuple(own.shape))
+        count += own.numel()
+    local = torch.empty(count, dtype=sd[group[0]].dtype)
+    filled = torch.zeros(count, dtype=torch.bool)
+    for name, where in layout_of(model, sd, group).items():
+        at = pos[where.flatten()]
+        mine = at >= 0
+        if not bool(mine.any()):
+            continue  # none of this rank's elements: not read
+        with safe_open(str(stored[name][0]), "pt") as f:
+            value = f.get_tensor(name).flatten()
+        local[at[mine]] = value[mine].to(local.dtype)
+        filled[at[mine]] = True
+    if not bool(filled.all()):
+        raise GspoError(f"{folder}: the stored tensors do not cover {group[0]!r}'s layer")
+    offset = 0
+    for k, shape in zip(group, shapes, strict=True):
+        n = math.prod(shape)
+        _local(sd[k]).copy_(local[offset : offset + n].view(shape))
+        offset += n
+
+
+def _local(param: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _read_own_rows(param: Any, file: Path, name: str) -> None:

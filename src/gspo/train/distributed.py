@@ -14,8 +14,10 @@ loop really calls, through public APIs only:
 
 Under FSDP2 each rank only ever holds its shard of the weights when the run starts from weights on
 disk (no LoRA, no warm start to train first): every rank builds the model on the meta device, shards
-it, and rank 0 alone reads the weights (on the CPU) and broadcasts them through
-``torch.distributed.checkpoint.state_dict`` (:func:`builds_sharded`).
+it, and reads its own shards from the safetensors files (a hub id's snapshot fetched once per node
+first: :func:`node_snapshot`); where the files cannot feed that, rank 0 alone reads the weights (on
+the CPU) and broadcasts them through ``torch.distributed.checkpoint.state_dict`` (:func:`builds_sharded`).
+The process group's timeout is the config's ``dist_timeout_min``.
 
 Each rank samples its own prompts and stops at EOS, so its generation forwards differ from the other
 ranks'; nothing collective may run inside generation. DDP samples from the HF module inside the
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +103,58 @@ def setup(plan: DistPlan) -> DistContext:
         elif plan.threads == 0:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         if not dist.is_initialized():
+            global _TIMEOUT
+            _TIMEOUT = timedelta(minutes=plan.dist_timeout_min)  # config field dist_timeout_min: why 120
             if device.type == "cuda":
-                dist.init_process_group("nccl", device_id=device)
+                dist.init_process_group("nccl", device_id=device, timeout=_TIMEOUT)
             else:
-                dist.init_process_group("gloo")
+                dist.init_process_group("gloo", timeout=_TIMEOUT)
     return DistContext(rank, world, local_rank, device)
+
+
+_TIMEOUT: timedelta | None = None  # the process group's, as set up here (None: torch's default)
+
+
+def pg_timeout() -> timedelta | None:
+    """The timeout :func:`setup` gave the process group, for subgroups made later (None: not set up here)."""
+    return _TIMEOUT
+
+
+def timeout_note() -> str:
+    """How long a wait in a collective may last, for the lines that say what a rank waits for."""
+    minutes = int(_TIMEOUT.total_seconds() // 60) if _TIMEOUT else None
+    return f"up to dist_timeout_min = {minutes} min" if minutes else "up to the process group's timeout"
+
+
+def node_snapshot(repo_id: str, ctx: DistContext) -> Path:
+    """A hub model's snapshot folder on this rank's node (collective): local rank 0 of each node
+    downloads the weights into the hub's cache once, the node's other ranks wait for it in a gather
+    (bounded by the process group's timeout, and said), then each rank finds the snapshot in the cache
+    and reads its own shards from it as from a local folder. A failed download stops every rank with
+    its one line."""
+    from gspo.model.load import hub_snapshot
+
+    error, path = None, None
+    if ctx.local_rank == 0:
+        print(
+            f"gspo: rank {ctx.rank} fetches {repo_id}'s weights into the hub cache, once on this node "
+            f"(the node's other ranks wait for it, {timeout_note()})",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        try:
+            path = hub_snapshot(repo_id)
+        except GspoError as e:
+            error = str(e)
+    elif ctx.local_rank == 1:
+        print(
+            f"gspo: rank {ctx.rank} and the node's other ranks wait for local rank 0's download of "
+            f"{repo_id} ({timeout_note()})",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    errors = [e for e in gather_objects(error, ctx) if e]  # every node's download done (or failed)
+    if errors:
+        raise GspoError(errors[0])
+    return path if path is not None else hub_snapshot(repo_id, local_files_only=True)
 
 
 # ------------------------------------------------------------------------------------------------
