@@ -141,6 +141,10 @@ def test_values_no_float32_or_device_index_holds_are_one_line(tmp_path, capsys):
             capsys, [*async_args, device], "config field 'rollout_devices': a device index is at most 127"
         )
         assert device in line
+    for device in ("cuda:256", "cuda:99999999999999999999"):  # the trainer's own device alike
+        assert device in one_line(
+            capsys, [*base, "--device", device], "config field 'device': a device index is at most 127"
+        )
     for device in ("cuda:01", "cuda:\u0663"):  # a leading zero; an Arabic-Indic three (str.isdigit())
         one_line(
             capsys, [*async_args, device], "config field 'rollout_devices': each device is 'cpu' or 'cuda:N'"

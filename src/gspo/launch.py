@@ -36,7 +36,7 @@ from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
 # may be moved or renamed and still resumed)
 RESUMABLE_CHANGES = {"resume", "overwrite", "steps", "eval_every", "save_every", "progress", "threads"}
-RESUMABLE_CHANGES |= {"wandb", "nproc", "output_dir", "name", "save_dtype"}
+RESUMABLE_CHANGES |= {"wandb", "report_to", "nproc", "output_dir", "name", "save_dtype"}
 RESUMABLE_CHANGES |= {"rollout_devices"}  # where the sampler runs: the batches are the same bits
 RESUMABLE_CHANGES |= {"dist_timeout_min"}  # how long a collective may wait: not what is trained
 

@@ -172,6 +172,9 @@ class Async(Group):
 
     @staticmethod
     def _rules(cfg: Any) -> None:
+        # the trainer's own device too: torch keeps an index in 8 bits (cuda:256 silently is cuda:0)
+        if re.fullmatch(r"cuda:[0-9]+", cfg.device) and int(cfg.device[5:]) > MAX_DEVICE_INDEX:
+            raise bad(cfg, "device", f"a device index is at most {MAX_DEVICE_INDEX} (torch's largest)")
         _check_rollout_devices(cfg)
         if cfg.partial_rollout_tokens and not cfg.async_staleness:
             raise bad(cfg, "partial_rollout_tokens", "needs async_staleness > 0 (the next version is what "

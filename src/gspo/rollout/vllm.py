@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -251,7 +253,8 @@ class VLLMRolloutEngine:
         # under torchrun vLLM builds its groups on the trainer's process group, which must outlive it
         shares_world = torch.distributed.is_initialized()
         tp = int(kwargs.get("tensor_parallel_size", 1)) if shares_world else 1
-        tp_group = vllm_colocate.tp_subgroup(tp)  # collective: before anything a rank may fail on alone
+        # collective: before anything a rank may fail on alone; waits as long as the world group
+        tp_group = vllm_colocate.tp_subgroup(tp, datetime.timedelta(minutes=plan.dist_timeout_min))
         if not on_cpu:
             vllm_colocate.check_share(plan, kwargs["gpu_memory_utilization"])
         llm = _make_llm(vllm, model, tokenizer, kwargs, name)
@@ -282,7 +285,9 @@ class VLLMRolloutEngine:
         engine.top_k, engine.top_p = plan.top_k, plan.top_p
         engine.sync_weights()
         if check_sync:
-            engine.check_logprobs()
+            gap = engine.check_logprobs()  # a gross mismatch raised; a 16-bit one is said with its number
+            if engine.compute_dtype.itemsize < 4 and (not shares_world or torch.distributed.get_rank() == 0):
+                print(vllm_colocate.sync_gap_line(gap, engine.compute_dtype), file=sys.stderr, flush=True)
         return engine
 
     # -- sampling ------------------------------------------------------------------------------

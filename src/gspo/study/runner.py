@@ -48,6 +48,7 @@ _STEERING = {
     "save_every",
     "wandb",
     "report_to",
+    "dist_timeout_min",
     "resume",
     "overwrite",
     "output_dir",
