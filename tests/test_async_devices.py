@@ -96,6 +96,7 @@ def test_a_trainer_killed_with_minus_9_resumes_exactly(runs):
     _same_weights(pg, tmp / "killed")
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 def test_two_ranks_over_the_process_group_equal_their_shared_memory_run(tmp_path):
     """2 gloo ranks (FSDP2): every rank gathers each tensor in turn, rank 0 broadcasts it to the
     sampler; the run ends on the shared-memory 2-rank run's weights, bit for bit."""

@@ -34,6 +34,7 @@ def _step0(tmp: Path, nproc: int, *extra: str) -> dict:
     return json.loads((tmp / f"n{nproc}" / "metrics.jsonl").read_text().splitlines()[0])
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_two_ranks_evaluate_as_one_process_does(tmp_path, parallel):
     one = _step0(tmp_path, 1, "--parallel", parallel)

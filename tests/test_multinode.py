@@ -79,6 +79,7 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 @pytest.mark.parametrize("run", [r for rs in LAYOUTS.values() for r in rs], ids=lambda r: r["name"])
 def test_two_nodes_make_the_single_process_update(results, run):
     vocab = len(build_char_tokenizer())

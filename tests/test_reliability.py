@@ -148,6 +148,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("gspo: error:") and want in lines[0], r.stderr[-3000:]
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 def test_eval_reads_the_runs_own_task_settings_and_flags_override(tmp_path):
     r = _gspo("train", *TINY, "--steps", "1", "--task", "sort", "--output-dir", str(tmp_path), "--name", "r")
     assert r.returncode == 0, r.stderr[-2000:]

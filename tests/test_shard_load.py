@@ -73,6 +73,7 @@ def _gspo(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return p
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 def test_two_ranks_start_from_their_own_shards_through_gspo_train(folder, tmp_path):
     """``gspo train --nproc 2`` on the folder: its step-0 checkpoint (before any update), exported,

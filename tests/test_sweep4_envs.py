@@ -134,6 +134,7 @@ def test_a_float16_run_that_fails_prints_exactly_one_line(tmp_path, monkeypatch)
     assert died == []
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 def test_torchrun_prints_no_banner_around_a_ranks_one_line_error(tmp_path):
     """Without OMP_NUM_THREADS in the environment torchrun set it and printed a banner of stars
     before the rank's error line; gspo now sets it to torchrun's own value."""
