@@ -78,6 +78,7 @@ def _cli(tmp: Path, *extra: str, name: str = "killed", devices: str | None = "cp
     )
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~25 s here): CI runs it
 def test_a_trainer_killed_with_minus_9_resumes_exactly(runs):
     """kill -9 of the trainer once step 2 is saved (batch 3 in flight), then --resume: the same final
     weights as the uninterrupted run."""

@@ -321,6 +321,7 @@ def test_a_share_of_trajectories_counts_its_own_errors():
     assert back.n_errors == 4 and torch.equal(back.failed_B, eb.failed_B)
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~25 s here): CI runs it
 def test_async_with_an_environment_on_two_ranks_trains_as_one_process(tmp_path):
     """Async rollouts with an environment on 2 ranks (FSDP2): the sampler process plays each step's
     trajectories, every rank takes its groups (with their own error count), and the run ends where

@@ -431,7 +431,7 @@ LAYOUT_FLAGS = {"--gpus": 1, "--nodes": 1, "--gpus-per-node": 1, "--gpu-memory-g
     [
         ("--config", str(ROOT / "recipes" / "qwen3-0.6b-gsm8k.yaml"), "--gpus", "1", "--micro-batch-size", "4"),
         (*QWEN30, "--gpus", "8", "--ep", "8", "--tp", "2", "--max-new-tokens", "512", "--rollout-engine", "vllm",
-         "--no-activation-checkpointing", "--system-prompt", "it's $HOME"),
+         "--no-activation-checkpointing", "--chat-template", "--system-prompt", "it's $HOME"),
         (*QWEN30, "--nodes", "2", "--gpus-per-node", "8", "--ep", "8", "--mixed-precision", "bf16"),
     ],
     ids=["micro-batch", "ep-tp-tokens", "two-nodes"],

@@ -119,6 +119,7 @@ def test_export_streams_the_same_weights_as_the_final_folder(runs):
     assert model.state_dict().keys() == want.state_dict().keys()
 
 
+@pytest.mark.slow  # the slow tier (multi-process, ~25 s here): CI runs it
 def test_a_sharded_checkpoint_resumes_in_one_process(runs):
     """DCP reshards on load: the 2-rank step-2 checkpoint resumed by one process holds its weights
     (final/ written at once equals the checkpoint's export), and trains on from there."""
