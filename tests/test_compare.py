@@ -26,6 +26,7 @@ TINY = dict(
 )
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 def test_compare_two_seeds_two_workers_writes_ci_report(tmp_path):
     """2 seeds x 4 variants in 2 worker processes: every run starts from its seed's warm start, and
     report.md holds the per-variant CI table, the paired differences and the claims with verdicts."""

@@ -289,6 +289,7 @@ def test_cli_two_process_training_end_to_end(launches):
     assert (runs[0] / "checkpoints" / "step-000002").is_dir()
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 def test_sharded_start_loads_every_weight_exactly_and_evaluates_like_one_process(tmp_path):
     """FSDP2 from weights on disk (no warm start): every rank builds the model on the meta device and
     rank 0 alone reads the folder; the step-0 checkpoint (sharded, exported with ``gspo export``)

@@ -384,6 +384,7 @@ def test_train_with_tools_dynamic_sampling_overlong_and_exact_resume(tmp_path):
         torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 def test_async_multi_turn_rollouts_resume_exactly(tmp_path):
     """With async_staleness the sampler process plays the trajectories; a checkpoint holding an
     in-flight multi-turn batch resumes to the uninterrupted run's weights, bit for bit."""

@@ -121,6 +121,7 @@ def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 def test_partial_run_is_deterministic_and_resumes_exactly(tmp_path):
     """Step t's batch spans versions t-3 and t-2 (K = 2; steps 1 and 2 have no second version yet);
     two runs agree exactly, and a run killed after step 3 with partial batches in flight (steps 4

@@ -82,6 +82,7 @@ def _alive_with(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 def test_kill_9_of_the_launcher_takes_torchrun_and_ranks_down(tmp_path):
     marker = str(tmp_path / "out")

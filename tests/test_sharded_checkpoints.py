@@ -143,6 +143,7 @@ def test_a_sharded_checkpoint_resumes_in_one_process(runs):
     assert all(math.isfinite(v) for v in numbers.values()), numbers
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 def test_eval_and_export_name_the_problem(runs, tmp_path):
     tmp, straight, _ = runs
     step = straight / "checkpoints" / "step-000002"

@@ -154,6 +154,7 @@ def test_reward_error_saves_progress_and_names_the_function(tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step-000001"
 
 
+@pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
 def test_lora_run_merges_adapters_and_resumes_exactly(tmp_path):
     """LoRA: final/ is a merged from_pretrained model, adapters kept; a resumed run equals a straight one."""
     pytest.importorskip("peft")
