@@ -146,13 +146,7 @@ def _build(
         run.folder.logger = MetricsLogger(
             cfg.run_dir, run_state.step if state else None, cfg.wandb, cfg.to_dict()
         )
-    startup = _startup_peak(dctx.device)  # before the step-0 evaluation (a rollout, not start-up)
-    if startup and dctx.rank == 0:
-        print(
-            f"gspo: start-up peak {startup['memory/startup_peak_gib']:.2f} GiB allocated on {dctx.device} "
-            f"({'resume' if state is not None else 'fresh run'}; gspo plan's 'start-up peak' line)",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+    startup = _startup_peak(dctx.device, state is not None, dctx.rank == 0)  # before the step-0 evaluation
     if state is None:
         run_state.initial = run.evaluate()
         run.log(0, {**run_state.initial, **startup})
@@ -162,15 +156,22 @@ def _build(
     return run
 
 
-def _startup_peak(device: torch.device) -> dict[str, float]:
+def _startup_peak(device: torch.device, resumed: bool, say: bool) -> dict[str, float]:
     """On a GPU, the peak memory of the start-up so far (weights, sampler started, its start check):
-    the number ``gspo plan``'s start-up line estimates; {} elsewhere."""
+    the number ``gspo plan``'s start-up line estimates, said on stderr when ``say``; {} elsewhere."""
     if device.type != "cuda":
         return {}
-    return {
+    peak = {
         "memory/startup_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "memory/startup_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
     }
+    if say:
+        print(
+            f"gspo: start-up peak {peak['memory/startup_peak_gib']:.2f} GiB allocated on {device} "
+            f"({'resume' if resumed else 'fresh run'}; gspo plan's 'start-up peak' line)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    return peak
 
 
 def _own_shards(

@@ -285,9 +285,7 @@ class VLLMRolloutEngine:
         engine.top_k, engine.top_p = plan.top_k, plan.top_p
         engine.sync_weights()
         if check_sync:
-            gap = engine.check_logprobs()  # a gross mismatch raised; a 16-bit one is said with its number
-            if engine.compute_dtype.itemsize < 4 and (not shares_world or torch.distributed.get_rank() == 0):
-                print(vllm_colocate.sync_gap_line(gap, engine.compute_dtype), file=sys.stderr, flush=True)
+            engine.say_sync_gap(engine.check_logprobs(), shares_world)  # a gross mismatch raised
         return engine
 
     # -- sampling ------------------------------------------------------------------------------
@@ -398,6 +396,11 @@ class VLLMRolloutEngine:
             "cpu_fixes_s": t2 - t1,
             "reset_s": t0 + self.last_sync_s - t2,
         }
+
+    def say_sync_gap(self, gap: float, shares_world: bool) -> None:
+        """A passing 16-bit start check's gap, with its number (rank 0): precision, not a mismatch."""
+        if self.compute_dtype.itemsize < 4 and (not shares_world or torch.distributed.get_rank() == 0):
+            print(vllm_colocate.sync_gap_line(gap, self.compute_dtype), file=sys.stderr, flush=True)
 
     def check_logprobs(self, probe: Sequence[int] | None = None, atol: float | None = None) -> float:
         """Difference between vLLM's and the trainer's next-token log-probs along ``probe`` (default:
