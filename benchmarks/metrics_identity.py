@@ -28,7 +28,7 @@ CONFIGS: dict[str, list[str]] = {
         "--max-turns", "2", "--max-new-tokens", "20", "--sft-steps", "20",
     ],  # fmt: skip
     "fsdp2": ["--steps", "2", "--nproc", "2", "--sft-steps", "20"],
-    "vllm": ["--steps", "2", "--rollout-engine", "vllm", "--sft-steps", "20"],
+    "vllm": ["--steps", "2", "--rollout-engine", "vllm", "--sft-steps", "20", "--model", "embedded:tiny-moe-h32"],
 }
 # what measures the machine, not the math
 VOLATILE = ("time/", "memory/", "throughput/", "async/queue_wait_s", "async/trainer_idle_frac", "perf/")
@@ -49,12 +49,12 @@ def main() -> None:
     ap.add_argument("--write", type=Path)
     ap.add_argument("--compare", type=Path)
     ap.add_argument("--only", default="", help="comma-separated configuration names")
-    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--python", default=sys.executable)  # made absolute: each run has its own cwd
     args = ap.parse_args()
     names = args.only.split(",") if args.only else [n for n in CONFIGS if n != "vllm"]
     got = {}
     for n in names:
-        got[n] = run(n, args.python)
+        got[n] = run(n, str(Path(args.python).absolute()))
         print(f"{n}: {len(got[n])} rows", flush=True)
     if args.write:
         args.write.write_text(json.dumps(got, indent=1, sort_keys=True))
