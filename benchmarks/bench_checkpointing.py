@@ -29,7 +29,7 @@ def one(checkpointing: bool, rows: int, tokens: int) -> dict[str, float]:
     from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_small_moe, enable_activation_checkpointing
     from gspo.resolve import plan_update
-    from gspo.train.update import policy_update
+    from gspo.training.update import policy_update
 
     vocab = len(build_char_tokenizer())
     model = build_small_moe(vocab, seed=0)

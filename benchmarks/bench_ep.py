@@ -7,7 +7,7 @@ model (:mod:`gspo.capacity_comm`) for the same configuration.
 The model is built from its config numbers (random weights, float32) and saved once as safetensors;
 both ranks of each run read their own shards from it. Each run is ``gspo train``'s own path under
 ``torchrun --standalone --nproc_per_node 2`` (what ``gspo train --nproc 2`` launches): the worker
-below wraps ``gspo.train.loop.rl_step`` (rollout, update, sampler sync; not the held-out eval or
+below wraps ``gspo.training.loop.rl_step`` (rollout, update, sampler sync; not the held-out eval or
 the checkpoint) with a barrier and counter reads on both sides, then calls ``gspo.cli.main``.
 
 Counted: each run is started in its own network namespace (``unshare -rn``) whose loopback carries
@@ -87,7 +87,7 @@ def worker(out: str, args: list[str]) -> None:
     import torch.distributed as dist
 
     from gspo import cli
-    from gspo.train import loop
+    from gspo.training import loop
 
     base, real, res = _vm("VmRSS"), loop.rl_step, {"steps": []}
     real_update, updates = loop.policy_update, []

@@ -269,7 +269,7 @@ class GspoContender:
         from gspo.resolve import engine_plan, optim_plan, plan_update, sample_plan, score_plan
         from gspo.rollout.hf import HFRolloutEngine
         from gspo.rollout.sampler import SyncSampler
-        from gspo.train import run as RN
+        from gspo.training import run as RN
 
         sh = inp.sh
         self.inp, self.sh = inp, sh
@@ -293,8 +293,8 @@ class GspoContender:
         self.score = score_plan(self.cfg)
 
     def step(self, r: int) -> dict[str, Any]:
-        from gspo.train import scoring as RO
-        from gspo.train import update as U
+        from gspo.training import scoring as RO
+        from gspo.training import update as U
 
         ex, ids = self.inp.batch(r)
         t0 = _now()
@@ -324,7 +324,7 @@ class FloorContender:
     def step(self, r: int) -> dict[str, Any]:
         from gspo.data import left_pad
         from gspo.model.logprobs import response_logprobs
-        from gspo.train import batch as BA
+        from gspo.training import batch as BA
 
         g, sh = self.g, self.g.sh
         _, ids = g.inp.batch(r)
@@ -533,7 +533,7 @@ def profile_step(c: GspoContender, r: int) -> dict[str, Any]:
 
     import gspo.model.logprobs as F
     import gspo.rollout.hf as H
-    from gspo.train import update as U
+    from gspo.training import update as U
 
     def ranged(label: str, fn: Any) -> Any:
         def w(*a: Any, **k: Any) -> Any:

@@ -36,8 +36,8 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
     from gspo.data import TrainBatch
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.resolve import dist_plan, plan_update
-    from gspo.train import distributed as D
-    from gspo.train.update import policy_update
+    from gspo.training import distributed as D
+    from gspo.training.update import policy_update
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     G = 2

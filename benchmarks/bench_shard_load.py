@@ -36,7 +36,7 @@ def _worker(model: str, mode: str, out: str) -> None:
     from gspo.model.load import load_model_and_tokenizer
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.plans import DistPlan
-    from gspo.train import distributed as D
+    from gspo.training import distributed as D
 
     plan = DistPlan("cpu", "fsdp", "none", False, 1)
     ctx = D.setup(plan) if mode != "one" else None

@@ -53,10 +53,10 @@ from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
 from gspo.tasks.prompts import encode_prompts
 from gspo.tasks.synthetic import synthetic_examples
-from gspo.train import batch as BA
-from gspo.train import run as RN
-from gspo.train import scoring as RO
-from gspo.train import update as U
+from gspo.training import batch as BA
+from gspo.training import run as RN
+from gspo.training import scoring as RO
+from gspo.training import update as U
 
 PROMPTS, G, NEW_TOKENS, MINIBATCHES = 8, 8, 8, 4
 LR, BETAS = 3e-4, (0.9, 0.99)

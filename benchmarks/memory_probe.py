@@ -91,7 +91,7 @@ def measure(
     from gspo.model.load import enable_activation_checkpointing
     from gspo.model.routing import is_moe
     from gspo.resolve import plan_update
-    from gspo.train.update import policy_update
+    from gspo.training.update import policy_update
 
     torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
     cuda = device.startswith("cuda")

@@ -82,7 +82,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(got, indent=1))
         return
-    print(f"one default RL step: {got['lines']} lines in {len(got['files'])} files, {len(got['functions'])} functions")
+    print(
+        f"one default RL step: {got['lines']} lines in {len(got['files'])} files, {len(got['functions'])} functions"
+    )
     for path, n in got["files"].items():
         print(f"  {n:5d}  {path}")
 

@@ -80,8 +80,8 @@ def main() -> None:
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.model.unwrap import full_tensor
     from gspo.resolve import dist_plan, plan_update
-    from gspo.train import distributed as D
-    from gspo.train.update import policy_update
+    from gspo.training import distributed as D
+    from gspo.training.update import policy_update
 
     blob = torch.load(args.data, weights_only=False)
     data: TrainBatch = blob["data"]

@@ -10,7 +10,7 @@ from study_binding_helpers import bind
 from gspo.cli import main
 from gspo.compare import run_compare, write_study
 from gspo.errors import GspoError
-from gspo.train.logger import read_metrics
+from gspo.training.logger import read_metrics
 
 VARIANTS = ["gspo", "gspo_token", "grpo", "grpo_replay"]
 TINY = dict(

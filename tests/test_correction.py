@@ -228,7 +228,7 @@ def test_abs_diff_metrics_hand_computed():
 
 
 def test_abs_diff_metrics_equal_the_trainers_former_formula_bitwise():
-    """In float32, the abs-diff metrics are bit for bit what gspo.train.update computed inline before it
+    """In float32, the abs-diff metrics are bit for bit what gspo.training.update computed inline before it
     called mismatch_metrics (so the logged numbers do not move)."""
     g = torch.Generator().manual_seed(0)
     mask = (torch.rand(6, 50, generator=g) > 0.3).float()
@@ -376,9 +376,9 @@ def test_sequence_mask_and_tis_combine_by_multiplication():
 
 
 def test_every_correction_metric_has_a_declared_reduction():
-    """The trainer combines micro-batch metrics by gspo.train.update.METRICS: every key a correction
+    """The trainer combines micro-batch metrics by gspo.training.update.METRICS: every key a correction
     returns (prefixed ``mismatch/``) is declared there, token-weighted exactly when it ends in _tok."""
-    from gspo.train.update import METRICS, TOKEN
+    from gspo.training.update import METRICS, TOKEN
 
     for name, correction in CORRECTIONS.items():
         _, _, metrics = correction(OLD, SAMPLER, MASK, cap=2.0, lo=0.5, hi=2.0)

@@ -71,7 +71,7 @@ def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
     from gspo.tasks.prompts import encode_prompts
-    from gspo.train.scoring import collect_rollout
+    from gspo.training.scoring import collect_rollout
 
     model, tok = tiny_moe
     task = build_task("reverse", "exact_match", 0, 8)
@@ -100,7 +100,7 @@ def test_dropout_is_off_in_training_unless_kept():
     """A GPT-2 with dropout 0.5 everywhere: two training-mode forwards agree once dropout is disabled."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gspo.train.sft import disable_dropout
+    from gspo.training.sft import disable_dropout
 
     torch.manual_seed(0)
     cfg = GPT2Config(

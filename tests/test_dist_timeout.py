@@ -8,7 +8,7 @@ import pytest
 from gspo.config import make_config
 from gspo.errors import GspoError
 from gspo.resolve import dist_plan
-from gspo.train import distributed as D
+from gspo.training import distributed as D
 
 
 def _init_kwargs(monkeypatch, cfg):

@@ -18,7 +18,7 @@ from gspo.config import Config
 from gspo.data import TrainBatch
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
 from gspo.resolve import plan_update
-from gspo.train.update import policy_update
+from gspo.training.update import policy_update
 
 pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
@@ -262,7 +262,7 @@ def _bf16_tolerance(key: str, ref_m: dict[str, float], data: TrainBatch) -> floa
 
 def test_optimizer_state_converts_between_process_counts():
     """A distributed (name-keyed) optimizer state loads in one process, and back."""
-    from gspo.train import distributed as D
+    from gspo.training import distributed as D
 
     model = build_tiny_moe(len(build_char_tokenizer()), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

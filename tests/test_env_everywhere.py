@@ -25,9 +25,9 @@ from gspo.model.load import build_char_tokenizer, build_tiny_moe
 from gspo.resolve import plan_update, score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
-from gspo.train import update as U
-from gspo.train.scoring import score_rollout
-from gspo.train.update import policy_update
+from gspo.training import update as U
+from gspo.training.scoring import score_rollout
+from gspo.training.update import policy_update
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 

@@ -25,9 +25,9 @@ from gspo.errors import GspoError
 from gspo.launch import check_run_dir, claim_run_dir
 from gspo.model.export import read_index
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
-from gspo.train import checkpoint as ckpt
-from gspo.train import sharded
-from gspo.train.distributed import DistContext
+from gspo.training import checkpoint as ckpt
+from gspo.training import sharded
+from gspo.training.distributed import DistContext
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 
@@ -262,7 +262,7 @@ def test_a_planted_payload_in_a_shard_entry_never_runs(tmp_path):
 
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.resolve import optim_plan
-    from gspo.train.run import make_optimizer
+    from gspo.training.run import make_optimizer
 
     tok = build_char_tokenizer()
     policy = PolicyLogprobs(build_tiny_moe(len(tok), seed=1))

@@ -358,7 +358,7 @@ def test_calculator_keeps_small_and_unit_powers():
 
 
 def test_sigterm_notice_goes_to_stderr(capsys):
-    from gspo.train.loop import deferred_signals
+    from gspo.training.loop import deferred_signals
 
     with deferred_signals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -348,7 +348,7 @@ def test_reward_that_overflows_float32_names_the_reward():
 def test_reward_plus_overlong_penalty_checked_finite_in_float32():
     import torch
 
-    from gspo.train.scoring import check_finite_rewards
+    from gspo.training.scoring import check_finite_rewards
 
     check_finite_rewards(torch.tensor([1.0, 0.0]), torch.zeros(2), "r", 1.0)
     with pytest.raises(GspoError, match="reward function r: sample 1's reward plus the overlong penalty"):

@@ -8,7 +8,7 @@ import torch
 
 from gspo import Config
 from gspo.resolve import optim_plan
-from gspo.train.run import make_optimizer
+from gspo.training.run import make_optimizer
 
 
 def _lrs(warmup: int, steps: int, resume_at: int | None = None) -> list[float]:

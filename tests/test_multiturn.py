@@ -267,7 +267,7 @@ def test_single_turn_task_is_the_one_step_case(tiny_moe):
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
     from gspo.tasks.prompts import encode_prompts
-    from gspo.train.scoring import collect_rollout
+    from gspo.training.scoring import collect_rollout
 
     model, tok = tiny_moe
     task = build_task("reverse", "exact_match", 0, 8)
@@ -424,7 +424,7 @@ def test_overlong_penalty_and_filter_on_trajectories():
     max_trajectory_tokens; the filter zeroes the advantage of trajectories a limit cut off."""
     from gspo.envs.rollout import EnvSampleBatch
     from gspo.resolve import score_plan
-    from gspo.train.scoring import score_rollout
+    from gspo.training.scoring import score_rollout
 
     model = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0]])
     obs = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0]])

@@ -117,12 +117,12 @@ def test_chat_demonstration_rows_are_the_chat_rollout_of_the_same_turns():
 
 
 def test_warm_start_trains_on_each_rows_own_prompt():
-    """The warm start (train/sft.py) on chat rows, each under its own prompt ids (the trainer's prompt
+    """The warm start (training/sft.py) on chat rows, each under its own prompt ids (the trainer's prompt
     ids given here are a dummy the rows replace): a tiny Qwen3 over the chat tokenizer fits the
     demonstrations, its loss on them falling by more than half in 25 steps."""
     from test_chat_tools import tiny_qwen
 
-    from gspo.train.sft import warm_start
+    from gspo.training.sft import warm_start
 
     _, tok = _chat()
     model = tiny_qwen(tok, max_position_embeddings=1024)

@@ -19,10 +19,10 @@ from gspo.envs.rollout import EnvSampleBatch, run_episodes
 from gspo.resolve import plan_update, score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
-from gspo.train import update as U
-from gspo.train.batch import split_minibatches
-from gspo.train.scoring import score_rollout
-from gspo.train.update import policy_update
+from gspo.training import update as U
+from gspo.training.batch import split_minibatches
+from gspo.training.scoring import score_rollout
+from gspo.training.update import policy_update
 
 G = 8
 

@@ -89,7 +89,7 @@ def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
     from gspo.data import TrainBatch, left_pad
     from gspo.resolve import plan_update
     from gspo.rollout.hf import HFRolloutEngine
-    from gspo.train.update import policy_update
+    from gspo.training.update import policy_update
 
     model, tok = tiny_moe
     prompts = [tok(f"rev:{n}=").input_ids for n in [1, 12, 123, 1234, 9, 98, 987, 9876]]

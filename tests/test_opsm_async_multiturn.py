@@ -17,9 +17,9 @@ from test_multiturn_logprobs import G, trajectories  # noqa: F401  (a fixture: H
 
 from gspo import Config, train
 from gspo.resolve import plan_update, score_plan
-from gspo.train import update as U
-from gspo.train.scoring import score_rollout
-from gspo.train.update import policy_update
+from gspo.training import update as U
+from gspo.training.scoring import score_rollout
+from gspo.training.update import policy_update
 
 # exact match plus noise: rewards differ within every group, so there are A < 0 sequences to mask
 NOISY = str(Path(__file__).parent / "fixture_rewards.py") + ":noisy"

@@ -86,7 +86,7 @@ def test_luspo_quadratic_length_bias_is_caught():
 
 def gspo_step(fn, shard, n_global, world):
     """gspo's update on one rank: the loss divided by the global sequence count, times the world size
-    (DDP / FSDP average the ranks' gradients); gspo.train.update._normalizer / _train_micro_batch."""
+    (DDP / FSDP average the ranks' gradients); gspo.training.update._normalizer / _train_micro_batch."""
     logp, old, adv, mask = shard
     return fn(logp, old, adv, mask, normalizer=n_global)[0] * world
 

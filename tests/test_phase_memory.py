@@ -59,7 +59,7 @@ def test_every_step_logs_the_peak_of_each_phase(tmp_path):
         Config(output_dir=str(tmp_path), name="m", steps=2, sft_steps=2, eval_size=4, prompts_per_step=4,
                group_size=2, max_new_tokens=4, eval_every=2, save_every=2, threads=1, progress=False)
     )  # fmt: skip
-    from gspo.train.logger import read_metrics
+    from gspo.training.logger import read_metrics
 
     rows = [r for r in read_metrics(res.run_dir / "metrics.jsonl") if r["step"] > 0]
     assert len(rows) == 2

@@ -161,7 +161,7 @@ def test_gloo_reduce_scatters_send_as_an_all_reduce():
 
 def _update_forwards(p, n: int) -> int:
     """Forward-only passes per micro-batch position of an update under UpdatePlan ``p`` with ``n``
-    minibatches, as gspo.train.update runs them (record_pi_old, measure_volatility)."""
+    minibatches, as gspo.training.update runs them (record_pi_old, measure_volatility)."""
     count = 0
     for i in range(n):
         own = p.own_routing(i)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from gspo import Config, train
 from gspo.errors import GspoError
-from gspo.train.run import Run
+from gspo.training.run import Run
 
 REWARD = f"{Path(__file__).parent / 'fixture_rewards.py'}:noisy"
 BASE = dict(
@@ -145,6 +145,6 @@ def test_async_resume_is_exact_and_needs_the_batches_in_flight(async_runs, monke
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    from gspo.train.logger import read_metrics
+    from gspo.training.logger import read_metrics
 
     return read_metrics(run_dir / "metrics.jsonl")

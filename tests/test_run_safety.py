@@ -21,7 +21,7 @@ from cli_helpers import popen as _popen
 from gspo.config import Config
 from gspo.errors import GspoError
 from gspo.launch import claim_run_dir
-from gspo.train import checkpoint as ckpt
+from gspo.training import checkpoint as ckpt
 
 
 def _lines(text: str) -> list[str]:
@@ -154,7 +154,7 @@ def test_damaged_run_resumes_from_the_command_line_and_drops_a_torn_metrics_line
 
 
 def test_torn_metrics_line_is_dropped_on_read(tmp_path):
-    from gspo.train.logger import read_metrics
+    from gspo.training.logger import read_metrics
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "x"')
@@ -187,7 +187,7 @@ def test_a_run_folder_with_any_trace_is_refused_without_resume_or_overwrite(base
 
 
 HOLD_LOCK = (
-    "import sys, time; from pathlib import Path; from gspo.train.checkpoint import lock_run_dir; "
+    "import sys, time; from pathlib import Path; from gspo.training.checkpoint import lock_run_dir; "
     "lock = lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)"
 )
 
@@ -281,7 +281,7 @@ def test_one_sigterm_ends_an_endless_dynamic_sampling_step(tmp_path):
 def test_one_sigterm_abandons_a_stuck_step_after_the_grace_period(tmp_path):
     """A reward that never returns (no time limit set): the first SIGTERM says at once it will stop,
     the step is abandoned after the grace period and the last finished step kept; no second signal."""
-    from gspo.train.loop import GRACE_S
+    from gspo.training.loop import GRACE_S
 
     reward = tmp_path / "stuck.py"
     reward.write_text(

@@ -120,7 +120,7 @@ def test_position_credit_rewards_the_terms_right_in_place():
 
 
 def test_compare_warm_start_opens_the_task_as_train_does(tmp_path, monkeypatch):
-    """The compare warm start goes through gspo.train.sft.load_start, which builds the task from the
+    """The compare warm start goes through gspo.training.sft.load_start, which builds the task from the
     whole config: reward_timeout_s (which compare's own copy dropped) reaches the reward."""
     import gspo.tasks
     from gspo.config import make_config

@@ -117,7 +117,7 @@ def test_a_float16_run_that_fails_prints_exactly_one_line(tmp_path, monkeypatch)
     import shutil
     import threading
 
-    from gspo.train.logger import MetricsLogger
+    from gspo.training.logger import MetricsLogger
 
     p = gspo("train", *TINY, "--dtype", "float16", "--output-dir", str(tmp_path / "runs"), timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]

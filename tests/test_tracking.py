@@ -12,7 +12,7 @@ import pytest
 import yaml
 from cli_helpers import env, one_line
 
-from gspo.train.logger import MetricsLogger
+from gspo.training.logger import MetricsLogger
 
 RUN = [
     "--steps", "2", "--sft-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "2",
@@ -208,7 +208,7 @@ def test_report_to_names(tmp_path, capsys, monkeypatch):
 def test_a_failing_tracker_is_dropped_with_one_line(tmp_path, capsys, monkeypatch):
     """A tracker that fails mid-run (a lost connection) is dropped with a line on stderr; training and
     metrics.jsonl go on, and the other trackers still get every step."""
-    from gspo.train import trackers
+    from gspo.training import trackers
 
     class Broken(trackers.TensorBoard):
         name = "wandb"

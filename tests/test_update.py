@@ -10,7 +10,7 @@ from gspo.data import TrainBatch, left_pad
 from gspo.model.logprobs import response_logprobs
 from gspo.resolve import plan_update
 from gspo.rollout.hf import HFRolloutEngine
-from gspo.train.update import policy_update
+from gspo.training.update import policy_update
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_pi_old_is_not_recomputed_when_it_is_known(tiny_moe, batch):
 def test_volatility_from_the_training_forward_equals_a_separate_look(tiny_moe, batch, monkeypatch):
     """The volatility the update takes from minibatch 2's training forward equals a separate no-grad
     look at minibatch 2 right after the first optimizer step (the forward it saves)."""
-    from gspo.train import update as U
+    from gspo.training import update as U
 
     model, _ = tiny_moe
     m = copy.deepcopy(model)

@@ -19,7 +19,7 @@ from gspo.losses import LOSSES
 from gspo.model.logprobs import response_logprobs
 from gspo.resolve import plan_update
 from gspo.rollout.hf import HFRolloutEngine
-from gspo.train.update import policy_update
+from gspo.training.update import policy_update
 
 
 def _cases():
@@ -237,7 +237,7 @@ def test_activation_checkpointing_recomputes_and_needs_the_replay_in_the_backwar
     monkeypatch.setattr(
         R, "replay_routing", lambda model, routing, backward_inside=False: real(model, routing)
     )
-    from gspo.train import update as U
+    from gspo.training import update as U
 
     def backward_outside(policy, mb, plan, normalizer, world_size, capture):  # the replay ends first
         with U.nullcontext() if mb.replay is None else real(U.unwrap(policy, "hf"), mb.replay):

@@ -14,8 +14,8 @@ from gspo.data import TrainBatch, left_pad
 from gspo.model.logprobs import response_logprobs
 from gspo.resolve import dist_plan, plan_update
 from gspo.rollout.hf import HFRolloutEngine
-from gspo.train import update as U
-from gspo.train.update import policy_update
+from gspo.training import update as U
+from gspo.training.update import policy_update
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_adamw_uses_the_configs_betas_fresh_and_after_resume(tmp_path):
     the betas the step used, whatever g was); the optimizer a resumed run builds has them too."""
     from gspo import train
     from gspo.launch import open_run
-    from gspo.train import checkpoint as ckpt
+    from gspo.training import checkpoint as ckpt
 
     reward = f"{ROOT / 'tests' / 'fixture_rewards.py'}:noisy"  # every sample scores differently
     cfg = dict(name="betas", output_dir=str(tmp_path), sft_steps=0, steps=1, num_minibatches=1, eval_size=4,
@@ -137,7 +137,7 @@ def _fsdp_bf16_worker(rank: int, folder: str) -> None:
 
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
     from gspo.model.logprobs import PolicyLogprobs, make_layout
-    from gspo.train import distributed as D
+    from gspo.training import distributed as D
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)

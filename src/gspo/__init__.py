@@ -3,9 +3,9 @@
 ``gspo.train(gspo.Config(steps=50))`` makes the same run as ``gspo train --steps 50``.
 """
 
-from gspo import train  # the training package, callable: gspo.train(cfg)
 from gspo.advantages import group_advantages
 from gspo.config import Config
+from gspo.launch import train
 from gspo.loss_inputs import LossInputs, loss_inputs
 from gspo.losses import (
     LOSSES,
@@ -16,8 +16,10 @@ from gspo.losses import (
     grpo_loss,
     gspo_loss,
     gspo_token_loss,
+    luspo_loss,
     sapo_loss,
     sapo_token_loss,
+    vespo_loss,
 )
 
 __all__ = [
@@ -33,8 +35,10 @@ __all__ = [
     "gspo_loss",
     "gspo_token_loss",
     "loss_inputs",
+    "luspo_loss",
     "sapo_loss",
     "sapo_token_loss",
     "train",
+    "vespo_loss",
 ]
 __version__ = "0.1.0"

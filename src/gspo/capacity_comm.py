@@ -15,7 +15,7 @@ the inter-node rate (the ring crosses nodes, one NIC per GPU); an all-to-all sen
 its own node over NVLink and to the others over the NIC at once (the slower of the two). No latency
 term and no overlap with compute: a communication time, a lower bound of nothing but the wires.
 
-One micro-batch of the update, FSDP2 as :mod:`gspo.train.distributed` wraps it: the root group
+One micro-batch of the update, FSDP2 as :mod:`gspo.training.distributed` wraps it: the root group
 (embeddings, final norm, LM head) gathered once (FSDP2 keeps the root unsharded for backward), each
 decoder layer gathered in forward and again in backward (compute dtype), gradients reduce-scattered
 at every micro-batch (float32 under bf16 mixed precision, else the trainer's dtype). Expert
@@ -229,7 +229,7 @@ def recomputes_pi_old(cfg: Any) -> bool:
 
 def forward_only_batches(cfg: Any, shape: Shape, per_minibatch: int) -> int:
     """Forward-only micro-batches of one update, ``per_minibatch`` micro-batches to a minibatch
-    (:func:`gspo.train.update.record_pi_old` and ``measure_volatility`` restated without a model;
+    (:func:`gspo.training.update.record_pi_old` and ``measure_volatility`` restated without a model;
     tests/test_plan_nodes.py checks it against :func:`gspo.resolve.plan_update`): minibatch 0's
     training forward is pi_old's; minibatches 1.. get one when the trainer's pi_old is needed
     (recomputed, or for the mismatch correction) or pi_old's routing (the volatility minibatch, R2);

@@ -16,7 +16,7 @@ from gspo.config import Config, load_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_resources
 from gspo.model.export import DCP_DIR
-from gspo.train.sharded import is_sharded
+from gspo.training.sharded import is_sharded
 
 # the config fields that decide what a held-out evaluation measures
 EVAL_FIELDS = (
@@ -115,7 +115,7 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     from gspo.rollout.factory import make_engine
     from gspo.tasks import task_from_config
     from gspo.tasks.prompts import encode_prompts
-    from gspo.train.scoring import evaluate
+    from gspo.training.scoring import evaluate
 
     folder = Path(path)
     if not folder.is_dir():

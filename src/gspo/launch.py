@@ -1,5 +1,5 @@
 """``gspo.train(cfg)``: the config resolved into plans (:mod:`gspo.resolve`), the run opened fresh or
-resumed (:func:`open_run`), and the loop run (:func:`gspo.train.loop.run_loop`).
+resumed (:func:`open_run`), and the loop run (:func:`gspo.training.loop.run_loop`).
 
 :func:`open_run` loads the model, tokenizer and task, resumes from the newest checkpoint or warm-starts,
 applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engine and the logger. This
@@ -26,12 +26,12 @@ from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
 from gspo.rollout.factory import make_engine, make_sampler
 from gspo.rollout.weight_transfer import check_rollout_devices
-from gspo.train import checkpoint as ckpt
-from gspo.train import distributed as dist_utils
-from gspo.train import sharded as sharded_ckpt
-from gspo.train.logger import MetricsLogger, read_metrics
-from gspo.train.loop import TrainResult, closing, deferred_signals, run_loop
-from gspo.train.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_optimizer
+from gspo.training import checkpoint as ckpt
+from gspo.training import distributed as dist_utils
+from gspo.training import sharded as sharded_ckpt
+from gspo.training.logger import MetricsLogger, read_metrics
+from gspo.training.loop import TrainResult, closing, deferred_signals, run_loop
+from gspo.training.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_optimizer
 
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
 # may be moved or renamed and still resumed)
@@ -83,7 +83,7 @@ def _build(
     should_stop: Callable[[], bool],
 ) -> Run:
     from gspo.model.routing import is_moe
-    from gspo.train.sft import load_source, load_start, warm_start_run
+    from gspo.training.sft import load_source, load_start, warm_start_run
 
     # FSDP2 from weights on disk: every rank builds the model on the meta device and wrap() fills
     # its shards: each rank reading its own from the safetensors files, or rank 0 reading them all
@@ -232,7 +232,7 @@ def _async_score(cfg: Config) -> Callable[..., Any] | None:
         return None
     import functools
 
-    from gspo.train.scoring import score_rollout
+    from gspo.training.scoring import score_rollout
 
     return functools.partial(score_rollout, plan=resolve.score_plan(cfg))
 

@@ -95,7 +95,7 @@ class SamplePlan:
 
 @dataclass(frozen=True)
 class ScorePlan:
-    """Rewards -> group advantages (:mod:`gspo.train.scoring`), and the held-out evaluation."""
+    """Rewards -> group advantages (:mod:`gspo.training.scoring`), and the held-out evaluation."""
 
     group_size: int
     max_new_tokens: int  # single-turn: the overlong penalty's limit
@@ -110,7 +110,7 @@ class ScorePlan:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """The model, tokenizer and task a run starts from (:func:`gspo.train.sft.load_start`)."""
+    """The model, tokenizer and task a run starts from (:func:`gspo.training.sft.load_start`)."""
 
     model: str
     tokenizer: str | None
@@ -126,7 +126,7 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class SftPlan:
-    """The supervised warm start (:func:`gspo.train.sft.warm_start`)."""
+    """The supervised warm start (:func:`gspo.training.sft.warm_start`)."""
 
     sft_steps: int
     sft_lr: float
@@ -140,7 +140,7 @@ class SftPlan:
 
 @dataclass(frozen=True)
 class DistPlan:
-    """Devices and data parallelism (:mod:`gspo.train.distributed`)."""
+    """Devices and data parallelism (:mod:`gspo.training.distributed`)."""
 
     device: str
     parallel: str  # "ddp" or "fsdp"
@@ -166,7 +166,7 @@ class ModelPlan:
 
 @dataclass(frozen=True)
 class OptimPlan:
-    """AdamW and its warm-up (:func:`gspo.train.run.make_optimizer`)."""
+    """AdamW and its warm-up (:func:`gspo.training.run.make_optimizer`)."""
 
     lr: float
     adam_beta1: float
@@ -177,7 +177,7 @@ class OptimPlan:
 
 @dataclass(frozen=True)
 class LoopPlan:
-    """The loop around the RL steps (:mod:`gspo.train.loop`)."""
+    """The loop around the RL steps (:mod:`gspo.training.loop`)."""
 
     steps: int
     eval_every: int
@@ -198,7 +198,7 @@ class LoopPlan:
 @dataclass(frozen=True)
 class UpdatePlan:
     """What one policy update does (:func:`gspo.resolve.plan_update` builds it; the fields are its
-    decisions; :func:`gspo.train.update.policy_update` runs it, testing no config field)."""
+    decisions; :func:`gspo.training.update.policy_update` runs it, testing no config field)."""
 
     algo: str  # key of gspo.losses.LOSSES
     aggregation: str | None  # for the losses that take one (None: the loss takes no aggregation)

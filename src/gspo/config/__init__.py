@@ -14,22 +14,17 @@ Groups (in field order): :class:`RunSetup`, :class:`ModelAndTask`, :class:`WarmS
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ConfigDict, TypeAdapter, with_config
+from pydantic import TypeAdapter
 
-from gspo.config.algorithm import Algorithm, Async, Mismatch, PolicyForward, SampleFilters
-from gspo.config.checks import Group, check_fields, check_types, field_kinds
+from gspo.config.checks import field_kinds
 from gspo.config.parse import MAX_CONFIG_BYTES, coerce, load_yaml, load_yaml_lines, parse_values
-from gspo.config.rollout import MultiTurn, Rollout
-from gspo.config.run import ModelAndTask, RunSetup, WarmStart
-from gspo.config.training import Distributed, Evaluation, LoRA, Optimization
+from gspo.config.schema import GROUPS, Config
 from gspo.errors import GspoError
 
 __all__ = [
@@ -43,51 +38,6 @@ __all__ = [
     "parse_values",
     "save_yaml",
 ]
-
-
-# a dataclass lists its bases' fields from the last base to the first: the groups in reverse reading order
-@with_config(ConfigDict(extra="forbid"))
-@dataclass
-class Config(
-    Distributed, Evaluation, LoRA, Optimization, MultiTurn, Rollout, PolicyForward, SampleFilters,
-    Async, Mismatch, Algorithm, WarmStart, ModelAndTask, RunSetup,
-):  # fmt: skip
-    """Every group's fields, flat: ``cfg.lr``, ``dataclasses.replace(cfg, seed=1)``."""
-
-    def validate(self) -> Config:
-        """Check every value; raise GspoError naming the first bad field."""
-        from gspo.limits import check_config
-
-        check_types(self)
-        check_fields(self, late=False)  # choices, lower bounds, finite numbers
-        check_config(self)  # upper bounds before any relation between fields is computed from them
-        check_fields(self, late=True)
-        for group in GROUPS:
-            group._rules(self)  # each group's own, called by class: one per group, none shadowed
-        return self
-
-    @property
-    def run_name(self) -> str:
-        task = Path(self.task).stem if ("/" in self.task or "." in self.task) else self.task
-        task = re.sub(r"[^A-Za-z0-9._-]+", "_", task)  # rg:name:size=8 -> rg_name_size_8
-        return self.name or f"{self.algo}-{task}-s{self.seed}"
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.run_name
-
-    def mismatch_high_resolved(self) -> float:
-        if self.mismatch_high is not None:
-            return self.mismatch_high
-        return 5.0 if self.mismatch_correction == "token_mask" else 2.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-GROUPS: tuple[type[Group], ...] = tuple(
-    c for c in reversed(Config.__mro__) if issubclass(c, Group) and c not in (Group, Config)
-)
 
 
 @functools.cache

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
 from gspo.config.checks import field_kinds
+from gspo.config.schema import Config
 from gspo.errors import GspoError
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few dozen keys: anything larger is not one
@@ -53,12 +54,6 @@ def from_text(typ: type, optional: bool, value: Any) -> Any:
     return str(value) if typ is str else value  # YAML's `name: 2024` is a name
 
 
-def _config() -> type:
-    from gspo.config import Config  # the package imports this module first
-
-    return Config
-
-
 @functools.cache
 def _adapter(typ: type, optional: bool) -> TypeAdapter[Any]:
     """The field type alone: its bounds (annotated_types, in the field's ``Annotated``) are checked
@@ -71,7 +66,7 @@ def parse_values(
 ) -> dict[str, Any]:
     """``values`` converted to their fields' types (unknown keys refused): GspoError naming ``source``
     (with the key's line from ``lines`` when given) and the first bad key (in ``values``' order)."""
-    kinds = field_kinds(_config())
+    kinds = field_kinds(Config)
     out = {}
     for name, value in values.items():
         where = f"{source}:{lines[name]}" if lines and name in lines else source

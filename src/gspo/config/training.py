@@ -95,7 +95,7 @@ class Evaluation(Group):
     @staticmethod
     def _rules(cfg: Any) -> None:
         # every tracker's package is imported now: a missing one is named before any weight is read
-        from gspo.train.trackers import missing_package, tracker_names
+        from gspo.training.trackers import missing_package, tracker_names
 
         try:
             names = tracker_names(cfg.report_to, cfg.wandb)

@@ -6,7 +6,7 @@ observation tokens; the sampler's log-probs are there on the model's tokens only
 ``engine.generate`` call over the live trajectories, whose prompts are their whole context so far
 (prompt, earlier turns and observations, as token ids: nothing is re-tokenized). Deterministic given
 the engine's generator: exact resume holds as for single-turn rollouts. The trajectories are scored
-with the single-turn responses, by :func:`gspo.train.scoring.score_rollout`.
+with the single-turn responses, by :func:`gspo.training.scoring.score_rollout`.
 
 With ``--chat-template`` (and a tokenizer that has one) the trajectory is a chat conversation
 (:mod:`gspo.envs.chat`): the prompt declares the environment's tools, each observation is the

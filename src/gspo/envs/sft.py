@@ -1,4 +1,4 @@
-"""Multi-turn demonstrations for the warm start (:func:`gspo.train.sft.warm_start`), whose next-token
+"""Multi-turn demonstrations for the warm start (:func:`gspo.training.sft.warm_start`), whose next-token
 loss covers the model's turns only.
 
 A demonstration is a list of ``(text, is_model_turn)`` segments after the prompt, made as the rollout
@@ -95,7 +95,7 @@ def demonstrations(
     tokenizer: Any, examples: list[Example], prompt_ids: list[list[int]], task: str, plan: EnvPlan,
     tool_fraction: float = 1.0,
 ) -> Callable[[list[int], random.Random], list[Row]] | None:  # fmt: skip
-    """The warm start's rows (:func:`gspo.train.sft.warm_start`) on ``task``'s demonstrations: for the
+    """The warm start's rows (:func:`gspo.training.sft.warm_start`) on ``task``'s demonstrations: for the
     examples at some indices, each one's :data:`Row` (``prompt_ids``: the trainer's encoding, used
     without a chat template), a share ``tool_fraction`` of them calling the tool (drawn per row from
     the warm start's ``rng``); None for a task without demonstrations."""

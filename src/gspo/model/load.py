@@ -161,7 +161,7 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)`` for an ``embedded:<name>`` spec, a local directory or a hub id.
     ``meta``: the model's structure only, on the meta device (no weights read or allocated), for a
-    sharded model whose weights arrive from rank 0 (:func:`gspo.train.distributed.wrap`)."""
+    sharded model whose weights arrive from rank 0 (:func:`gspo.training.distributed.wrap`)."""
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise GspoError(f"config field 'dtype': expected float32, bfloat16 or float16, got {dtype!r}")

@@ -11,7 +11,7 @@ from typing import Any
 
 from gspo.study.metrics import PAPER_VOLATILITY, col, moving_average
 from gspo.study.statistics import Interval, interval
-from gspo.train.logger import read_metrics
+from gspo.training.logger import read_metrics
 
 PLOTS = [
     ("eval/accuracy", "held-out accuracy (greedy)", "accuracy.png", 1),

@@ -48,7 +48,7 @@ from gspo.study.statistics import (
     interval,
     sign_flip_is_exact,
 )
-from gspo.train.logger import read_metrics
+from gspo.training.logger import read_metrics
 
 CI_NAMES = {"t": "Student t", "bootstrap": "percentile bootstrap"}
 

@@ -1,7 +1,7 @@
 """Running a study: every (variant, seed) of a preset from one supervised warm start per seed.
 
-Per seed the warm start runs once (:func:`warm_start_job`, through the same :func:`gspo.train.sft.load_start`
-and :func:`gspo.train.sft.warm_start_run` as ``gspo train``) and every variant starts RL from that
+Per seed the warm start runs once (:func:`warm_start_job`, through the same :func:`gspo.training.sft.load_start`
+and :func:`gspo.training.sft.warm_start_run` as ``gspo train``) and every variant starts RL from that
 model, so the variants differ only in the RL algorithm. Runs go to a pool of worker processes
 (spawned, one torch thread each); finished runs are reused, unfinished ones resume.
 """
@@ -98,7 +98,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     settings is refused, or with ``overwrite`` started over (``gspo train --overwrite`` removes only
     what a run writes). Anything else there (a file, a folder that is not this comparison's run) is
     refused and left as it is."""
-    from gspo.train.checkpoint import LOCK, final_complete, newest_complete
+    from gspo.training.checkpoint import LOCK, final_complete, newest_complete
 
     run = cfg.run_dir
     if not run.exists() and not run.is_symlink():

@@ -1,6 +1,6 @@
 """Warm starts of a study: one supervised warm start per seed (and per model), shared by every variant.
 
-Through the same :func:`gspo.train.sft.load_start` and :func:`gspo.train.sft.warm_start_run` as
+Through the same :func:`gspo.training.sft.load_start` and :func:`gspo.training.sft.warm_start_run` as
 ``gspo train``; kept under a folder keyed by the settings it depends on, so compares that need the
 same one share it.
 """
@@ -59,8 +59,8 @@ def warm_start_job(
     ``(seed, model folder, seconds)``. Reused when a folder with the same warm-start settings exists
     (:func:`warm_start_folder`; ``warm_dir`` defaults to ``<out>/../warm-starts``).
 
-    It begins as ``gspo train`` does (:func:`gspo.train.sft.load_start`: seeds, model, task with its
-    reward limits, context checks) and trains with the same :func:`gspo.train.sft.warm_start_run`.
+    It begins as ``gspo train`` does (:func:`gspo.training.sft.load_start`: seeds, model, task with its
+    reward limits, context checks) and trains with the same :func:`gspo.training.sft.warm_start_run`.
     With ``target`` it stops early, at the first check (every 10 steps from step 50) where greedy
     accuracy on 200 prompts like the held-out ones (:func:`_gate_examples`) reaches ``target``;
     ``sft_steps`` is then the most it runs. Accuracy jumps steeply during a warm start and where
@@ -74,7 +74,7 @@ def warm_start_job(
 
     from gspo.model.load import save_pretrained
     from gspo.resolve import load_plan, sft_plan
-    from gspo.train.sft import load_start, warm_start_run
+    from gspo.training.sft import load_start, warm_start_run
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -153,7 +153,7 @@ def _gate_accuracy(model: Any, tok: Any, task: Any, examples: list[Any], cfg: Co
     from gspo.resolve import engine_plan, prompt_plan, score_plan
     from gspo.rollout.factory import make_engine
     from gspo.tasks.prompts import encode_prompts
-    from gspo.train.scoring import evaluate
+    from gspo.training.scoring import evaluate
 
     model.eval()  # the warm start's own model, sampled in place by the HF engine
     hf = dataclasses.replace(cfg, rollout_engine="hf")

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 from gspo.errors import GspoError, warn
 from gspo.plans import TaskPlan
 from gspo.tasks.datasets import Example, load_prompt_dataset
-from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardFn, load_reward, with_timeout
+from gspo.tasks.rewards import DEFAULT_REWARD_TIMEOUT_S, load_reward, with_timeout
 from gspo.tasks.synthetic import SYNTHETIC_TASKS, synthetic_examples
+from gspo.tasks.task import Task
 
 EMBEDDED_TRAIN_SIZE = 20_000
-
-
-@dataclass
-class Task:
-    train: list[Example]
-    eval: list[Example]
-    reward: RewardFn
-    reward_name: str
 
 
 def build_task(

@@ -42,9 +42,9 @@ from typing import Any
 import yaml
 
 from gspo.errors import GspoError, warn
-from gspo.tasks import Task
 from gspo.tasks.datasets import Example
 from gspo.tasks.rewards import RewardFn, load_reward
+from gspo.tasks.task import Task
 
 PREFIX = "rg:"
 TRAIN_SIZE = 10_000

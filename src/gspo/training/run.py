@@ -23,11 +23,11 @@ from gspo.model.load import save_pretrained
 from gspo.model.unwrap import unwrap
 from gspo.plans import OptimPlan, ScorePlan, UpdatePlan
 from gspo.tasks import Task
-from gspo.train import checkpoint as ckpt
-from gspo.train import distributed as dist_utils
-from gspo.train import sharded as sharded_ckpt
-from gspo.train.logger import MetricsLogger
-from gspo.train.scoring import eval_metrics, eval_scores
+from gspo.training import checkpoint as ckpt
+from gspo.training import distributed as dist_utils
+from gspo.training import sharded as sharded_ckpt
+from gspo.training.logger import MetricsLogger
+from gspo.training.scoring import eval_metrics, eval_scores
 
 
 @dataclass
@@ -85,7 +85,7 @@ class RunFolder:
 
     run_dir: Path
     config: dict[str, Any]  # the run's config, as every checkpoint records it
-    sharded: bool  # each rank saves its own shards (FSDP2 on N ranks; gspo.train.sharded)
+    sharded: bool  # each rank saves its own shards (FSDP2 on N ranks; gspo.training.sharded)
     logger: MetricsLogger | None = None  # rank 0 only
     lock: Any = None  # the run folder's lock (rank 0)
 

@@ -1,5 +1,5 @@
 """Metrics sinks: JSONL (the source of truth), the experiment trackers (TensorBoard by default, W&B,
-trackio, MLflow: :mod:`gspo.train.trackers`), a progress line, the curves' PNG."""
+trackio, MLflow: :mod:`gspo.training.trackers`), a progress line, the curves' PNG."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from gspo.errors import GspoError
-from gspo.train.trackers import Tracker, close_all, open_trackers, tracker_names
+from gspo.training.trackers import Tracker, close_all, open_trackers, tracker_names
 
 
 class MetricsLogger:
     """Writes one JSON object per step to ``metrics.jsonl`` and mirrors its finite scalars to the
-    trackers ``report_to`` names (:mod:`gspo.train.trackers`; TensorBoard by default).
+    trackers ``report_to`` names (:mod:`gspo.training.trackers`; TensorBoard by default).
 
     On resume, lines after ``resume_step`` are dropped (they belong to work the checkpoint lost) and
     TensorBoard purges the same steps, so curves never show the lost segment twice. ``report_to``

@@ -16,7 +16,7 @@ from gspo.errors import GspoError
 from gspo.model.logprobs import make_layout, response_logprobs
 from gspo.plans import LoadPlan, SftPlan
 from gspo.tasks.datasets import Example
-from gspo.train.logger import Progress
+from gspo.training.logger import Progress
 
 
 @dataclass

@@ -29,8 +29,8 @@ from gspo.model import routing as R
 from gspo.model.logprobs import as_policy
 from gspo.model.unwrap import full_tensor, unwrap
 from gspo.plans import UpdatePlan
-from gspo.train import distributed as dist_utils
-from gspo.train.batch import MicroBatch, split_minibatches
+from gspo.training import distributed as dist_utils
+from gspo.training.batch import MicroBatch, split_minibatches
 
 # How each logged metric of a micro-batch combines with the others of the rollout batch:
 # a mean weighted by the micro-batch's response tokens or sequences, a minimum or a maximum.

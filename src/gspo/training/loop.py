@@ -31,12 +31,12 @@ from gspo.model.unwrap import is_peft
 from gspo.plans import LoopPlan
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
-from gspo.train import checkpoint as ckpt
-from gspo.train import distributed as dist_utils
-from gspo.train.logger import Progress, plot_metrics, read_metrics
-from gspo.train.run import Run, save_hf
-from gspo.train.scoring import collect_rollout, score_rollout
-from gspo.train.update import policy_update
+from gspo.training import checkpoint as ckpt
+from gspo.training import distributed as dist_utils
+from gspo.training.logger import Progress, plot_metrics, read_metrics
+from gspo.training.run import Run, save_hf
+from gspo.training.scoring import collect_rollout, score_rollout
+from gspo.training.update import policy_update
 
 # consecutive RL steps whose every optimizer step was skipped (non-finite gradients) before stopping
 MAX_SKIPPED_STEPS = 3
