@@ -112,6 +112,22 @@ def _sleep_forever() -> None:
     time.sleep(600)
 
 
+def test_thread_counter_the_harness_relies_on():
+    import threading
+
+    from gspo.compat import cpython_threads
+
+    assert cpython_threads.applies()
+    count = compat.resolve(*cpython_threads.UPSTREAM[0])
+    before = count()
+    gate = threading.Event()
+    t = threading.Thread(target=gate.wait)
+    t.start()
+    assert count() == before + 1
+    gate.set()
+    t.join()
+
+
 def test_process_pool_workers_are_found_and_killed():
     """kill_workers reaches a live executor's worker processes through ``_processes`` (a renamed table
     finds none and fails here): a worker busy with a job is killed at once."""
@@ -215,7 +231,11 @@ FOREIGN_PRIVATE = {
     "TopkRouter": "transformers_moe",
     '"_processes"': "process_pool",  # quoted or as an attribute (num_processes is no match)
     "._processes": "process_pool",
+    "_thread._count": "cpython_threads",
 }
+# the sandbox's harness runs where gspo cannot be imported: it names the counter itself, and
+# compat/cpython_threads.py declares and guards it (programs.compile_tests checks applies())
+RUNS_WITHOUT_GSPO = {"tasks/sandbox/harness.py: _thread._count"}
 # uses outside gspo.compat still to be moved (by the files' owners), as "path: name"
 PENDING: set[str] = set()
 
@@ -257,7 +277,7 @@ def test_private_names_are_used_only_in_their_compat_module():
     another gspo module's ``_private`` name. PENDING lists the known offenders in files this change
     did not own (files edited concurrently, so a fixed entry is not an error); remove an entry once
     its file is fixed, and the test keeps it fixed."""
-    assert _violations() - PENDING == set(), "private names used outside their owner"
+    assert _violations() - PENDING - RUNS_WITHOUT_GSPO == set(), "private names used outside their owner"
 
 
 # ------------------------------------------------------------------------------------------------

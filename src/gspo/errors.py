@@ -6,6 +6,13 @@ class GspoError(Exception):
     naming the problem: file, line, field."""
 
 
+def one_line(e: BaseException, max_len: int = 200) -> str:
+    """``Type: first line of the message`` (the message cut at ``max_len``): how an exception from
+    user code (a reward, a dataset, an environment) is named in a GspoError's one line."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:max_len]}" if msg else type(e).__name__
+
+
 _warned: set[str] = set()
 
 

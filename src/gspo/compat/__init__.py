@@ -15,6 +15,8 @@ dependency's source), one module per upstream API, each with a version guard:
   entries are read without running pickled code (``FileSystemReader.read_metadata`` replaced).
 * :mod:`gspo.compat.process_pool`: ``ProcessPoolExecutor._processes`` (the worker processes a
   stopped compare kills).
+* :mod:`gspo.compat.cpython_threads`: ``_thread._count`` (the sandbox harness's check that no thread
+  of the program still runs; the harness names it itself, in an interpreter without gspo).
 * :mod:`gspo.compat.transformers_ep`: transformers' ``apply_expert_parallelism`` (not exported by
   ``transformers.distributed``) and an experts module's own forward (``--ep``).
 

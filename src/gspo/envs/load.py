@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gspo.envs.base import Env, Step, TaskEnv, check_prompt, check_step
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.tasks.datasets import Prompt
 
 TOOLS = ("calc", "python")
@@ -124,7 +124,7 @@ def _import(spec: str, target: str) -> Any:
     except BaseException as e:  # noqa: BLE001 (one line; a SystemExit at import too)
         if is_interrupt(e):
             raise
-        raise GspoError(f"config field 'env': importing {target!r} failed: {_one_line(e)}") from None
+        raise GspoError(f"config field 'env': importing {target!r} failed: {one_line(e)}") from None
 
 
 def _check_sandbox() -> None:
@@ -164,15 +164,10 @@ def _call(spec: EnvSpec, fn: Callable[..., Any], args: tuple, what: str) -> Any:
     except BaseException as e:  # noqa: BLE001 (a user environment may raise anything, SystemExit too)
         if is_interrupt(e) or (spec.builtin and isinstance(e, GspoError)):  # a real Ctrl-C; gspo's own
             raise
-        err = GspoError(f"environment {spec.name}: {what} raised {_one_line(e)}")
+        err = GspoError(f"environment {spec.name}: {what} raised {one_line(e)}")
         if spec.on_error == "zero":
             raise EnvFailure(str(err)) from None
         raise err from None
-
-
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def make_env(spec: EnvSpec) -> Env:

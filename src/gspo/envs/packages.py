@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gspo.envs.base import Env, Step
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.tasks.datasets import Example, Prompt
 
 INFINITE_TASKS = 1024  # tasks read from an infinite verifiers taskset (a finite one is read whole)
@@ -53,11 +53,6 @@ def _require(module: str, dist: str, spec: str) -> Any:
         raise GspoError(
             f"config field 'env': {spec} needs the {dist} package (pip install {dist}): {e}"
         ) from None
-
-
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def _seed(example: Example) -> int:
@@ -248,7 +243,7 @@ def _verifiers(spec: str, name: str, importer: Any) -> Callable[[], Env]:
         if is_interrupt(e):  # a real Ctrl-C, or the load's time limit
             raise
         raise GspoError(
-            f"config field 'env': {spec}: loading the verifiers environment failed: {_one_line(e)}"
+            f"config field 'env': {spec}: loading the verifiers environment failed: {one_line(e)}"
         ) from None
     if not tasks:
         raise GspoError(f"config field 'env': {spec}: the verifiers taskset has no tasks")

@@ -76,7 +76,7 @@ INSTALL_HINT = (
 CPU_MIN_HEAD_DIM = 32
 
 
-def _one_line(e: BaseException, max_len: int = 300) -> str:
+def _config_error_line(e: BaseException, max_len: int = 300) -> str:
     """The most informative single line of an exception message (pydantic's 'Value error, ...' line
     for vLLM's config validation errors, else the first non-empty line)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -101,7 +101,7 @@ def _import_vllm() -> Any:
         raise GspoError(f"config field 'rollout_engine': vllm is not installed ({INSTALL_HINT})") from None
     except Exception as e:  # a broken install (e.g. a CUDA torchvision next to a CPU torch)
         raise GspoError(
-            f"config field 'rollout_engine': vllm failed to import: {_one_line(e)} ({INSTALL_HINT})"
+            f"config field 'rollout_engine': vllm failed to import: {_config_error_line(e)} ({INSTALL_HINT})"
         ) from None
     return vllm
 
@@ -567,7 +567,7 @@ def _make_llm(vllm: Any, model: Any, tokenizer: Any, kwargs: dict[str, Any], nam
         except GspoError:
             raise
         except Exception as e:
-            raise GspoError(f"config field 'model': vLLM cannot run {name}: {_one_line(e)}") from e
+            raise GspoError(f"config field 'model': vLLM cannot run {name}: {_config_error_line(e)}") from e
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 
 Message = dict[str, Any]
 Prompt = str | list[Message]
@@ -67,11 +67,6 @@ _JSONL = (".jsonl", ".ndjson")
 _FORMATS = ".jsonl, .json, .csv, .tsv, .parquet or a Hugging Face dataset directory"
 
 
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
-
-
 def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
@@ -109,7 +104,7 @@ def _decode(path: str, line: int, text: str, pos: int | None = None) -> tuple[An
     except RecursionError:
         raise GspoError(f"{path}:{line}: invalid JSON: nested too deeply") from None
     except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion"
-        raise GspoError(f"{path}:{line}: unreadable JSON value: {_one_line(e).split(';')[0]}") from None
+        raise GspoError(f"{path}:{line}: unreadable JSON value: {one_line(e).split(';')[0]}") from None
 
 
 def _iter_jsonl(path: str, text: str) -> Iterator[tuple[str, Any]]:
@@ -231,7 +226,7 @@ def _iter_parquet(path: str, prompt_field: str, answer_field: str) -> Iterator[t
     try:
         table = pq.read_table(path)
     except Exception as e:
-        raise GspoError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
+        raise GspoError(f"{path}: cannot read Parquet: {one_line(e)}") from None
     _check_columns(path, table.column_names, prompt_field, answer_field)
     for i, row in enumerate(table.to_pylist(), 1):
         yield f"{path}: row {i}", row
@@ -248,7 +243,7 @@ def _iter_hf_dir(path: str, prompt_field: str, answer_field: str, split: str) ->
     try:
         obj = hf.load_from_disk(path) if saved else hf.load_dataset(path)
     except Exception as e:
-        raise GspoError(f"{path}: cannot load dataset directory: {_one_line(e)}") from None
+        raise GspoError(f"{path}: cannot load dataset directory: {one_line(e)}") from None
     if isinstance(obj, (hf.DatasetDict, dict)):
         if split not in obj:
             raise GspoError(f"{path}: no split {split!r} (splits: {', '.join(obj)})")
@@ -271,7 +266,7 @@ def _answer(v: Any, loc: str, name: str) -> str:
     try:
         return str(v)
     except ValueError as e:  # an integer past Python's int-to-str digit limit
-        raise GspoError(f"{loc}: field {name!r}: {_one_line(e).split(';')[0]}") from None
+        raise GspoError(f"{loc}: field {name!r}: {one_line(e).split(';')[0]}") from None
 
 
 def _is_array(v: Any) -> bool:
@@ -381,7 +376,7 @@ def load_prompt_dataset(
             for loc, row in _rows(path, prompt_field, answer_field, split)
         ]
     except OSError as e:
-        raise GspoError(f"{path}: cannot read: {_one_line(e)}") from None
+        raise GspoError(f"{path}: cannot read: {one_line(e)}") from None
     if not examples:
         raise GspoError(f"{path}: dataset is empty (no examples)")
     return examples
@@ -414,7 +409,7 @@ def apply_chat_template(tokenizer: Any, prompt: Prompt, system: str | None = Non
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # e.g. a template that rejects the system role
         what = " with a system prompt" if any(m.get("role") == "system" for m in messages) else ""
-        raise GspoError(f"the tokenizer's chat template failed{what}: {_one_line(e)}") from None
+        raise GspoError(f"the tokenizer's chat template failed{what}: {one_line(e)}") from None
     if not isinstance(text, str):
         raise GspoError(f"the tokenizer's chat template returned {_type_name(text)}, expected a string")
     return text

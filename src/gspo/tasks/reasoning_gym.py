@@ -84,14 +84,6 @@ def _import() -> Any:
     return reasoning_gym
 
 
-def dataset_names() -> list[str]:
-    """Every reasoning-gym dataset name (needs the package)."""
-    _import()
-    from reasoning_gym.factory import DATASETS
-
-    return sorted(DATASETS)
-
-
 def _close_names(name: str, names: list[str]) -> list[str]:
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
     close += [n for n in names if name and (name in n or n in name) and n not in close]

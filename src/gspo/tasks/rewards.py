@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Any
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.tasks.timelimit import (  # noqa: F401 (re-exported: callers import them from here)
     DEFAULT_REWARD_TIMEOUT_S,
     call_with_timeout,
@@ -41,11 +41,6 @@ from gspo.tasks.timelimit import timeout_error as _timeout_error
 RewardFn = Callable[[list[str], list[str], list[str]], list[float]]
 
 _BUILTINS = "exact_match, math, boxed, code, format:<regex>"
-
-
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
 
 def _fn_name(fn: Any) -> str:
@@ -326,7 +321,7 @@ def import_file(spec: str, file: str, kind: str = "reward") -> Any:
         del sys.modules[mod_name]
         if is_interrupt(e):
             raise
-        raise GspoError(f"{kind} {spec!r}: importing {file} failed: {_one_line(e)}") from None
+        raise GspoError(f"{kind} {spec!r}: importing {file} failed: {one_line(e)}") from None
     finally:
         if os.path.dirname(path) in sys.path:
             sys.path.remove(os.path.dirname(path))
@@ -347,12 +342,12 @@ def _load_user(spec: str) -> RewardFn:
             # (or pkg/mod.py) from the cwd when that is what "my_rewards:fn" names.
             file = target.replace(".", os.sep) + ".py"
             if e.name != target.split(".")[0] or not os.path.isfile(file):
-                raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
+                raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {one_line(e)}") from None
             module = import_file(spec, file)
         except BaseException as e:  # noqa: BLE001 (SystemExit at import included)
             if is_interrupt(e):
                 raise
-            raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {_one_line(e)}") from None
+            raise GspoError(f"reward {spec!r}: cannot import module {target!r}: {one_line(e)}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise GspoError(f"reward {spec!r}: {target} has no attribute {attr!r}")
@@ -529,7 +524,7 @@ def safe_rewards(
         if is_interrupt(e):
             raise
         if on_error == "error":
-            raise fail(f"raised {_one_line(e)}") from None if not isinstance(e, Exception) else e
+            raise fail(f"raised {one_line(e)}") from None if not isinstance(e, Exception) else e
         return checked(*_per_sample(fn, prompts, completions, answers))
     out, bad, first = [], 0, ""
     for i, s in enumerate(scores):
@@ -558,7 +553,7 @@ def _per_sample(
         except BaseException as e:
             if is_interrupt(e):
                 raise
-            s = f"raised {_one_line(e)}"
+            s = f"raised {one_line(e)}"
         if isinstance(s, str):
             out.append(0.0)
             bad += 1

@@ -12,6 +12,7 @@ import sys
 from types import CodeType
 
 from gspo import procs
+from gspo.compat import cpython_threads
 from gspo.tasks.sandbox import host
 
 
@@ -62,6 +63,8 @@ def compile_tests(tests: str) -> bytes:
     Compiled here, once per distinct test string (a group's G samples share it), with asserts kept
     and comparisons rewritten. A syntax error becomes a test that raises it (scores 0).
     """
+    if not cpython_threads.applies():  # the harness's running-thread check needs _thread._count
+        raise RuntimeError(f"the sandbox's test harness is written for CPython 3.10-3.14, not {sys.version}")
     try:
         tree = ast.parse(tests, "tests.py")
     except (SyntaxError, ValueError) as e:
