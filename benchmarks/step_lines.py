@@ -27,8 +27,8 @@ def _calls(steps: int, out: Path, extra: dict) -> collections.Counter:
     """Calls per (file, first line) of every gspo function during ``gspo.train`` of ``steps`` steps."""
     from gspo.config import Config
 
-    cfg = Config(steps=steps, sft_steps=0, eval_every=0, save_every=0, progress=False, output_dir=str(out))
-    cfg = cfg.replace(**extra) if extra else cfg
+    base = {"sft_steps": 0, "eval_every": 0, "save_every": 0, "progress": False}
+    cfg = Config(**{**base, **extra, "steps": steps, "output_dir": str(out)})
     counts: collections.Counter = collections.Counter()
     src = str(SRC)
 
