@@ -81,7 +81,6 @@ _MISMATCH = {
     "opsm_frac_tok": TOKEN,
 }
 METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
-_LOSS_METRIC_PREFIX = "loss/"
 
 
 @dataclass
@@ -217,38 +216,31 @@ def _train_micro_batch(
         f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
         old_logp_BT, trainer_old_BT = pi_old(mb, f, plan)
         sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
-        weight, loss_mask_BT, corr_metrics = mismatch_correction(trainer_old_BT, sampler_BT, m_BT, plan)
+        # the plan's train/inference mismatch correction (gspo.correction), where the trainer's pi_old
+        # is known here to compare the sampler's with -> (the loss's weight or None, its mask, metrics)
+        weight, loss_mask_BT, corr = None, m_BT, {}
+        if trainer_old_BT is not None:
+            weight, loss_mask_BT, corr = C.CORRECTIONS[plan.correction](
+                trainer_old_BT,
+                sampler_BT,
+                m_BT,
+                cap=plan.mismatch_cap,
+                lo=plan.mismatch_low,
+                hi=plan.mismatch_high,
+            )
         if plan.opsm_threshold is not None:  # decided with this forward's pi_theta
             weight, opsm = C.with_opsm(
                 weight, f.logp_BT, sampler_BT, mb.data.adv_B, m_BT, plan.opsm_threshold
             )
-            corr_metrics |= {f"mismatch/{k}": v for k, v in opsm.items()}
+            corr |= opsm
         inp = loss_inputs(
             f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
         )
         out = LOSSES[plan.algo](inp, plan.aggregation, **dict(plan.loss_params))
         (out.loss * world_size).backward()
-    metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in out.metrics.items()} | corr_metrics
+    metrics = {f"loss/{k}": v for k, v in out.metrics.items()} | {f"mismatch/{k}": v for k, v in corr.items()}
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
     return out.loss.detach() * world_size, metrics, f.routing
-
-
-def mismatch_correction(
-    old_logp_BT: torch.Tensor | None, sampler_logp_BT: torch.Tensor, mask_BT: torch.Tensor, plan: UpdatePlan
-) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
-    """The plan's train/inference mismatch correction (:mod:`gspo.correction`) ->
-    (per-sequence loss weight or None, the loss's token mask, metrics)."""
-    if old_logp_BT is None:  # the trainer's pi_old is not known here: nothing to compare
-        return None, mask_BT, {}
-    weight, loss_mask_BT, stats = C.CORRECTIONS[plan.correction](
-        old_logp_BT,
-        sampler_logp_BT,
-        mask_BT,
-        cap=plan.mismatch_cap,
-        lo=plan.mismatch_low,
-        hi=plan.mismatch_high,
-    )
-    return weight, loss_mask_BT, {f"mismatch/{k}": v for k, v in stats.items()}
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
@@ -320,17 +312,15 @@ def policy_update(
             out.update(measure_volatility(policy, minibatches[vol_i], vol_old, plan))
 
     optimizer.zero_grad(set_to_none=True)  # the rollout and the sync that follow need no gradients
-    out.update(reduce_metrics(parts, metric_reductions(plan.algo)))
+    # a loss's own per-token ratio has a token mean
+    out.update(
+        reduce_metrics(parts, METRICS | ({"loss/ratio_mean": TOKEN} if LOSSES[plan.algo].token_ratio else {}))
+    )
     out["loss/loss"], out["loss/grad_norm"] = torch.stack(
         [torch.stack(step_losses).mean(), torch.stack(grad_norms).mean()]
     ).tolist()
     out["loss/skipped_updates"] = float(n_mb - n_steps)
     return out
-
-
-def metric_reductions(algo: str) -> dict[str, str]:
-    """:data:`METRICS` for one algorithm: a loss's own per-token ratio has a token mean."""
-    return METRICS | ({"loss/ratio_mean": TOKEN} if LOSSES[algo].token_ratio else {})
 
 
 def reduce_metrics(
