@@ -85,7 +85,7 @@ class LossInputs:
     def _advantages(self) -> Tensor:
         if self.advantages is None:
             raise ValueError("a loss needs advantages: loss_inputs(logp, old_logp, mask, advantages)")
-        return self.advantages.to(self.dtype)
+        return self.advantages.to(self.logp_BT.dtype)
 
     def seq_advantages(self) -> Tensor:
         """``[B]`` advantages, 0 on rows without tokens (their objective is exactly 0, and a NaN A
@@ -162,7 +162,7 @@ def loss_inputs(
     log_r_BT = torch.where(valid_BT, logp_BT - old_logp_BT, torch.zeros_like(logp_BT)).clamp(-lim, lim)
     return LossInputs(
         logp_BT, old_logp_BT, mask_BT, valid_BT, n_tok_B, n_tok_B > 0, log_r_BT, advantages, normalizer, weight
-    )
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,15 +221,7 @@ def sequence_clip_metrics(
     # [low, high] x [sequences, tokens] in one product; rows without tokens weigh 0 in both columns
     w_B2 = torch.stack([inp.has_tok_B.to(inp.n_tok_B.dtype), inp.n_tok_B], -1)
     frac_22 = torch.stack([low_B, high_B]).to(w_B2.dtype) @ w_B2 / w_B2.sum(0).clamp(min=1)
-    (seq_low, tok_low), (seq_high, tok_high) = frac_22
-    seq, tok = frac_22.sum(0)
-    out = {
-        "clip_frac_seq_low": seq_low,
-        "clip_frac_seq_high": seq_high,
-        "clip_frac_tok_low": tok_low,
-        "clip_frac_tok_high": tok_high,
-        "clip_frac_seq": seq,
-        "clip_frac_tok": tok,
-    }
+    names = ("seq_low", "tok_low", "seq_high", "tok_high", "seq", "tok")
+    out = {f"clip_frac_{k}": v for k, v in zip(names, [*frac_22.flatten(), *frac_22.sum(0)], strict=True)}
     out.update(ratio_stats("ratio", s_B, inp.has_tok_B))
     return out
