@@ -214,14 +214,12 @@ def _train_micro_batch(
         forcing = R.replay_routing(unwrap(policy, "hf"), mb.replay, backward_inside=True)
     with forcing:
         f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
-        old_logp_BT, trainer_old_BT = pi_old(mb, f, plan)
+        old_logp_BT, trainer_BT = pi_old(mb, f, plan)
         sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
-        # the plan's train/inference mismatch correction (gspo.correction), where the trainer's pi_old
-        # is known here to compare the sampler's with -> (the loss's weight or None, its mask, metrics)
-        weight, loss_mask_BT, corr = None, m_BT, {}
-        if trainer_old_BT is not None:
+        weight, loss_mask_BT, corr = None, m_BT, {}  # the trainer's pi_old unknown here: nothing to compare
+        if trainer_BT is not None:  # the plan's train/inference mismatch correction (gspo.correction)
             weight, loss_mask_BT, corr = C.CORRECTIONS[plan.correction](
-                trainer_old_BT,
+                trainer_BT,
                 sampler_BT,
                 m_BT,
                 cap=plan.mismatch_cap,
@@ -312,10 +310,8 @@ def policy_update(
             out.update(measure_volatility(policy, minibatches[vol_i], vol_old, plan))
 
     optimizer.zero_grad(set_to_none=True)  # the rollout and the sync that follow need no gradients
-    # a loss's own per-token ratio has a token mean
-    out.update(
-        reduce_metrics(parts, METRICS | ({"loss/ratio_mean": TOKEN} if LOSSES[plan.algo].token_ratio else {}))
-    )
+    token_ratio = LOSSES[plan.algo].token_ratio  # a loss's own per-token ratio has a token mean
+    out.update(reduce_metrics(parts, METRICS | ({"loss/ratio_mean": TOKEN} if token_ratio else {})))
     out["loss/loss"], out["loss/grad_norm"] = torch.stack(
         [torch.stack(step_losses).mean(), torch.stack(grad_norms).mean()]
     ).tolist()
@@ -330,8 +326,7 @@ def reduce_metrics(
     the metric computed on all rows at once. A metric only some micro-batches have is reduced over
     those."""
     keys = sorted({k for m, _ in parts for k in m})
-    unknown = [k for k in keys if k not in reductions]
-    if unknown:
+    if unknown := [k for k in keys if k not in reductions]:
         raise KeyError(f"metrics without a declared reduction in update.METRICS: {unknown}")
     rows = []  # [metric (+ tokens, sequences)] per micro-batch, then one transfer each
     for m, mb in parts:
@@ -346,9 +341,8 @@ def reduce_metrics(
         torch.tensor([kd == want for kd in kinds])[:, None] for want in (TOKEN, MIN, MAX)
     )
     W_KM = torch.where(is_tok, n_tok_M, n_seq_M) * present
-    mean = torch.where(present, V_KM, 0).mul(W_KM).sum(1, keepdim=True) / W_KM.sum(1, keepdim=True).clamp(
-        min=1
-    )
+    weighted = torch.where(present, V_KM, 0).mul(W_KM).sum(1, keepdim=True)
+    mean = weighted / W_KM.sum(1, keepdim=True).clamp(min=1)
     lo = torch.where(present, V_KM, float("inf")).amin(1, keepdim=True)
     hi = torch.where(present, V_KM, float("-inf")).amax(1, keepdim=True)
     vals = torch.where(is_min, lo, torch.where(is_max, hi, mean)).squeeze(1).tolist() if keys else []
