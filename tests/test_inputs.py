@@ -422,8 +422,9 @@ def test_builtin_rewards_run_under_the_reward_time_limit():
         fn(["p"], ["a" * 5000], [""])
     assert time.time() - t0 < 5
     assert fn(["p"], ["aab", "ba"], ["", ""]) == [1.0, 0.0]
-    for spec in ("exact_match", "boxed", "format:x+"):
+    for spec in ("boxed", "format:x+"):
         assert load_reward(spec, timeout_s=7).timeout_s == 7
+    assert not hasattr(load_reward("exact_match", timeout_s=7), "timeout_s")  # a strip and a compare
 
 
 def test_reward_timeout_past_what_threading_can_wait_is_one_line():

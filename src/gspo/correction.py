@@ -184,8 +184,7 @@ def mismatch_metrics(
     if estimators:
         out |= _estimators(d_BT, l_B, n_tok_B, rows.valid_BT, rows.has_tok_B, rows.seq_mean(-l_B), rows.n_tok)
     if abs_diff:
-        out["token_abs_logp_diff"] = rows.seq_mean(d_BT.abs().sum(-1) / n_tok_B.clamp(min=1))
-        out["seq_abs_logp_diff"] = rows.seq_mean(l_B.abs())
+        out |= _abs_diff(d_BT, l_B, n_tok_B)
     if tis_cap is not None:
         _check_cap(tis_cap)
         out["tis_weight_seq"] = rows.seq_mean(rho_B.clamp(max=tis_cap))
@@ -202,6 +201,18 @@ def mismatch_metrics(
         _check_cap(token_tis_cap)
         out["tok_tis_trunc_frac_tok"], out["tok_tis_trunc_frac_seq"] = rows.tok_frac(k_BT > token_tis_cap)
     return out
+
+
+def _abs_diff(d_BT: Tensor, l_B: Tensor, n_tok_B: Tensor) -> dict[str, Tensor]:
+    """``abs_diff`` of :func:`mismatch_metrics` from :func:`_mismatch`'s (d_BT, l_B, n_tok_B): its own
+    function, as the default correction ("none") logs these alone, every step."""
+    has_tok_B = n_tok_B > 0
+    n_seq = has_tok_B.sum().clamp(min=1).to(n_tok_B.dtype)
+    tok_B, seq_B = d_BT.abs().sum(-1) / n_tok_B.clamp(min=1), l_B.abs()
+    return {
+        "token_abs_logp_diff": torch.where(has_tok_B, tok_B, torch.zeros_like(tok_B)).sum() / n_seq,
+        "seq_abs_logp_diff": torch.where(has_tok_B, seq_B, torch.zeros_like(seq_B)).sum() / n_seq,
+    }
 
 
 @dataclass(frozen=True)
@@ -320,7 +331,7 @@ CorrectionFn = Callable[..., tuple[Tensor | None, Tensor, dict[str, Tensor]]]
 def _no_correction(
     old: Tensor, sampler: Tensor, mask: Tensor, *, cap: float, lo: float, hi: float
 ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
-    return None, mask, mismatch_metrics(old, sampler, mask, estimators=False, abs_diff=True)
+    return None, mask, _abs_diff(*_mismatch(old, sampler, mask))
 
 
 def _seq_tis(

@@ -116,8 +116,15 @@ class TrainBatch:
     obs_mask_BT: torch.Tensor | None = None
 
     def rows(self, idx: slice | torch.Tensor) -> TrainBatch:
-        """The rows ``idx`` (a slice or an index tensor), trimmed to their own longest prompt/response."""
-        return TrainBatch(*(_take(getattr(self, f.name), idx) for f in fields(self))).trim()
+        """The rows ``idx`` (a slice or an index tensor), trimmed to their own longest prompt/response:
+        without the prompt columns that are padding in all of them (left) nor the response columns."""
+        d = TrainBatch(*(_take(getattr(self, f.name), idx) for f in fields(self)))
+        keep_p, keep_t = d.prompt_mask_BP.any(0).nonzero(), d.real_mask_BT.any(0).nonzero()
+        p0 = int(keep_p[0]) if len(keep_p) else d.prompt_mask_BP.shape[1] - 1
+        t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
+        # by the name's suffix: [B, P] prompt and [B, T] response columns; the rest as they are
+        cols = {"_BP": (slice(None), slice(p0, None)), "_BT": (slice(None), slice(None, t1))}
+        return TrainBatch(*(_take(getattr(d, f.name), cols.get(f.name[-3:])) for f in fields(d)))
 
     @staticmethod
     def cat(parts: list[TrainBatch]) -> TrainBatch:
@@ -163,24 +170,6 @@ class TrainBatch:
             None if any(r is None for r in rewards) else torch.cat(rewards),
             routing,
             obs,
-        )
-
-    def trim(self) -> TrainBatch:
-        """Drop prompt columns that are padding in every row (left) and response columns (right)."""
-        keep_p = self.prompt_mask_BP.any(0).nonzero()
-        keep_t = self.real_mask_BT.any(0).nonzero()
-        p0 = int(keep_p[0]) if len(keep_p) else self.prompt_mask_BP.shape[1] - 1
-        t1 = int(keep_t[-1]) + 1 if len(keep_t) else 1
-        return TrainBatch(
-            self.prompt_ids_BP[:, p0:],
-            self.prompt_mask_BP[:, p0:],
-            self.response_ids_BT[:, :t1],
-            self.response_mask_BT[:, :t1],
-            self.sampler_logp_BT[:, :t1],
-            self.adv_B,
-            self.reward_B,
-            self.sampler_routing,
-            None if self.obs_mask_BT is None else self.obs_mask_BT[:, :t1],
         )
 
     @property

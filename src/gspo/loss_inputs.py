@@ -14,12 +14,6 @@ Tensor = torch.Tensor
 MAX_LOG_RATIO = 20.0
 
 
-def compute_dtype(logp: Tensor, old_logp: Tensor) -> torch.dtype:
-    """At least float32: bf16/fp16 cannot resolve ratios at GSPO's 1e-4 clip scale (ulp(1) = 2^-8
-    in bf16) nor count more than 256 tokens exactly."""
-    return torch.promote_types(torch.promote_types(logp.dtype, old_logp.dtype), torch.float32)
-
-
 def log_ratio_limit(logp_BT: Tensor) -> float:
     """Per-token bound on |log-ratio| such that a sum over ``T`` tokens cannot overflow.
 
@@ -27,13 +21,6 @@ def log_ratio_limit(logp_BT: Tensor) -> float:
     itself overflows; without it, +inf and -inf tokens in one row would sum to NaN.
     """
     return torch.finfo(logp_BT.dtype).max / (2 * max(logp_BT.shape[-1], 1))
-
-
-def masked_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """log pi_theta - log pi_old with padding set to exactly 0 (so NaN/inf there cannot leak),
-    clamped to +-:func:`log_ratio_limit` (no gradient beyond it)."""
-    lim = log_ratio_limit(logp_BT)
-    return torch.where(mask_BT.bool(), logp_BT - old_logp_BT, torch.zeros_like(logp_BT)).clamp(-lim, lim)
 
 
 def sequence_mean(log_r_BT: Tensor, n_tok_B: Tensor) -> Tensor:
@@ -98,7 +85,7 @@ class LossInputs:
     def _advantages(self) -> Tensor:
         if self.advantages is None:
             raise ValueError("a loss needs advantages: loss_inputs(logp, old_logp, mask, advantages)")
-        return self.advantages.to(self.dtype)
+        return self.advantages.to(self.logp_BT.dtype)
 
     def seq_advantages(self) -> Tensor:
         """``[B]`` advantages, 0 on rows without tokens (their objective is exactly 0, and a NaN A
@@ -166,23 +153,16 @@ def loss_inputs(
     pi_old; ``mask`` ``[B, T]`` 1 on response tokens; ``advantages`` ``[B]`` (or ``[B, T]`` for the
     losses with token advantages); ``normalizer``: the sequences or tokens the whole optimizer step
     averages over (default: this batch's); ``weight``: see the module docstring of :mod:`gspo.losses`."""
-    dtype = compute_dtype(logp, old_logp)
+    # at least float32: bf16/fp16 cannot resolve ratios at GSPO's 1e-4 clip scale (ulp(1) = 2^-8 in
+    # bf16) nor count more than 256 tokens exactly
+    dtype = torch.promote_types(torch.promote_types(logp.dtype, old_logp.dtype), torch.float32)
     logp_BT, old_logp_BT, mask_BT = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
-    n_tok_B = mask_BT.sum(-1)
-    log_r_BT = masked_log_ratio(logp_BT, old_logp_BT, mask_BT)
+    n_tok_B, valid_BT, lim = mask_BT.sum(-1), mask_BT.bool(), log_ratio_limit(logp_BT)
+    # padding set to exactly 0 (NaN/inf there cannot leak), clamped (no gradient beyond the limit)
+    log_r_BT = torch.where(valid_BT, logp_BT - old_logp_BT, torch.zeros_like(logp_BT)).clamp(-lim, lim)
     return LossInputs(
-        logp_BT, old_logp_BT, mask_BT, mask_BT.bool(), n_tok_B, n_tok_B > 0, log_r_BT,
-        advantages, normalizer, weight,
+        logp_BT, old_logp_BT, mask_BT, valid_BT, n_tok_B, n_tok_B > 0, log_r_BT, advantages, normalizer, weight
     )  # fmt: skip
-
-
-def sequence_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
-    """Length-normalized sequence log-ratio ``(1/|y_i|) sum_t (logp - old_logp)`` -> ``[B]``.
-
-    Rows with no response tokens get 0 (ratio 1). Not clamped; callers clamp before ``exp``.
-    """
-    n_tok_B = mask_BT.sum(-1).to(logp_BT.dtype)
-    return sequence_mean(masked_log_ratio(logp_BT, old_logp_BT, mask_BT), n_tok_B)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,15 +221,7 @@ def sequence_clip_metrics(
     # [low, high] x [sequences, tokens] in one product; rows without tokens weigh 0 in both columns
     w_B2 = torch.stack([inp.has_tok_B.to(inp.n_tok_B.dtype), inp.n_tok_B], -1)
     frac_22 = torch.stack([low_B, high_B]).to(w_B2.dtype) @ w_B2 / w_B2.sum(0).clamp(min=1)
-    (seq_low, tok_low), (seq_high, tok_high) = frac_22
-    seq, tok = frac_22.sum(0)
-    out = {
-        "clip_frac_seq_low": seq_low,
-        "clip_frac_seq_high": seq_high,
-        "clip_frac_tok_low": tok_low,
-        "clip_frac_tok_high": tok_high,
-        "clip_frac_seq": seq,
-        "clip_frac_tok": tok,
-    }
+    names = ("seq_low", "tok_low", "seq_high", "tok_high", "seq", "tok")
+    out = {f"clip_frac_{k}": v for k, v in zip(names, [*frac_22.flatten(), *frac_22.sum(0)], strict=True)}
     out.update(ratio_stats("ratio", s_B, inp.has_tok_B))
     return out

@@ -141,7 +141,7 @@ def gspo_token_loss(inp: LossInputs, *, eps_low: float, eps_high: float) -> Loss
     raw_log_s_B = sequence_mean(log_r_BT, inp.n_tok_B)
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # the clamps pass no gradient outside [-MAX, MAX] (sequence) or +-lim (token, see
-    # masked_log_ratio); mirror that so GSPO-token == GSPO there too
+    # loss_inputs.loss_inputs); mirror that so GSPO-token == GSPO there too
     in_range_B = (raw_log_s_B >= -MAX_LOG_RATIO) & (raw_log_s_B <= MAX_LOG_RATIO)
     tok_ok_BT = (inp.logp_BT.detach() - inp.old_logp_BT).abs() <= log_ratio_limit(inp.logp_BT)
     grad_BT = inp.valid_BT & in_range_B[:, None] & tok_ok_BT

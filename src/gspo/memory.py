@@ -31,12 +31,7 @@ def proc_status_mib() -> dict[str, float]:
         text = open("/proc/self/status").read()
     except OSError:
         return {}
-    out = {}
-    for key in ("VmRSS", "VmHWM"):
-        found = re.search(rf"{key}:\s+(\d+)", text)
-        if found:
-            out[key] = int(found.group(1)) / 1024
-    return out
+    return {m[1]: int(m[2]) / 1024 for m in re.finditer(r"(VmRSS|VmHWM):\s+(\d+)", text)}
 
 
 def reset_peak_rss() -> bool:
@@ -65,10 +60,8 @@ def phase_peak(name: str, into: dict[str, float], device: Any) -> Iterator[None]
         into[f"memory/{name}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         into[f"memory/{name}_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         return
-    if not reset_peak_rss():
-        yield
-        return
+    reset = reset_peak_rss()
     yield
-    peak = proc_status_mib().get("VmHWM")
+    peak = proc_status_mib().get("VmHWM") if reset else None
     if peak is not None:
         into[f"memory/{name}_peak_rss_gib"] = peak / 1024

@@ -375,11 +375,12 @@ def load_reward(spec: str, timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S) -
     ``timeout_s`` limits each call (None or 0: no limit; see :func:`with_timeout`): past it the call
     is interrupted and a one-line :class:`GspoError` names the spec and the limit. That holds for the
     built-ins too (a pathological completion or ``format:`` regex), except ``code``, whose programs
-    each have their own limits in the sandbox."""
+    each have their own limits in the sandbox, and ``exact_match``, a strip and a compare: linear in
+    the completion, it cannot hang, so the default step runs no watchdog thread for it."""
     spec = spec.strip()
     fn = _load_builtin(spec, timeout_s)
     if fn is not None:
-        return fn if spec == "code" else with_timeout(fn, spec, timeout_s)
+        return fn if spec in ("code", "exact_match") else with_timeout(fn, spec, timeout_s)
     if ":" not in spec:
         raise GspoError(
             f"unknown reward {spec!r} (built-in: {_BUILTINS}; or module:function, path/to/file.py:function)"
@@ -498,45 +499,64 @@ def safe_rewards(
     if n == 0:
         return [], 0
     prompts = [p if isinstance(p, str) else prompt_text(p) for p in prompts]
-    label = name
-
-    def fail(what: str, i: int | None = None) -> GspoError:
-        where = f" for sample {i} (completion {completions[i][:60]!r})" if i is not None else ""
-        return RewardFailure(f"reward function {label} {what}{where}")
-
-    def checked(out: list[float], bad: int, first: str) -> tuple[list[float], int]:
-        if bad == n:
-            raise GspoError(
-                f"reward function {label} failed on all {n} samples of the batch ({first}); "
-                "--reward-on-error zero would train on all-zero rewards"
-            )
-        return out, bad
-
     try:
         scores = _scores(fn(prompts, completions, answers), n)
-    except GspoError:
-        raise
-    except _BadBatch as e:
-        if on_error == "error":
-            raise fail(str(e)) from None
-        return checked(*_per_sample(fn, prompts, completions, answers))
     except BaseException as e:  # SystemExit, KeyboardInterrupt from the reward: its error, not ours
-        if is_interrupt(e):
-            raise
-        if on_error == "error":
-            raise fail(f"raised {one_line(e)}") from None if not isinstance(e, Exception) else e
-        return checked(*_per_sample(fn, prompts, completions, answers))
+        return _failed_call(e, fn, prompts, completions, answers, on_error, name)
+    if any(isinstance(s, str) for s in scores):  # the failure paths live apart: a step runs none
+        return _bad_scores(scores, completions, on_error, name)
+    return scores, 0  # type: ignore[return-value] (no str among them)
+
+
+def _failure(name: str, what: str, completions: list[str], i: int | None = None) -> RewardFailure:
+    where = f" for sample {i} (completion {completions[i][:60]!r})" if i is not None else ""
+    return RewardFailure(f"reward function {name} {what}{where}")
+
+
+def _checked(out: list[float], bad: int, first: str, name: str) -> tuple[list[float], int]:
+    if bad == len(out):
+        raise GspoError(
+            f"reward function {name} failed on all {bad} samples of the batch ({first}); "
+            "--reward-on-error zero would train on all-zero rewards"
+        )
+    return out, bad
+
+
+def _failed_call(
+    e: BaseException,
+    fn: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    answers: list[str],
+    on_error: str,
+    name: str,
+) -> tuple[list[float], int]:
+    """:func:`safe_rewards` where the whole call failed with ``e`` (called inside its ``except``)."""
+    if isinstance(e, GspoError) or is_interrupt(e):
+        raise e
+    if on_error == "error":
+        if isinstance(e, _BadBatch):
+            raise _failure(name, str(e), completions) from None
+        cause = e if isinstance(e, Exception) else None  # a BaseException's traceback is noise
+        raise _failure(name, f"raised {one_line(e)}", completions) from cause
+    return _checked(*_per_sample(fn, prompts, completions, answers), name)
+
+
+def _bad_scores(
+    scores: list[float | str], completions: list[str], on_error: str, name: str
+) -> tuple[list[float], int]:
+    """:func:`safe_rewards` where some returned values are not rewards (their descriptions)."""
     out, bad, first = [], 0, ""
     for i, s in enumerate(scores):
         if isinstance(s, str):
             if on_error == "error":
-                raise fail(f"returned {s}", i)
+                raise _failure(name, f"returned {s}", completions, i)
             out.append(0.0)
             bad += 1
             first = first or f"sample {i}: returned {s}"
         else:
             out.append(s)
-    return checked(out, bad, first)
+    return _checked(out, bad, first, name)
 
 
 def _per_sample(

@@ -51,12 +51,8 @@ def split_minibatches(
         else:
             order = torch.argsort(mb.prompt_mask_BP.sum(-1) + mb.real_mask_BT.sum(-1), stable=True)
             parts = [mb.rows(order[j : j + micro_size]) for j in range(0, size, micro_size)]
-        out.append([MicroBatch(p, _layout_of(p, layout, mask_dtype)) for p in parts])
+        out.append([MicroBatch(p, make_layout(
+            p.prompt_ids_BP, p.prompt_mask_BP, p.response_ids_BT, p.response_mask_BT, layout, mask_dtype,
+            p.obs_mask_BT,
+        )) for p in parts])  # fmt: skip
     return out
-
-
-def _layout_of(d: TrainBatch, layout: str, mask_dtype: torch.dtype) -> Layout:
-    return make_layout(
-        d.prompt_ids_BP, d.prompt_mask_BP, d.response_ids_BT, d.response_mask_BT, layout, mask_dtype,
-        d.obs_mask_BT,
-    )  # fmt: skip

@@ -81,7 +81,6 @@ _MISMATCH = {
     "opsm_frac_tok": TOKEN,
 }
 METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
-_LOSS_METRIC_PREFIX = "loss/"
 
 
 @dataclass
@@ -215,40 +214,31 @@ def _train_micro_batch(
         forcing = R.replay_routing(unwrap(policy, "hf"), mb.replay, backward_inside=True)
     with forcing:
         f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
-        old_logp_BT, trainer_old_BT = pi_old(mb, f, plan)
+        old_logp_BT, trainer_BT = pi_old(mb, f, plan)
         sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
-        weight, loss_mask_BT, corr_metrics = mismatch_correction(trainer_old_BT, sampler_BT, m_BT, plan)
+        weight, loss_mask_BT, corr = None, m_BT, {}  # the trainer's pi_old unknown here: nothing to compare
+        if trainer_BT is not None:  # the plan's train/inference mismatch correction (gspo.correction)
+            weight, loss_mask_BT, corr = C.CORRECTIONS[plan.correction](
+                trainer_BT,
+                sampler_BT,
+                m_BT,
+                cap=plan.mismatch_cap,
+                lo=plan.mismatch_low,
+                hi=plan.mismatch_high,
+            )
         if plan.opsm_threshold is not None:  # decided with this forward's pi_theta
             weight, opsm = C.with_opsm(
                 weight, f.logp_BT, sampler_BT, mb.data.adv_B, m_BT, plan.opsm_threshold
             )
-            corr_metrics |= {f"mismatch/{k}": v for k, v in opsm.items()}
+            corr |= opsm
         inp = loss_inputs(
             f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
         )
         out = LOSSES[plan.algo](inp, plan.aggregation, **dict(plan.loss_params))
         (out.loss * world_size).backward()
-    metrics = {_LOSS_METRIC_PREFIX + k: v for k, v in out.metrics.items()} | corr_metrics
+    metrics = {f"loss/{k}": v for k, v in out.metrics.items()} | {f"mismatch/{k}": v for k, v in corr.items()}
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
     return out.loss.detach() * world_size, metrics, f.routing
-
-
-def mismatch_correction(
-    old_logp_BT: torch.Tensor | None, sampler_logp_BT: torch.Tensor, mask_BT: torch.Tensor, plan: UpdatePlan
-) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
-    """The plan's train/inference mismatch correction (:mod:`gspo.correction`) ->
-    (per-sequence loss weight or None, the loss's token mask, metrics)."""
-    if old_logp_BT is None:  # the trainer's pi_old is not known here: nothing to compare
-        return None, mask_BT, {}
-    weight, loss_mask_BT, stats = C.CORRECTIONS[plan.correction](
-        old_logp_BT,
-        sampler_logp_BT,
-        mask_BT,
-        cap=plan.mismatch_cap,
-        lo=plan.mismatch_low,
-        hi=plan.mismatch_high,
-    )
-    return weight, loss_mask_BT, {f"mismatch/{k}": v for k, v in stats.items()}
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
@@ -320,17 +310,13 @@ def policy_update(
             out.update(measure_volatility(policy, minibatches[vol_i], vol_old, plan))
 
     optimizer.zero_grad(set_to_none=True)  # the rollout and the sync that follow need no gradients
-    out.update(reduce_metrics(parts, metric_reductions(plan.algo)))
+    token_ratio = LOSSES[plan.algo].token_ratio  # a loss's own per-token ratio has a token mean
+    out.update(reduce_metrics(parts, METRICS | ({"loss/ratio_mean": TOKEN} if token_ratio else {})))
     out["loss/loss"], out["loss/grad_norm"] = torch.stack(
         [torch.stack(step_losses).mean(), torch.stack(grad_norms).mean()]
     ).tolist()
     out["loss/skipped_updates"] = float(n_mb - n_steps)
     return out
-
-
-def metric_reductions(algo: str) -> dict[str, str]:
-    """:data:`METRICS` for one algorithm: a loss's own per-token ratio has a token mean."""
-    return METRICS | ({"loss/ratio_mean": TOKEN} if LOSSES[algo].token_ratio else {})
 
 
 def reduce_metrics(
@@ -340,8 +326,7 @@ def reduce_metrics(
     the metric computed on all rows at once. A metric only some micro-batches have is reduced over
     those."""
     keys = sorted({k for m, _ in parts for k in m})
-    unknown = [k for k in keys if k not in reductions]
-    if unknown:
+    if unknown := [k for k in keys if k not in reductions]:
         raise KeyError(f"metrics without a declared reduction in update.METRICS: {unknown}")
     rows = []  # [metric (+ tokens, sequences)] per micro-batch, then one transfer each
     for m, mb in parts:
@@ -356,9 +341,8 @@ def reduce_metrics(
         torch.tensor([kd == want for kd in kinds])[:, None] for want in (TOKEN, MIN, MAX)
     )
     W_KM = torch.where(is_tok, n_tok_M, n_seq_M) * present
-    mean = torch.where(present, V_KM, 0).mul(W_KM).sum(1, keepdim=True) / W_KM.sum(1, keepdim=True).clamp(
-        min=1
-    )
+    weighted = torch.where(present, V_KM, 0).mul(W_KM).sum(1, keepdim=True)
+    mean = weighted / W_KM.sum(1, keepdim=True).clamp(min=1)
     lo = torch.where(present, V_KM, float("inf")).amin(1, keepdim=True)
     hi = torch.where(present, V_KM, float("-inf")).amax(1, keepdim=True)
     vals = torch.where(is_min, lo, torch.where(is_max, hi, mean)).squeeze(1).tolist() if keys else []
