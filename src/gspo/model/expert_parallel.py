@@ -10,6 +10,7 @@ collective (ranks sample different lengths), so the sampler runs every expert lo
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,10 +47,16 @@ def check_divides(model: nn.Module, ep: int, world: int) -> None:
         )
 
 
+# every experts module shard_experts made expert-parallel (none: whole_experts has nothing to look for)
+_SHARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def shard_experts(model: nn.Module, meshes: dict[str, Any]) -> dict[str, nn.Module]:
     """Each rank keeps ``num_experts / ep`` whole experts of every MoE layer of ``model`` (in place;
     on the meta device too) and exchanges tokens with the other ranks of its EP group."""
-    return transformers_ep.install(model, meshes["ep"], meshes["tp"])
+    experts = transformers_ep.install(model, meshes["ep"], meshes["tp"])
+    _SHARDED.update(experts.values())
+    return experts
 
 
 def _expert_parallel(module: nn.Module) -> bool:
@@ -66,10 +73,10 @@ def _expert_parallel(module: nn.Module) -> bool:
 def whole_experts(model: nn.Module) -> Iterator[None]:
     """While held, every expert-parallel experts module of ``model`` runs all its experts locally
     (no token exchange) on its weights gathered whole (collective on entry: every rank enters).
-    Costs the experts' full weights per rank while held; nothing without EP."""
+    Costs the experts' full weights per rank while held; nothing without EP (no module is looked at)."""
     swapped: list[tuple[nn.Module, Any]] = []
     try:
-        for m in model.modules():
+        for m in model.modules() if _SHARDED else ():
             if _expert_parallel(m):
                 whole = {n: p.full_tensor() for n, p in m.named_parameters(recurse=False)}
                 swapped.append((m, vars(m)["forward"]))

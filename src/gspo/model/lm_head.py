@@ -57,9 +57,9 @@ def truncate_logits(
     in place, and that support (None: unchanged). ``targets_N`` are always kept: a token the sampler
     drew is in its support, and the trainer's logits may put a near-tie at the edge on the other side
     (a difference of rounding, never -inf log-probs)."""
-    keep_NV = truncation_mask(z_NV, top_k, top_p)
-    if keep_NV is None:
+    if not (0 < top_k < z_NV.shape[-1] or top_p < 1.0):  # no truncation (truncation_mask's None)
         return z_NV, None
+    keep_NV = truncation_mask(z_NV, top_k, top_p)
     if targets_N is not None:
         keep_NV.scatter_(-1, targets_N[:, None], True)
     return z_NV.masked_fill_(~keep_NV, float("-inf")), keep_NV

@@ -36,7 +36,6 @@ from gspo.model.lm_head import (
     DEFAULT_CHUNK_SIZE,
     logprobs_from_hidden,
     logprobs_from_logits,
-    naive_logprobs_from_hidden,
 )
 from gspo.model.unwrap import ModelWrapper, unwrap
 
@@ -66,46 +65,53 @@ def attn_implementation(model: PreTrainedModel) -> str:
     return transformers_model.attn_implementation(model)
 
 
-# probe results per model object: (probe name, key) -> bool; entries go with the model
+# probe answers per model object: (probe name, key) -> bool; entries go with the model
 _PROBES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], bool]] = weakref.WeakKeyDictionary()
 
 
-def _probe(
+def _probed(model: PreTrainedModel, name: str, key: str, probe: Callable[[PreTrainedModel], bool]) -> bool:
+    """``probe(model)``, run once per model and ``(name, key)``, then the cached answer."""
+    cache = _PROBES.setdefault(model, {})
+    if (name, key) not in cache:
+        cache[(name, key)] = probe(model)
+    return cache[(name, key)]
+
+
+def _agree(
     model: PreTrainedModel,
-    name: str,
-    key: str,
     run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     tol: float,
     errors: tuple[type[Exception], ...] = (Exception,),
 ) -> bool:
-    """Cached once per model (under ``name``/``key``): ``run()`` in eval mode gives ``(ref, got)`` that
-    must agree within ``tol`` relative to ``ref`` (5e-2 for half precision); a raised ``errors`` is a no."""
-    cache = _PROBES.setdefault(model, {})
-    key = (name, key)
-    if key not in cache:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                ref, got = run()
-            if model.dtype not in (torch.float32, torch.float64):
-                tol = 5e-2
-            cache[key] = bool((ref - got).abs().max() <= tol * max(1.0, float(ref.abs().max())))
-        except errors:  # a model that rejects the probed inputs outright
-            cache[key] = False
-        finally:
-            model.train(was_training)
-    return cache[key]
+    """``run()`` in eval mode gives ``(ref, got)`` that must agree within ``tol`` relative to ``ref``
+    (5e-2 for half precision); a raised ``errors`` is a no."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ref, got = run()
+        if model.dtype not in (torch.float32, torch.float64):
+            tol = 5e-2
+        return bool((ref - got).abs().max() <= tol * max(1.0, float(ref.abs().max())))
+    except errors:  # a model that rejects the probed inputs outright
+        return False
+    finally:
+        model.train(was_training)
 
 
 def takes_additive_mask(model: PreTrainedModel) -> bool:
-    """True when a ready 4D additive mask means the same to the model as transformers' own mask from
-    a 2D padding mask: sdpa or eager attention, full attention in every layer (no sliding window),
-    and a probe (two tiny left-padded rows, both ways, once per model and attention implementation)
-    agrees. The probe catches what the config does not tell, e.g. ALiBi biases built from the 2D mask."""
+    """True when a ready 4D additive mask means to the model what its own mask from a 2D padding
+    mask does (:func:`_additive_mask_probe`, once per model and attention implementation)."""
+    impl = transformers_model.attn_implementation(model)
+    return _probed(model, "additive_mask", impl, _additive_mask_probe)
+
+
+def _additive_mask_probe(model: PreTrainedModel) -> bool:
+    """sdpa or eager attention, full attention in every layer (no sliding window), and a probe (two
+    tiny left-padded rows, both ways) agrees. The probe catches what the config does not tell, e.g.
+    ALiBi biases built from the 2D mask."""
     cfg = model.config
-    impl = attn_implementation(model)
-    if impl not in ("sdpa", "eager"):
+    if attn_implementation(model) not in ("sdpa", "eager"):
         return False
     types = getattr(cfg, "layer_types", None)
     if types is not None and not all(t == "full_attention" for t in types):
@@ -125,7 +131,7 @@ def takes_additive_mask(model: PreTrainedModel) -> bool:
         ]
         return logits[0], logits[1]
 
-    return _probe(model, "additive_mask", impl, run, tol=1e-3)
+    return _agree(model, run, tol=1e-3)
 
 
 def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
@@ -145,7 +151,7 @@ def shared_prefix_is_exact(model: PreTrainedModel) -> bool:
         rows = response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="rows")
         return rows, response_logprobs(model, p_ids, p_mask, r_ids, r_mask, layout="shared_prefix")
 
-    return _probe(model, "shared_prefix", attn_implementation(model), run, tol=1e-3)
+    return _probed(model, "shared_prefix", attn_implementation(model), lambda m: _agree(m, run, tol=1e-3))
 
 
 @dataclass
@@ -175,22 +181,33 @@ def make_layout(
     mask_dtype: torch.dtype = torch.float32,
     obs_mask_BT: torch.Tensor | None = None,
 ) -> Layout:
-    """Model inputs of prompts + responses in ``layout``. ``obs_mask_BT`` (multi-turn trajectories)
-    marks observation tokens between the model's: they are in the sequence (the model's later
-    tokens see them) but nothing predicts them, so they get no log-prob and no gradient."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    """Model inputs of prompts + responses in ``layout`` (one of :data:`LAYOUTS`). ``obs_mask_BT``
+    (multi-turn trajectories) marks observation tokens between the model's: they are in the sequence
+    (the model's later tokens see them) but nothing predicts them: no log-prob, no gradient."""
+    args = (prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT)
     if layout == "shared_prefix":
-        lay = _shared_prefix_layout(
-            prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, mask_dtype, obs_mask_BT
-        )
+        lay = _shared_prefix_layout(*args, mask_dtype, obs_mask_BT)
         if lay is not None:
             return lay
+    elif layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return _flat_layout(*args, obs_mask_BT, packed=layout == "packed")
+
+
+def _flat_layout(
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    obs_mask_BT: torch.Tensor | None,
+    packed: bool,
+) -> Layout:
+    """The ``rows`` layout, or with ``packed`` the ``packed`` one."""
     ids_BL = torch.cat([prompt_ids_BP, response_ids_BT], 1)
     real_BT = response_mask_BT if obs_mask_BT is None else response_mask_BT.bool() | obs_mask_BT.bool()
     mask_BL = torch.cat([prompt_mask_BP.bool(), real_BT.bool()], 1)
     resp_BL = torch.cat([torch.zeros_like(prompt_mask_BP), response_mask_BT], 1).bool()
-    if layout == "packed":
+    if packed:
         flat_ids = ids_BL[mask_BL][None]  # [1, N] real tokens, row after row
         pos = position_ids_from_mask(mask_BL)[mask_BL][None]
         resp_N = resp_BL[mask_BL]
@@ -282,36 +299,28 @@ def response_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_t | x, y_<t) for every response token -> ``[B, T]`` float32 (0 on padding).
-
-    ``layout`` names one of :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors.
-    Every row needs at least one prompt token. The LM head runs only on the ``N`` real response
-    positions (chunked, see :func:`logprobs_from_hidden`; plain autograd up to
-    :data:`PLAIN_HEAD_MAX_LOGITS`), never on prompt or padding positions, unless the model
-    post-processes its logits (:func:`lm_head_is_plain`). ``top_k`` / ``top_p``: log-probs over the
-    sampler's truncated support, renormalized (:func:`~gspo.model.lm_head.truncate_logits`).
-    """
+    """log pi(y_t | x, y_<t) for every response token -> ``[B, T]`` float32 (0 on padding): the
+    trainer's forward (:class:`PolicyLogprobs`) on a bare model. ``layout`` names one of
+    :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors. Every row needs at
+    least one prompt token."""
     model = unwrap(model, "hf")
     lay = layout
     if not isinstance(lay, Layout):
         lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, lay, model.dtype)
-    plain = lm_head_is_plain(model)
-    return _logprobs(
-        model,
-        lay,
-        response_ids_BT,
-        response_mask_BT,
-        temperature,
-        chunk_size,
-        return_entropy,
-        plain,
-        top_k,
-        top_p,
+    policy = PolicyLogprobs(model)
+    return policy(
+        lay, response_ids_BT, response_mask_BT, temperature, chunk_size, return_entropy, top_k, top_p
     )
 
 
 class PolicyLogprobs(ModelWrapper):
     """The trainer's forward as a module: ``Layout`` + responses -> response log-probs (+ entropy).
+
+    The LM head runs only on the ``N`` real response positions (chunked, see
+    :func:`~gspo.model.lm_head.logprobs_from_hidden`; plain autograd up to
+    :data:`PLAIN_HEAD_MAX_LOGITS`), never on prompt or padding positions, unless the model
+    post-processes its logits (:func:`lm_head_is_plain`). ``top_k`` / ``top_p``: log-probs over the
+    sampler's truncated support, renormalized (:func:`~gspo.model.lm_head.truncate_logits`).
 
     Data-parallel wrappers (DDP, FSDP2's root unit) hook a module's own ``forward``; the training
     loop calls this module, so they wrap the computation it actually runs (base model, then the LM
@@ -334,21 +343,36 @@ class PolicyLogprobs(ModelWrapper):
         return_entropy: bool = False,
         top_k: int = 0,
         top_p: float = 1.0,
+        plain: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        hf = unwrap(self.model, "hf")
-        plain = lm_head_is_plain(hf)
-        return _logprobs(
-            hf,
-            lay,
-            response_ids_BT,
-            response_mask_BT,
-            temperature,
-            chunk_size,
-            return_entropy,
-            plain,
-            top_k,
-            top_p,
-        )
+        """``plain`` (default :func:`lm_head_is_plain`): base model + LM head at the predicting
+        positions; else the whole causal-LM forward (its own logit post-processing included)."""
+        model = unwrap(self.model, "hf")
+        kw = dict(input_ids=lay.input_ids_RL, attention_mask=lay.attention_mask_R1LL)
+        kw.update(position_ids=lay.position_ids_RL, use_cache=False)
+        sel_BT = response_mask_BT.bool()
+        targets_N = response_ids_BT[sel_BT]
+        head = (targets_N, temperature, return_entropy, top_k, top_p)
+        if plain is None:
+            plain = lm_head_is_plain(model)
+        if plain:
+            hidden = model.base_model(**kw).last_hidden_state
+            hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
+            weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
+            if hidden_NH.shape[0] * weight_VH.shape[0] <= PLAIN_HEAD_MAX_LOGITS:
+                res = logprobs_from_logits(hidden_NH @ weight_VH.T, *head)
+            else:
+                res = logprobs_from_hidden(hidden_NH, weight_VH, targets_N, chunk_size, *head[1:])
+        else:
+            logits = model(**kw).logits
+            res = logprobs_from_logits(logits.reshape(-1, logits.shape[-1])[lay.pred_pos], *head)
+        logp_N, ent_N = res if return_entropy else (res, None)
+        B, T = response_ids_BT.shape
+        logp_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, logp_N)
+        if not return_entropy:
+            return logp_BT
+        ent_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, ent_N)
+        return logp_BT, ent_BT
 
 
 def as_policy(model: nn.Module) -> nn.Module:
@@ -356,48 +380,6 @@ def as_policy(model: nn.Module) -> nn.Module:
     if isinstance(model, PolicyLogprobs | nn.parallel.DistributedDataParallel):
         return model
     return PolicyLogprobs(model)
-
-
-def _logprobs(
-    model: PreTrainedModel,
-    lay: Layout,
-    response_ids_BT: torch.Tensor,
-    response_mask_BT: torch.Tensor,
-    temperature: float,
-    chunk_size: int,
-    return_entropy: bool,
-    plain: bool,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``plain``: base model + chunked LM head at the predicting positions; else the whole causal-LM
-    forward (its own logit post-processing included) and a float32 log-softmax of its logits there."""
-    kw = dict(
-        input_ids=lay.input_ids_RL,
-        attention_mask=lay.attention_mask_R1LL,
-        position_ids=lay.position_ids_RL,
-        use_cache=False,
-    )
-    sel_BT = response_mask_BT.bool()
-    targets_N = response_ids_BT[sel_BT]
-    if plain:
-        hidden = model.base_model(**kw).last_hidden_state
-        hidden_NH = hidden.reshape(-1, hidden.shape[-1])[lay.pred_pos]
-        weight_VH = model.get_output_embeddings().weight  # after the forward: FSDP has unsharded it
-        small = hidden_NH.shape[0] * weight_VH.shape[0] <= PLAIN_HEAD_MAX_LOGITS
-        head = naive_logprobs_from_hidden if small else logprobs_from_hidden
-        res = head(hidden_NH, weight_VH, targets_N, chunk_size, temperature, return_entropy, top_k, top_p)
-    else:
-        logits = model(**kw).logits
-        logits_NV = logits.reshape(-1, logits.shape[-1])[lay.pred_pos]
-        res = logprobs_from_logits(logits_NV, targets_N, temperature, return_entropy, top_k, top_p)
-    logp_N, ent_N = res if return_entropy else (res, None)
-    B, T = response_ids_BT.shape
-    logp_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, logp_N)
-    if not return_entropy:
-        return logp_BT
-    ent_BT = torch.zeros(B, T, dtype=torch.float32, device=logp_N.device).masked_scatter(sel_BT, ent_N)
-    return logp_BT, ent_BT
 
 
 def probe(model: PreTrainedModel) -> None:
@@ -419,11 +401,15 @@ def adopt_probes(model: PreTrainedModel, results: dict[tuple[str, str], bool]) -
 
 
 def lm_head_is_plain(model: PreTrainedModel) -> bool:
-    """True when the causal LM's logits are exactly ``hidden @ W^T`` of its output embeddings, so the
-    chunked LM head may replace them. Checked once per model by a probe on two tiny rows against the
-    model's own logits: architectures that scale or soft-cap their logits (Granite, Cohere, Gemma 2/3,
-    ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits). Call it once
-    outside MoE routing capture/replay (the training loop does), or those would record the probe."""
+    """True when the logits are exactly ``hidden @ W^T`` (:func:`_plain_head_probe`, once per model)."""
+    return _probed(model, "plain_head", "", _plain_head_probe)
+
+
+def _plain_head_probe(model: PreTrainedModel) -> bool:
+    """Whether the chunked LM head may replace the model's own logits: a probe on two tiny rows
+    against them. Architectures that scale or soft-cap their logits (Granite, Cohere, Gemma 2/3,
+    ...) fail it and get the full forward instead (exact; costs ``[N, V]`` logits). Run it outside
+    MoE routing capture/replay (the training loop does), or those would record the probe."""
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         dev, V = next(model.parameters()).device, model.config.vocab_size
@@ -432,8 +418,8 @@ def lm_head_is_plain(model: PreTrainedModel) -> bool:
             torch.tensor([[9, 10], [11, 12]], device=dev) % V,
         )
         ones = torch.ones(2, 2, dtype=torch.long, device=dev)
+        policy = PolicyLogprobs(model)
         lay = make_layout(p_ids, ones, r_ids, ones, "rows")
-        own = _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=False)
-        return own, _logprobs(model, lay, r_ids, ones, 1.0, DEFAULT_CHUNK_SIZE, False, plain=True)
+        return policy(lay, r_ids, ones, plain=False), policy(lay, r_ids, ones, plain=True)
 
-    return _probe(model, "plain_head", "", run, tol=1e-4, errors=())
+    return _agree(model, run, tol=1e-4, errors=())

@@ -25,8 +25,10 @@ recomputes unreplayed, so :func:`replay_routing` warns when checkpointing is ena
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -99,8 +101,22 @@ def is_moe(model: nn.Module) -> bool:
     return bool(found)
 
 
+# each model's routers and their parent MoE blocks, scanned at its first capture or replay (the
+# trainer's model keeps its modules from then on); entries go with the model
+_ROUTERS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[nn.Module, nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _routers_with_parents(model: nn.Module, what: str) -> dict[str, tuple[nn.Module, nn.Module]]:
-    """``{short name: (router, parent MoE block)}``; raises if there are no (supported) routers."""
+    """``{short name: (router, parent MoE block)}``, scanned once per model (:data:`_ROUTERS`)."""
+    if model not in _ROUTERS:
+        _ROUTERS[model] = _scan_with_parents(model, what)
+    return _ROUTERS[model]
+
+
+def _scan_with_parents(model: nn.Module, what: str) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """:func:`_routers_with_parents`, uncached; raises if there are no (supported) routers."""
     found = _checked_scan(model)
     if not found:
         raise GspoError(
@@ -113,12 +129,9 @@ def _routers_with_parents(model: nn.Module, what: str) -> dict[str, tuple[nn.Mod
     return out
 
 
-def _block_input_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
-    """``(B, T)`` of an MoE block's ``hidden_states [B, T, H]`` input (None if it is not 3-D)."""
-    x = args[0] if args else kwargs.get("hidden_states")
-    if isinstance(x, torch.Tensor) and x.dim() == 3:
-        return int(x.shape[0]), int(x.shape[1])
-    return None
+def _bt(x: object) -> tuple[int, int] | None:
+    """``(B, T)`` of a ``[B, T, H]`` tensor (None for anything else)."""
+    return (int(x.shape[0]), int(x.shape[1])) if isinstance(x, torch.Tensor) and x.dim() == 3 else None
 
 
 def _shape_tracking_hooks(
@@ -131,21 +144,35 @@ def _shape_tracking_hooks(
     current: list[tuple[int, int] | None] = [None]
 
     def pre_hook(_mod, args, kwargs):
-        current[0] = _block_input_shape(args, kwargs)
+        current[0] = _bt(args[0] if args else kwargs.get("hidden_states"))
 
     def hook(_mod, args, output):
         bt, current[0] = current[0], None  # consume, so a later lone router call cannot reuse it
-        if bt is None:  # router called outside its block: use its own input if it is [B, T, H]
-            x = args[0] if args else None
-            bt = (int(x.shape[0]), int(x.shape[1])) if isinstance(x, torch.Tensor) and x.dim() == 3 else None
-        if bt is None:
-            bt = (1, int(output[2].shape[0]))
+        if bt is None:  # router called outside its block: its own input if it is [B, T, H], else one row
+            bt = _bt(args[0] if args else None) or (1, int(output[2].shape[0]))
         return on_router_output(output, bt)
 
     return [
         parent.register_forward_pre_hook(pre_hook, with_kwargs=True),
         router.register_forward_hook(hook, prepend=prepend),
     ]
+
+
+@contextlib.contextmanager
+def _hooked(
+    routers: dict[str, tuple[nn.Module, nn.Module]],
+    on_output: Callable[[str, nn.Module], Callable],
+    prepend: bool,
+) -> Iterator[None]:
+    """Every router's :func:`_shape_tracking_hooks` (with ``on_output(name, router)``) while held."""
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    try:
+        for name, (router, parent) in routers.items():
+            handles += _shape_tracking_hooks(parent, router, on_output(name, router), prepend)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,6 +189,9 @@ class RoutingRecorder(Mapping[str, torch.Tensor]):
 
     def __init__(self, names: list[str]) -> None:
         self.calls: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+
+    def record(self, name: str, output: tuple[torch.Tensor, ...], bt: tuple[int, int]) -> None:
+        self.calls[name].append(output[2].detach().reshape(*bt, output[2].shape[-1]))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return _join(name, self.calls[name], dim=0)
@@ -181,27 +211,12 @@ class RoutingRecorder(Mapping[str, torch.Tensor]):
 
 @contextlib.contextmanager
 def capture_routing(model: nn.Module) -> Iterator[RoutingRecorder]:
-    """Record the top-k expert indices ``[B, T, k]`` every router uses in the forwards run inside.
-
-    Inside :func:`replay_routing` (either nesting order) the recorded indices are the forced ones.
-    """
+    """Record the top-k expert indices ``[B, T, k]`` every router uses in the forwards run inside
+    (inside :func:`replay_routing`, either nesting order, the forced ones)."""
     routers = _routers_with_parents(model, "capture_routing")
     rec = RoutingRecorder(list(routers))
-
-    def make_recorder(name: str):
-        def record(output, bt):
-            rec.calls[name].append(output[2].detach().reshape(*bt, output[2].shape[-1]))
-
-        return record
-
-    handles: list[torch.utils.hooks.RemovableHandle] = []
-    try:
-        for name, (router, parent) in routers.items():
-            handles += _shape_tracking_hooks(parent, router, make_recorder(name), prepend=False)
+    with _hooked(routers, lambda name, _router: functools.partial(rec.record, name), prepend=False):
         yield rec
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _join(name: str, calls: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -217,12 +232,8 @@ def _join(name: str, calls: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def routing_snapshot(rec: RoutingRecorder, dim: int = 0) -> Routing:
-    """``{name: LongTensor[B, T, k]}`` from a recorder.
-
-    Several forwards in one context are concatenated along ``dim``: ``0`` (default) stacks
-    micro-batches along ``B`` (they must share ``T``); ``1`` joins the steps of a KV-cached
-    ``generate`` along ``T`` into the routing of every position that was fed to the model.
-    """
+    """``{name: LongTensor[B, T, k]}`` from a recorder, several forwards joined along ``dim``: ``0``
+    stacks micro-batches along ``B`` (same ``T``), ``1`` a KV-cached ``generate``'s steps along ``T``."""
     if dim not in (0, 1):
         raise GspoError(f"routing_snapshot: dim must be 0 (batch) or 1 (time), got {dim}")
     return {name: _join(name, calls, dim) for name, calls in rec.calls.items()}
@@ -278,14 +289,8 @@ def replay_routing(model: nn.Module, routing: Routing, backward_inside: bool = F
 
         return replace
 
-    handles: list[torch.utils.hooks.RemovableHandle] = []
-    try:
-        for name, (router, parent) in routers.items():
-            handles += _shape_tracking_hooks(parent, router, make_replacer(name, router), prepend=True)
+    with _hooked(routers, make_replacer, prepend=True):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def slice_routing(routing: Routing, sl: slice) -> Routing:
@@ -308,19 +313,24 @@ def cat_routing(routings: list[Routing]) -> Routing:
 # volatility
 
 
+def _matching(
+    what: str, old_idx_BTk: torch.Tensor, new_idx_BTk: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """``new_idx_BTk`` on ``old_idx_BTk``'s device, once the three shapes are checked to match."""
+    if old_idx_BTk.shape != new_idx_BTk.shape or old_idx_BTk.shape[:2] != mask_BT.shape:
+        raise GspoError(
+            f"{what}: shapes {list(old_idx_BTk.shape)}, {list(new_idx_BTk.shape)}, mask "
+            f"{list(mask_BT.shape)} do not match"
+        )
+    return new_idx_BTk.to(old_idx_BTk.device)
+
+
 def expert_volatility(
     old_idx_BTk: torch.Tensor, new_idx_BTk: torch.Tensor, mask_BT: torch.Tensor
 ) -> torch.Tensor:
-    """0-dim float32: fraction of masked positions whose top-k expert *set* changed (order-insensitive).
-
-    0 if the mask is empty. No host sync.
-    """
-    if old_idx_BTk.shape != new_idx_BTk.shape or old_idx_BTk.shape[:2] != mask_BT.shape:
-        raise GspoError(
-            f"expert_volatility: shapes {list(old_idx_BTk.shape)}, {list(new_idx_BTk.shape)}, mask "
-            f"{list(mask_BT.shape)} do not match"
-        )
-    new = new_idx_BTk.to(old_idx_BTk.device)
+    """0-dim float32: fraction of masked positions whose top-k expert *set* changed (order-insensitive);
+    0 if the mask is empty. No host sync."""
+    new = _matching("expert_volatility", old_idx_BTk, new_idx_BTk, mask_BT)
     # sorting makes the comparison order-insensitive (top-k sets have distinct entries)
     changed_BT = (old_idx_BTk.sort(-1).values != new.sort(-1).values).any(-1)
     m_BT = mask_BT.to(old_idx_BTk.device).bool()
@@ -334,12 +344,7 @@ def expert_share_changed(
     masked positions, the mean share of the ``k`` experts activated under ``new`` that were not
     activated under ``old``, ``|new \\ old| / k``. A position whose set changed by one of its k
     experts counts 1/k here and 1 in :func:`expert_volatility`. 0 if the mask is empty."""
-    if old_idx_BTk.shape != new_idx_BTk.shape or old_idx_BTk.shape[:2] != mask_BT.shape:
-        raise GspoError(
-            f"expert_share_changed: shapes {list(old_idx_BTk.shape)}, {list(new_idx_BTk.shape)}, mask "
-            f"{list(mask_BT.shape)} do not match"
-        )
-    new = new_idx_BTk.to(old_idx_BTk.device)
+    new = _matching("expert_share_changed", old_idx_BTk, new_idx_BTk, mask_BT)
     kept_BTk = (new.unsqueeze(-1) == old_idx_BTk.unsqueeze(-2)).any(-1)  # new expert also in old's set
     share_BT = (~kept_BTk).float().mean(-1)
     m_BT = mask_BT.to(old_idx_BTk.device).float()

@@ -26,7 +26,6 @@ class ModelWrapper(nn.Module):
     model: nn.Module
 
 
-LEVELS: tuple[Level, ...] = ("policy", "model", "hf")
 #: what the trainer's forward puts before the HF model's parameter names (it holds it as ``.model``)
 POLICY_PREFIX = "model."
 
@@ -37,26 +36,14 @@ def is_peft(model: Any) -> bool:
 
 
 def unwrap(model: Any, to: Level = "hf") -> Any:
-    """Peel ``model``'s wrappers down to level ``to``:
-
-    * ``"policy"``: the trainer's forward module (a :class:`~gspo.model.logprobs.PolicyLogprobs`, or
-      whatever was wrapped) inside a DDP wrapper;
-    * ``"model"``: the Hugging Face causal LM or its PEFT wrapper: what is trained, saved and sampled;
-    * ``"hf"``: the transformers model itself (under LoRA: with the adapters injected in place).
-
-    Layers that are absent are skipped, so any of these may be passed at any level.
-    """
-    if to not in LEVELS:
-        raise ValueError(f"unwrap: to must be one of {LEVELS}, got {to!r}")
+    """Peel ``model``'s wrappers (absent ones skipped) down to ``to``: ``"policy"``, the trainer's
+    forward inside DDP; ``"model"``, the HF causal LM or its PEFT wrapper (trained, saved, sampled);
+    ``"hf"``, the transformers model itself (under LoRA, with the adapters injected in place)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
-    if to == "policy":
-        return model
-    if isinstance(model, ModelWrapper):
+    if to != "policy" and isinstance(model, ModelWrapper):
         model = model.model
-    if to == "model":
-        return model
-    return model.get_base_model() if is_peft(model) else model
+    return model.get_base_model() if to == "hf" and is_peft(model) else model
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
