@@ -4,7 +4,7 @@ A run stopped after step 3 and resumed must end with the weights of an uninterru
 only as strong as its settings: here every step moves the weights (a reward with noise from every
 global generator), the learning rate is still warming up, and step 4 samples, draws prompts and scores
 with state that lives in the checkpoint. Each test then resumes once more with one piece of that state
-left at what a fresh run would have (a mutant of ``Run.restore``) and asserts the result differs: the
+left at what a fresh run would have (a mutant of ``CheckpointManager.restore``) and asserts the result differs: the
 resume check would catch a resume that forgot that piece.
 """
 

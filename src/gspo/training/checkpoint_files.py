@@ -200,8 +200,6 @@ def write_final(run_dir: Path, write: Any, kept: int) -> Path:
     fsynced and the folder renamed to ``final/`` (replacing an older one): a ``final/`` is always
     complete. A failed write (a full disk) removes the half-written folder and is one line naming the
     free space and the checkpoint kept (``kept``: its step), from which ``--resume`` writes it again."""
-    from gspo.errors import GspoError
-
     final, tmp = run_dir / FINAL, run_dir / FINAL_TMP
     try:
         _remove(tmp)  # left by a kill while an earlier one was written
@@ -385,8 +383,6 @@ def newest_complete(
 def check_latest(run_dir: Path) -> None:
     """Refuse, before a step is trained, a ``latest`` (or ``latest.tmp``) that every checkpoint would
     fail to replace: a folder, or anything else that is not a file or a symlink."""
-    from gspo.errors import GspoError
-
     for name in ("latest", "latest.tmp"):
         p = run_dir / "checkpoints" / name
         if (p.exists() or p.is_symlink()) and not (p.is_symlink() or p.is_file()):
@@ -414,8 +410,6 @@ def lock_run_dir(run_dir: Path) -> UnixFileLock:
     """Take the run folder's lock (``flock`` on ``.gspo.lock`` through filelock; the OS drops it when
     the process ends, kill -9 included) and record our PID in it. Returns the lock: hold a reference
     until :func:`unlock_run_dir` (a collected lock is released)."""
-    from gspo.errors import GspoError
-
     path = run_dir / LOCK
     # never soft (a marker file a crash would leave behind), one holder for every thread; the file
     # is opened without following a symlink (it would truncate the file it points to)
@@ -446,8 +440,6 @@ def lock_run_dir(run_dir: Path) -> UnixFileLock:
 def _own_lock(run_dir: Path, fd: int) -> None:
     """filelock's ``on_acquired``: refuse a FIFO or a device (raising releases the lock), then write
     our PID for the next run's message."""
-    from gspo.errors import GspoError
-
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise GspoError(f"run folder {run_dir}: {LOCK} is not a plain file; remove it")
     os.ftruncate(fd, 0)
