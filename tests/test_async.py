@@ -191,7 +191,8 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
     import shutil
 
     from gspo.model.load import build_char_tokenizer
-    from gspo.training import checkpoint, loop
+    from gspo.training import checkpoint_files as checkpoint
+    from gspo.training import loop
 
     cfg = dict(
         TINY, steps=5, save_every=2, dynamic_sampling=True, overlong_filter=True,

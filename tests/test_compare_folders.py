@@ -16,7 +16,7 @@ from gspo.config import Config, make_config, save_yaml
 from gspo.study import write_report
 from gspo.study.folders import claim_folder
 from gspo.study.runner import plan_run
-from gspo.training.checkpoint import final_complete
+from gspo.training.checkpoint_files import final_complete
 
 FAST = ["--seeds", "0", "--variants", "gspo,grpo", "--workers", "1", "--sft-steps", "0", "--steps", "1"]
 FAST += ["--model", "embedded:tiny-moe", "--eval-size", "2", "--no-progress"]
@@ -95,7 +95,7 @@ def test_a_run_whose_final_folder_lacks_its_weights_is_not_reused(tmp_path):
 def test_empty_preset_and_a_locked_run_folder_are_one_line(tmp_path, capsys):
     """An empty preset file (or comments only) is refused, not run as the defaults; a run folder
     another gspo holds is refused naming compare's own option (--out), not train's --name."""
-    from gspo.training.checkpoint import lock_run_dir
+    from gspo.training.checkpoint_files import lock_run_dir
 
     for text in ("", "# nothing yet\n", "{}\n"):
         empty = tmp_path / "empty.yaml"

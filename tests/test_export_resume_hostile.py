@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from gspo.cli import main as gspo_main
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.launch import check_run_dir, claim_run_dir
+from gspo.launch import check_run_dir, checkpoint_plan
 from gspo.model.export import read_index
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
-from gspo.training import checkpoint as ckpt
-from gspo.training import sharded
+from gspo.training import checkpoint_files as ckpt
+from gspo.training.checkpoints import CheckpointManager
 from gspo.training.distributed import DistContext
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
@@ -65,7 +65,7 @@ def base(tmp_path_factory) -> Path:
     assert p.returncode == 0, p.stderr[-4000:]
     run = tmp / "runs" / "r"
     assert [s.name for s in ckpt.step_folders(run)] == ["step-000001", "step-000002"]
-    assert sharded.is_sharded(run / "checkpoints" / "step-000002")
+    assert ckpt.is_sharded(run / "checkpoints" / "step-000002")
     return run
 
 
@@ -105,7 +105,7 @@ def _dcp_model(step: Path) -> dict[str, torch.Tensor]:
         for k, md in index.items()
         if k.startswith(prefix)
     }
-    dcp.load({"model": sd}, storage_reader=sharded.SafeReader(step / "dcp"), no_dist=True)
+    dcp.load({"model": sd}, storage_reader=ckpt.SafeReader(step / "dcp"), no_dist=True)
     return {k.removeprefix("model."): v for k, v in sd.items()}
 
 
@@ -275,7 +275,7 @@ def test_a_planted_payload_in_a_shard_entry_never_runs(tmp_path):
     states["optimizer"]["param_groups"][0]["lr"] = _Payload(str(marker))
     dcp.save(states, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     with pytest.raises(GspoError, match="cannot be loaded") as e:
-        sharded.load(policy, optimizer, tmp_path, with_optimizer=True)
+        ckpt.load_shards(policy, optimizer, tmp_path, with_optimizer=True)
     assert "\n" not in str(e.value) and not marker.exists()
 
 
@@ -300,9 +300,11 @@ def test_export_without_tokenizer_files_is_refused_unless_asked(base, tmp_path, 
 
 def _claim(run: Path, **kw):
     cfg = Config(output_dir=str(run.parent), name=run.name, **kw)
-    lock, path, state, note = claim_run_dir(cfg)
-    ckpt.unlock_run_dir(lock)
-    return path, state, note
+    checkpoints = CheckpointManager(checkpoint_plan(cfg))
+    try:
+        return checkpoints.claim()
+    finally:
+        checkpoints.release()
 
 
 @pytest.mark.parametrize("kind", ["truncated-shard", "missing-rank-shard", "garbage-index"])
@@ -362,13 +364,14 @@ def test_resume_with_steps_below_the_checkpoint_is_refused_before_anything_is_wr
     saved = torch.load(run / "checkpoints" / "step-000002" / ckpt.TRAINER_STATE, weights_only=True)["config"]
     cfg = Config(**{**saved, "steps": 1, "resume": True, "nproc": 1, "output_dir": str(run.parent)})
     with pytest.raises(GspoError, match=r"--steps 1 is below the step of the checkpoint .*step 2\)") as e:
-        check_run_dir(cfg, DistContext(0, 1, 0, torch.device("cpu")))
+        check_run_dir(cfg, CheckpointManager(checkpoint_plan(cfg), DistContext(0, 1, 0, torch.device("cpu"))))
     assert "\n" not in str(e.value) and "pass --steps 2 or more" in str(e.value)
     assert {p: p.read_bytes() for p in before} == before
     assert sorted((run / "final").iterdir()) == sorted(p for p in before if p.parent.name == "final")
     cfg = Config(**{**saved, "steps": 2, "resume": True, "nproc": 1, "output_dir": str(run.parent)})
-    path, state, lock = check_run_dir(cfg, DistContext(0, 1, 0, torch.device("cpu")))
-    ckpt.unlock_run_dir(lock)
+    checkpoints = CheckpointManager(checkpoint_plan(cfg), DistContext(0, 1, 0, torch.device("cpu")))
+    path, state = check_run_dir(cfg, checkpoints)
+    checkpoints.release()
     assert path.name == "step-000002" and state["step"] == 2  # as many steps as done: allowed
 
 

@@ -4,7 +4,7 @@ A run stopped after step 3 and resumed must end with the weights of an uninterru
 only as strong as its settings: here every step moves the weights (a reward with noise from every
 global generator), the learning rate is still warming up, and step 4 samples, draws prompts and scores
 with state that lives in the checkpoint. Each test then resumes once more with one piece of that state
-left at what a fresh run would have (a mutant of ``Run.restore``) and asserts the result differs: the
+left at what a fresh run would have (a mutant of ``CheckpointManager.restore``) and asserts the result differs: the
 resume check would catch a resume that forgot that piece.
 """
 
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from gspo import Config, train
 from gspo.errors import GspoError
+from gspo.training.checkpoints import CheckpointManager
 from gspo.training.run import Run
 
 REWARD = f"{Path(__file__).parent / 'fixture_rewards.py'}:noisy"
@@ -76,10 +77,10 @@ def async_runs(tmp_path_factory) -> _Runs:
 
 
 def _forget(piece: str) -> Callable[..., None]:
-    """``Run.restore`` that leaves ``piece`` as a fresh (not resumed) run has it."""
-    restore = Run.restore
+    """``CheckpointManager.restore`` that leaves ``piece`` as a fresh (not resumed) run has it."""
+    restore = CheckpointManager.restore
 
-    def mutant(self: Run, state: dict, *args, **kw) -> None:
+    def mutant(manager: CheckpointManager, self: Run, state: dict, *args, **kw) -> None:
         fresh = {
             "sample_gen": self.state.sample_gen.get_state(),
             "scheduler": copy.deepcopy(self.trainer.scheduler.state_dict()),
@@ -87,7 +88,7 @@ def _forget(piece: str) -> Callable[..., None]:
             "numpy_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),
         }
-        restore(self, state, *args, **kw)
+        restore(manager, self, state, *args, **kw)
         if piece == "optimizer":
             self.trainer.optimizer.state.clear()  # AdamW's moments, as a fresh optimizer has them
         elif piece == "scheduler":
@@ -119,7 +120,7 @@ def test_resumed_run_equals_the_uninterrupted_one_and_every_step_moves_the_weigh
     "piece", ["optimizer", "scheduler", "sample_gen", "data_pos", "python_rng", "numpy_rng", "torch_rng"]
 )
 def test_resume_that_forgets_a_piece_of_state_is_caught(sync_runs, monkeypatch, piece):
-    monkeypatch.setattr(Run, "restore", _forget(piece))
+    monkeypatch.setattr(CheckpointManager, "restore", _forget(piece))
     assert not _equal(sync_runs.resume(), sync_runs.straight), f"resume without {piece} went unnoticed"
 
 

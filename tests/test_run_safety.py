@@ -20,8 +20,9 @@ from cli_helpers import popen as _popen
 
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.launch import claim_run_dir
-from gspo.training import checkpoint as ckpt
+from gspo.launch import checkpoint_plan
+from gspo.training import checkpoint_files as ckpt
+from gspo.training.checkpoints import CheckpointManager
 
 
 def _lines(text: str) -> list[str]:
@@ -45,9 +46,11 @@ def _copy(base_run: Path, tmp_path: Path) -> Path:
 
 def _claim(run: Path, **kw):
     cfg = Config(output_dir=str(run.parent), name=run.name, **kw)
-    lock, path, state, note = claim_run_dir(cfg)
-    ckpt.unlock_run_dir(lock)
-    return path, state, note
+    checkpoints = CheckpointManager(checkpoint_plan(cfg))
+    try:
+        return checkpoints.claim()
+    finally:
+        checkpoints.release()
 
 
 class _Payload:
@@ -187,7 +190,7 @@ def test_a_run_folder_with_any_trace_is_refused_without_resume_or_overwrite(base
 
 
 HOLD_LOCK = (
-    "import sys, time; from pathlib import Path; from gspo.training.checkpoint import lock_run_dir; "
+    "import sys, time; from pathlib import Path; from gspo.training.checkpoint_files import lock_run_dir; "
     "lock = lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)"
 )
 

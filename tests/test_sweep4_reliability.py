@@ -16,7 +16,7 @@ import transformers.modeling_utils as modeling_utils
 from cli_helpers import gspo_at_once, one_line
 
 from gspo.cli import main as gspo_main
-from gspo.training import checkpoint as ckpt
+from gspo.training import checkpoint_files as ckpt
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 

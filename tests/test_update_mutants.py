@@ -98,7 +98,7 @@ def test_adamw_uses_the_configs_betas_fresh_and_after_resume(tmp_path):
     the betas the step used, whatever g was); the optimizer a resumed run builds has them too."""
     from gspo import train
     from gspo.launch import open_run
-    from gspo.training import checkpoint as ckpt
+    from gspo.training import checkpoint_files as ckpt
 
     reward = f"{ROOT / 'tests' / 'fixture_rewards.py'}:noisy"  # every sample scores differently
     cfg = dict(name="betas", output_dir=str(tmp_path), sft_steps=0, steps=1, num_minibatches=1, eval_size=4,

@@ -390,8 +390,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 def _export(src: Path, out: Path, no_tokenizer: bool) -> int:
     from gspo.model.export import export_dcp
-    from gspo.training.checkpoint import check_manifest
-    from gspo.training.sharded import is_sharded
+    from gspo.training.checkpoint_files import check_manifest, is_sharded
 
     if not src.is_dir():
         raise GspoError(f"checkpoint folder not found: {src}")

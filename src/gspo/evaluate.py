@@ -16,7 +16,7 @@ from gspo.config import Config, load_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_resources
 from gspo.model.export import DCP_DIR
-from gspo.training.sharded import is_sharded
+from gspo.training.checkpoint_files import is_sharded
 
 # the config fields that decide what a held-out evaluation measures
 EVAL_FIELDS = (

@@ -21,17 +21,16 @@ from gspo import resolve
 from gspo.config import Config, save_yaml
 from gspo.errors import GspoError
 from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
-from gspo.model.load import enable_activation_checkpointing, save_pretrained
+from gspo.model.load import enable_activation_checkpointing
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
 from gspo.rollout.factory import make_engine, make_sampler
 from gspo.rollout.weight_transfer import check_rollout_devices
-from gspo.training import checkpoint as ckpt
 from gspo.training import distributed as dist_utils
-from gspo.training import sharded as sharded_ckpt
+from gspo.training.checkpoints import CheckpointManager, CheckpointPlan
 from gspo.training.logger import MetricsLogger, read_metrics
 from gspo.training.loop import TrainResult, closing, deferred_signals, run_loop
-from gspo.training.run import Run, RunFolder, RunState, SamplerSide, Trainer, make_optimizer
+from gspo.training.run import Run, RunState, SamplerSide, Trainer, make_optimizer
 
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
 # may be moved or renamed and still resumed)
@@ -59,25 +58,25 @@ def open_run(cfg: Config, should_stop: Callable[[], bool] = lambda: False) -> Ru
     dctx = dist_utils.setup(resolve.dist_plan(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    resume_from, state, lock = check_run_dir(cfg, dctx)
+    checkpoints = CheckpointManager(checkpoint_plan(cfg), dctx)  # holds the run folder's lock
+    resume_from, state = check_run_dir(cfg, checkpoints)
     try:
-        run = _build(cfg, dctx, resume_from, state, should_stop)
+        run = _build(cfg, dctx, checkpoints, resume_from, state, should_stop)
     except BaseException as e:
-        if state is None and dctx.rank == 0:  # a new run that never finished step 0: leave no trace,
-            ckpt.remove_traces(cfg.run_dir)  # so the same command can simply be run again
-        ckpt.unlock_run_dir(lock)
+        checkpoints.abandon(fresh=state is None)  # a new run that never finished step 0 leaves no trace
         if state is None and isinstance(e, KeyboardInterrupt) and not str(e):
             raise KeyboardInterrupt(
                 "stopped before step 0 was saved, so nothing was kept: run the same command again"
             ) from None
         raise
-    run.folder.lock, run.should_stop = lock, should_stop
+    run.should_stop = should_stop
     return run
 
 
 def _build(
     cfg: Config,
     dctx: dist_utils.DistContext,
+    checkpoints: CheckpointManager,
     resume_from: Path | None,
     state: dict[str, Any] | None,
     should_stop: Callable[[], bool],
@@ -95,7 +94,7 @@ def _build(
     # code gspo compare's shared warm starts begin with
     load = resolve.load_plan(cfg)
     start = load_start(load, dctx.device, meta=sharded)
-    from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
+    from_shards = checkpoints.is_sharded(resume_from)
     folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx) if sharded else None
     source = load_source(load) if sharded and folder is None and dctx.rank == 0 else None
     if sharded and folder is None:
@@ -113,8 +112,8 @@ def _build(
     if resume_from is None and cfg.sft_steps:
         warm_start_run(start, resolve.sft_plan(cfg), dctx.device, progress, should_stop)
     elif resume_from is not None and not from_shards and folder is None and not (sharded and source is None):
-        _load_weights(source if sharded else model, cfg, resume_from)
-    model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
+        checkpoints.load_weights(source if sharded else model, resume_from)
+    model = _apply_lora(model, tokenizer, cfg, checkpoints, resume_from)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     copy_dtype = resolve.model_plan(cfg).rollout_copy_dtype
@@ -132,25 +131,23 @@ def _build(
         plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)
     optimizer, scheduler = make_optimizer(policy, resolve.optim_plan(cfg))
     if from_shards:  # before the sampler takes the weights
-        sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
+        checkpoints.load_shards(policy, optimizer, resume_from, state)
     run_state = RunState(torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank))
     sampler_side = _sampler_side(cfg, rollout_copy, policy, start, run_state.sample_gen, state)
+    checkpoints.attach(policy)
     run = Run(
-        dctx, run_state, Trainer(policy, optimizer, scheduler, plan, moe), sampler_side,
-        RunFolder(cfg.run_dir, cfg.to_dict(), sharded_ckpt.uses_sharded_checkpoints(policy, bool(cfg.lora_rank))),
+        dctx, run_state, Trainer(policy, optimizer, scheduler, plan, moe), sampler_side, checkpoints,
         tokenizer, start.task, start.train_ids, start.eval_ids, resolve.score_plan(cfg),
     )  # fmt: skip
     if state is not None:
-        run.restore(state)
+        checkpoints.restore(run, state)
     if dctx.rank == 0:
-        run.folder.logger = MetricsLogger(
-            cfg.run_dir, run_state.step if state else None, cfg.wandb, cfg.to_dict()
-        )
+        run.logger = MetricsLogger(cfg.run_dir, run_state.step if state else None, cfg.wandb, cfg.to_dict())
     startup = _startup_peak(dctx.device, state is not None, dctx.rank == 0)  # before the step-0 evaluation
     if state is None:
         run_state.initial = run.evaluate()
         run.log(0, {**run_state.initial, **startup})
-        run.save()
+        checkpoints.save(run)
     elif dctx.rank == 0:
         run_state.initial = state.get("initial") or read_metrics(cfg.run_dir / "metrics.jsonl")[0]
     return run
@@ -238,156 +235,57 @@ def _async_score(cfg: Config) -> Callable[..., Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# the run folder: claimed, checked against the run being resumed
-def check_run_dir(
-    cfg: Config, dctx: dist_utils.DistContext
-) -> tuple[Path | None, dict[str, Any] | None, Any]:
-    """The checkpoint to resume from, its state (None, None for a new run) and the run folder's lock
-    (rank 0). Rank 0 claims the folder (see :func:`claim_run_dir`); every rank then resumes from the
-    checkpoint it chose, or fails with its error. Refuses a resume that would change what the run
-    trains."""
-    lock, path, state, note, error = None, None, None, "", None
-    if dctx.rank == 0:
-        try:  # one rank: every file checksummed; N ranks: each its share of the shards (below)
-            lock, path, state, note = claim_run_dir(cfg, shards=dctx.world_size == 1)
-        except GspoError as e:
-            error = str(e)
-    error, path = dist_utils.gather_objects((error, path), dctx)[0]
-    if error is not None:
-        raise GspoError(error)
+# the run folder: claimed by the checkpoint manager, checked against the run being resumed
+def checkpoint_plan(cfg: Config) -> CheckpointPlan:
+    return CheckpointPlan(cfg.run_dir, cfg.resume, cfg.overwrite, cfg.to_dict(), bool(cfg.lora_rank))
+
+
+def check_run_dir(cfg: Config, checkpoints: CheckpointManager) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint to resume from and its state (None, None for a new run), chosen by the manager
+    (which holds the run folder's lock on rank 0, released on an error here). Refuses a resume that
+    would change what the run trains."""
+    path, state, note = checkpoints.choose()
     try:
-        if path is not None and dctx.world_size > 1:
-            path, state, note = _verify_shares(cfg.run_dir, dctx, path, state, note)
-        if path is not None and state is None:  # the other ranks read what rank 0 verified
-            state = ckpt.load_trainer_state(path)
         if state is not None:
-            saved = state["config"]
-            changed = [
-                k
-                for k, v in cfg.to_dict().items()
-                if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
-            ]
-            if changed:
-                k = changed[0]
-                raise GspoError(
-                    f"--resume: config field '{k}' differs from the run being resumed ({saved[k]!r} -> "
-                    f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
-                    "a new run with --name"
-                )
-            if cfg.steps < state["step"]:  # before config.yaml or final/ is touched
-                raise GspoError(
-                    f"--resume: --steps {cfg.steps} is below the step of the checkpoint being resumed "
-                    f"({path.name}: step {state['step']}); pass --steps {state['step']} or more"
-                )
-        if dctx.rank == 0:
-            if note:
-                print(f"gspo: {note}", file=sys.stderr, flush=True)
+            _check_resumable(cfg, path, state)
+        checkpoints.say(note)
+        if checkpoints.dctx is None or checkpoints.dctx.rank == 0:
             save_yaml(cfg, cfg.run_dir / "config.yaml")  # after a resume only RESUMABLE_CHANGES can differ
     except BaseException:
-        ckpt.unlock_run_dir(lock)
+        checkpoints.release()
         raise
-    return path, state, lock
+    return path, state
 
 
-def _verify_shares(
-    run_dir: Path, dctx: dist_utils.DistContext, path: Path, state: dict[str, Any] | None, note: str
-) -> tuple[Path, dict[str, Any] | None, str]:
-    """Every rank checksums its share of the chosen checkpoint's shard files (collective); a damaged
-    shard sends every rank to the newest complete checkpoint before it, as rank 0 would alone."""
-    skipped: list[str] = []
-    while True:
-        whys = dist_utils.gather_objects(ckpt.check_share(path, dctx.rank, dctx.world_size), dctx)
-        why = next((w for w in whys if w), "")
-        if not why:
-            break
-        skipped.append(f"{path.name}: {why}")
-        step = int(path.name.removeprefix("step-"))
-        if dctx.rank == 0:
-            path, state, more = ckpt.newest_complete(run_dir, shards=False, below=step)
-            skipped += more
-        path = dist_utils.gather_objects(path, dctx)[0]
-        if path is None:
-            raise GspoError(
-                f"--resume: no complete checkpoint found under {run_dir}/checkpoints ({'; '.join(skipped)}); "
-                "pass --overwrite instead of --resume to start the run over"
-            )
-    if skipped and dctx.rank == 0:
-        note = f"resuming from {path}; skipped newer damaged checkpoints ({'; '.join(skipped)})"
-    return path, state if dctx.rank == 0 else None, note
-
-
-def claim_run_dir(cfg: Config, shards: bool = True) -> tuple[Any, Path | None, dict[str, Any] | None, str]:
-    """Rank 0: lock the run folder (one writer), then pick the newest complete checkpoint to resume
-    (``--resume``) or make sure the folder holds no earlier run (``--overwrite`` deletes it). Returns
-    the lock, the checkpoint and its state (None for a new run) and the line to show about it."""
-    run_dir = cfg.run_dir
-    if cfg.resume and cfg.overwrite:
-        raise GspoError("--resume and --overwrite exclude each other: continue the run, or start it over")
-    if cfg.resume and not run_dir.is_dir():
-        raise GspoError(f"--resume: no checkpoint found under {run_dir}/checkpoints (no such run folder)")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GspoError(f"config field 'output_dir': cannot create {run_dir}: {e.strerror}") from None
-    lock = ckpt.lock_run_dir(run_dir)
-    try:
-        if cfg.resume:
-            path, state, skipped = ckpt.newest_complete(run_dir, shards)
-            why = f" ({'; '.join(skipped)})" if skipped else ""
-            if path is None:
-                raise GspoError(
-                    f"--resume: no complete checkpoint found under {run_dir}/checkpoints{why}; pass "
-                    "--overwrite instead of --resume to start the run over"
-                )
-            note = f"resuming from {path}" + (f"; skipped newer damaged checkpoints{why}" if skipped else "")
-            return lock, path, state, note
-        traces = ckpt.run_traces(run_dir)
-        if traces and not cfg.overwrite:
-            if not ckpt.step_folders(run_dir):  # stopped before step 0 was saved: nothing to resume
-                raise GspoError(
-                    f"run folder {run_dir} already holds a run ({', '.join(traces)}) that saved no "
-                    "checkpoint (it stopped before step 0), so --resume cannot continue it; pass "
-                    "--overwrite to delete it and start over, or --name to start a new run"
-                )
-            raise GspoError(
-                f"run folder {run_dir} already holds checkpoints; pass --resume to continue it, --overwrite "
-                "to delete it and start over, or --name to start a new run"
-            )
-        ckpt.remove_traces(run_dir)  # --overwrite (nothing to remove otherwise)
-        return lock, None, None, ""
-    except BaseException:
-        ckpt.unlock_run_dir(lock)
-        raise
-
-
-def _load_weights(model: nn.Module, cfg: Config, resume_from: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
-    weights_dir = cfg.run_dir / "checkpoints" / "lora-base" if cfg.lora_rank else resume_from
-    why = ckpt.check_manifest(weights_dir) if cfg.lora_rank else ""
-    if why:  # the frozen base every checkpoint's adapters apply to: no other copy to fall back on
-        raise GspoError(f"--resume: {weights_dir}: {why}; start the run over with --overwrite")
-    saved = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=next(model.parameters()).dtype)
-    model.load_state_dict(saved.state_dict())
+def _check_resumable(cfg: Config, path: Path | None, state: dict[str, Any]) -> None:
+    saved = state["config"]
+    changed = [
+        k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v
+    ]
+    if changed:
+        k = changed[0]
+        raise GspoError(
+            f"--resume: config field '{k}' differs from the run being resumed ({saved[k]!r} -> "
+            f"{getattr(cfg, k)!r}); a resumed run continues as recorded: drop the change, or start "
+            "a new run with --name"
+        )
+    if cfg.steps < state["step"]:  # before config.yaml or final/ is touched
+        raise GspoError(
+            f"--resume: --steps {cfg.steps} is below the step of the checkpoint being resumed "
+            f"({path.name if path else ''}: step {state['step']}); pass --steps {state['step']} or more"
+        )
 
 
 def _apply_lora(
-    model: nn.Module, tokenizer: Any, cfg: Config, dctx: dist_utils.DistContext, resume_from: Path | None
+    model: nn.Module, tokenizer: Any, cfg: Config, checkpoints: CheckpointManager, resume_from: Path | None
 ) -> nn.Module:
     if not cfg.lora_rank:
         return model
     from gspo.model.lora import apply_lora
 
-    if resume_from is None and dctx.rank == 0:  # the frozen base, saved once; checkpoints then hold adapters
-        save_pretrained(model, tokenizer, cfg.run_dir / "checkpoints" / "lora-base")
-        ckpt.write_manifest(cfg.run_dir / "checkpoints" / "lora-base")
+    if resume_from is None:  # the frozen base, saved once; checkpoints then hold adapters
+        checkpoints.save_lora_base(model, tokenizer)
     model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
     if resume_from is not None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(
-            model, load_file(str(resume_from / "adapter" / "adapter_model.safetensors"))
-        )
+        checkpoints.load_adapters(model, resume_from)
     return model

@@ -176,7 +176,7 @@ def _read_tokenizer(step_dir: Path, required: bool) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------
-# reading a sharded checkpoint (gspo.training.sharded writes them)
+# reading a sharded checkpoint (gspo.training.checkpoint_files writes them)
 
 
 # a failed write as torch.save's zip writer and safetensors report it (not OSErrors): "[enforce fail

@@ -98,7 +98,7 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     settings is refused, or with ``overwrite`` started over (``gspo train --overwrite`` removes only
     what a run writes). Anything else there (a file, a folder that is not this comparison's run) is
     refused and left as it is."""
-    from gspo.training.checkpoint import LOCK, final_complete, newest_complete
+    from gspo.training.checkpoint_files import LOCK, final_complete, newest_complete
 
     run = cfg.run_dir
     if not run.exists() and not run.is_symlink():

@@ -21,20 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gspo.data import TrainBatch
 from gspo.errors import GspoError
 from gspo.memory import phase_peak
-from gspo.model.export import save_streamed
-from gspo.model.unwrap import is_peft
 from gspo.plans import LoopPlan
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import prompt_order
-from gspo.training import checkpoint as ckpt
 from gspo.training import distributed as dist_utils
 from gspo.training.logger import Progress, plot_metrics, read_metrics
-from gspo.training.run import Run, save_hf
+from gspo.training.run import Run
 from gspo.training.scoring import collect_rollout, score_rollout
 from gspo.training.update import policy_update
 
@@ -68,14 +63,14 @@ class TrainResult:
 
 def run_loop(run: Run, plan: LoopPlan, stop: _StopFlag) -> TrainResult:
     """RL steps from the run's last finished one to ``plan.steps``, each logged and checkpointed."""
-    stop.busy = lambda: run.updating or run.saving
+    stop.busy = lambda: run.updating or run.checkpoints.saving
     bar = Progress(plan.steps, plan.algo, enabled=plan.progress and run.rank == 0, initial=run.state.step)
     skipped = 0
     while run.state.step < plan.steps:
         if dist_utils.any_rank(stop.requested, run.dctx):
             stop.busy = lambda: True  # only the checkpoint of the finished step is left: let it be
             if run.state.last_saved < run.state.step:
-                run.save()
+                run.checkpoints.save(run)
             raise KeyboardInterrupt(f"progress is saved at step {run.state.step}; continue with --resume")
         metrics = _guarded_step(run, plan)
         skipped = skipped + 1 if metrics["loss/skipped_updates"] == plan.num_minibatches else 0
@@ -88,7 +83,7 @@ def run_loop(run: Run, plan: LoopPlan, stop: _StopFlag) -> TrainResult:
         bar.update(run.state.step, _status(metrics))
         step, every = run.state.step, plan.save_every
         if step == plan.steps or (every and step % every == 0):
-            run.save()
+            run.checkpoints.save(run)
     bar.close()
     return _finish(run, plan)
 
@@ -192,7 +187,7 @@ def _guarded_step(run: Run, plan: LoopPlan) -> dict[str, float]:
             state.data_pos = data_pos
             # a collective save needs every rank here: one process, or all agreed to stop
             if state.last_saved < state.step and (run.world == 1 or isinstance(e, _StepAbandoned)):
-                run.save()
+                run.checkpoints.save(run)
         where = f"the last checkpoint is step {state.last_saved}; continue with --resume"
         if untouched:
             where = f"progress is saved at step {state.step}; continue with --resume"
@@ -208,7 +203,7 @@ def _guarded_step(run: Run, plan: LoopPlan) -> dict[str, float]:
             if run.world > 1:
                 raise
             run.log(state.step, metrics)
-            run.save()
+            run.checkpoints.save(run)
             raise KeyboardInterrupt(
                 f"progress is saved at step {state.step} (its held-out evaluation was cut short); "
                 "continue with --resume"
@@ -227,29 +222,16 @@ def _status(metrics: dict[str, float]) -> str:
 
 def _finish(run: Run, plan: LoopPlan) -> TrainResult:
     """Final HF folder, curves and summary."""
-    hf = run.trainer.hf
-    result = TrainResult(plan.run_dir, hf)
-    dtype = getattr(torch, plan.save_dtype) if plan.save_dtype else None
-    if dtype == next(hf.parameters()).dtype:
-        dtype = None  # saved as trained
-    if run.folder.sharded or (dtype is not None and not is_peft(hf)):
-        # gathered, cast and written one decoder layer at a time (collective)
-        dist_utils.reshard(run.trainer.policy)
-        write = lambda p: save_streamed(hf, run.tokenizer, p, dtype)  # noqa: E731
-        if run.rank != 0:
-            save_streamed(hf, run.tokenizer, None, dtype)  # the gathers only
-    else:
-        model, final_sd = run.savable()  # collective
-        write = lambda p: save_hf(model, run.tokenizer, p, final_sd, dtype)  # noqa: E731
-    if run.rank == 0:  # written beside and renamed: a final/ is complete, or absent
-        result.final_dir = ckpt.write_final(plan.run_dir, write, run.state.last_saved)
+    result = TrainResult(plan.run_dir, run.trainer.hf)
+    result.final_dir = run.checkpoints.write_final(run, plan.save_dtype)  # collective; rank 0 writes
+    if run.rank == 0:
         rows = read_metrics(plan.run_dir / "metrics.jsonl")
         result.plot = plan.run_dir / "curves.png"
         plot_metrics(rows, result.plot, title=plan.title)
         evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
         result.initial_accuracy = run.state.initial.get("eval/accuracy")
         result.final_accuracy = evals[-1] if evals else None
-        run.folder.logger.close()
+        run.logger.close()
     run.sampler.engine.close()  # vLLM's groups live on the trainer's process group: end them first
     dist_utils.cleanup(run.dctx)
     return result

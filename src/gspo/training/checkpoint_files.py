@@ -1,4 +1,5 @@
-"""Atomic, verified checkpoints: HF-layout weights (safetensors) + optimizer, step, data position, RNG.
+"""The files of a checkpoint (what :class:`gspo.training.checkpoints.CheckpointManager` writes and reads):
+atomic, verified checkpoints: HF-layout weights (safetensors) + optimizer, step, data position, RNG.
 
 Layout under ``<run_dir>/checkpoints``::
 
@@ -17,6 +18,13 @@ Nothing in a checkpoint is executed: ``trainer_state.pt`` holds only tensors, nu
 and dicts and is read with ``torch.load(weights_only=True)`` (which refuses anything else, a planted
 pickle payload included); RNG states are stored as tensors. :func:`newest_complete` picks the newest
 checkpoint whose files match its manifest and whose state has every entry a resume needs.
+
+Sharded checkpoints (FSDP2 over several ranks, without LoRA): ``dcp/`` holds each rank's model and
+optimizer shards (``__<rank>_0.distcp``) and ``.metadata``. DCP reshards on load, so such a checkpoint
+resumes at the world size it was written at (bit-exact) and at another one. Torch's reader unpickles
+``.metadata`` with plain ``pickle``; :func:`load_shards` reads it through gspo.compat.torch_dcp's
+allowlist instead. :func:`gspo.model.export.check_dcp` finds a damaged shard folder whose manifest was
+rewritten to match.
 """
 
 from __future__ import annotations
@@ -35,9 +43,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from filelock import Timeout, UnixFileLock
+from torch import nn
 
-from gspo.model.export import DCP_DIR, write_failure
+from gspo.compat.torch_dcp import SafePlanner, SafeReader
+from gspo.errors import GspoError
+from gspo.model.export import DCP_DIR, DCP_MODEL_KEY, failure, write_failure
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -188,8 +200,6 @@ def write_final(run_dir: Path, write: Any, kept: int) -> Path:
     fsynced and the folder renamed to ``final/`` (replacing an older one): a ``final/`` is always
     complete. A failed write (a full disk) removes the half-written folder and is one line naming the
     free space and the checkpoint kept (``kept``: its step), from which ``--resume`` writes it again."""
-    from gspo.errors import GspoError
-
     final, tmp = run_dir / FINAL, run_dir / FINAL_TMP
     try:
         _remove(tmp)  # left by a kill while an earlier one was written
@@ -373,8 +383,6 @@ def newest_complete(
 def check_latest(run_dir: Path) -> None:
     """Refuse, before a step is trained, a ``latest`` (or ``latest.tmp``) that every checkpoint would
     fail to replace: a folder, or anything else that is not a file or a symlink."""
-    from gspo.errors import GspoError
-
     for name in ("latest", "latest.tmp"):
         p = run_dir / "checkpoints" / name
         if (p.exists() or p.is_symlink()) and not (p.is_symlink() or p.is_file()):
@@ -402,8 +410,6 @@ def lock_run_dir(run_dir: Path) -> UnixFileLock:
     """Take the run folder's lock (``flock`` on ``.gspo.lock`` through filelock; the OS drops it when
     the process ends, kill -9 included) and record our PID in it. Returns the lock: hold a reference
     until :func:`unlock_run_dir` (a collected lock is released)."""
-    from gspo.errors import GspoError
-
     path = run_dir / LOCK
     # never soft (a marker file a crash would leave behind), one holder for every thread; the file
     # is opened without following a symlink (it would truncate the file it points to)
@@ -434,8 +440,6 @@ def lock_run_dir(run_dir: Path) -> UnixFileLock:
 def _own_lock(run_dir: Path, fd: int) -> None:
     """filelock's ``on_acquired``: refuse a FIFO or a device (raising releases the lock), then write
     our PID for the next run's message."""
-    from gspo.errors import GspoError
-
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise GspoError(f"run folder {run_dir}: {LOCK} is not a plain file; remove it")
     os.ftruncate(fd, 0)
@@ -470,3 +474,63 @@ def remove_traces(run_dir: Path) -> None:
     """Delete what a run writes (the folder's other files, if any, are left alone)."""
     for name in TRACES:
         _remove(run_dir / name)
+
+
+# ------------------------------------------------------------------------------------------------
+# sharded checkpoints (FSDP2 on N ranks): each rank writes and reads its own shards with torch.distributed.checkpoint
+#
+OPTIMIZER_KEY = "optimizer"
+
+
+def uses_sharded_checkpoints(policy: nn.Module, lora: bool) -> bool:
+    """Whether a run checkpoints with DCP: its trainer is FSDP2-sharded over more than one rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(policy, FSDPModule) and not lora and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether the checkpoint folder ``path`` is a sharded one."""
+    return (path / DCP_DIR / ".metadata").is_file()
+
+
+def _states(policy: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    states: dict[str, Any] = {DCP_MODEL_KEY: get_model_state_dict(policy)}
+    if optimizer is not None:
+        states[OPTIMIZER_KEY] = get_optimizer_state_dict(policy, optimizer)
+    return states
+
+
+def save_shards(policy: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> bool:
+    """Write this rank's shards of the model and optimizer under ``folder/dcp`` (collective). An
+    optimizer that has not stepped yet is not saved (torch's state-dict API would initialise it with
+    a zero step, which shifts AdamW's bias correction). Returns whether the optimizer was saved."""
+    with_optimizer = bool(optimizer.state)
+    dcp.save(_states(policy, optimizer if with_optimizer else None), checkpoint_id=str(folder / DCP_DIR))
+    return with_optimizer
+
+
+def load_shards(
+    policy: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, with_optimizer: bool
+) -> None:
+    """Load ``folder/dcp`` into this rank's shards (collective; in one process without a group)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    states = _states(policy, optimizer if with_optimizer else None)
+    try:
+        dcp.load(
+            states, storage_reader=SafeReader(folder / DCP_DIR), planner=SafePlanner(),
+            no_dist=not dist.is_initialized(),
+        )  # fmt: skip
+    except (Exception, dcp.api.CheckpointException) as e:  # damaged shards matching the manifest
+        raise GspoError(
+            f"--resume: {folder}/{DCP_DIR} cannot be loaded ({failure(e)}); move that checkpoint folder "
+            "away to resume from the one before it"
+        ) from None
+    set_model_state_dict(policy, states[DCP_MODEL_KEY])
+    if with_optimizer:
+        set_optimizer_state_dict(policy, optimizer, states[OPTIMIZER_KEY])
