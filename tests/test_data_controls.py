@@ -33,6 +33,25 @@ def test_rollout_data_cat_pads_and_keeps_rows():
     assert c.adv_B.tolist() == [1.0, -1.0] and c.reward_B.tolist() == [1.0, 0.0]
 
 
+def test_group_filter_keeps_informative_groups_and_fills_with_dropped():
+    """The one dynamic-sampling filter (sync and async): groups with unequal rewards kept, rounds until
+    ``want`` are kept or the extra rounds run out, the batch filled with dropped groups."""
+    from gspo.rollout.sampler import GroupFilter
+
+    f = GroupFilter(want=3, G=2, max_rounds=1)
+    f.add(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), ["a", "b", "c"])  # only "a" informative
+    assert f.short and not f.done()
+    assert f.done(lambda short: False)  # no rank short: done
+    f.add(torch.tensor([0.0, 1.0, 2.0, 2.0]), ["d", "e"])  # "d" informative; the extra round spent
+    assert f.short and f.done(lambda short: 1 / 0)  # rounds ran out: no collective asked
+    assert f.chosen() == ["a", "d", "b"]
+    assert f.metrics() == {
+        "rollout/filtered_groups": 3.0,
+        "rollout/filled_groups": 1.0,
+        "rollout/sampling_rounds": 2.0,
+    }
+
+
 TINY = dict(
     steps=3, sft_steps=40, eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=10, eval_every=0,
     threads=1, progress=False,

@@ -5,6 +5,7 @@ the update trains on (:class:`TrainBatch`). The ground floor: every layer may im
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from itertools import chain
 from typing import Any, Protocol
@@ -75,14 +76,33 @@ class SamplerOutput:
     info: dict[str, float]  # the sampler's own metrics (e.g. async staleness and queue wait)
 
 
+@dataclass
+class StepBatch:
+    """What a :class:`Sampler` hands the trainer for one RL step: this rank's scored batch."""
+
+    data: TrainBatch  # G rows per prompt, groups contiguous
+    metrics: dict[str, float]  # the rollout's metrics (rewards, lengths, the sampler's own)
+    data_end: int  # the data position after the step: every prompt drawn for it consumed
+
+
 class Sampler(Protocol):
-    """The responses of each RL step, from an engine: G per prompt, or G trajectories per prompt
-    played in an environment (:mod:`gspo.envs`). Built by :func:`gspo.rollout.factory.make_sampler`.
+    """Each RL step's scored batch, from an engine: G responses per prompt, or G trajectories per
+    prompt played in an environment (:mod:`gspo.envs`), their rewards and group advantages. Built by
+    :func:`gspo.rollout.factory.make_sampler`.
 
     ``staleness``: step ``t``'s responses come from the policy after ``max(t - 1 - staleness, 0)``
     updates; 0 is the synchronous loop, which samples from the weights of the last update."""
 
     staleness: int
+
+    def next_batch(
+        self, step: int, data_pos: int, short_anywhere: Callable[[bool], bool] = bool
+    ) -> StepBatch:
+        """This rank's share of step ``step``'s scored batch, its prompts drawn from ``data_pos`` on
+        in the one shuffled order. Dynamic sampling (DAPO) keeps the informative groups, drawing
+        more rounds while ``short_anywhere(short)`` (collective: every rank the same number of rounds;
+        it may raise to stop the step between rounds)."""
+        ...
 
     def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput: ...
 

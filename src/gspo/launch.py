@@ -214,7 +214,7 @@ def _sampler_side(
     sampler = make_sampler(
         resolve.sample_plan(cfg), engine, start.tokenizer, start.task, model=policy,
         train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
-        score=_async_score(cfg),
+        score=_score(cfg),
     )  # fmt: skip
     gathers = cfg.rollout_engine == "hf" and module is unwrap(policy, "model")
     # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
@@ -222,11 +222,9 @@ def _sampler_side(
     return SamplerSide(engine, module, sampler, gathers, tp)
 
 
-def _async_score(cfg: Config) -> Callable[..., Any] | None:
-    """Async dynamic sampling: the trainer's scoring, for the sampler process to keep the
-    informative groups with (picklable: a module function and a frozen plan)."""
-    if not (cfg.async_staleness and cfg.dynamic_sampling):
-        return None
+def _score(cfg: Config) -> Callable[..., Any]:
+    """The trainer's scoring, for the sampler to score each step's batch with (and an async process,
+    dynamic sampling's rounds: picklable, a module function and a frozen plan)."""
     import functools
 
     from gspo.training.scoring import score_rollout

@@ -56,13 +56,14 @@ import torch.distributed as dist
 from torch import multiprocessing as mp
 from torch import nn
 
-from gspo.data import SampleBatch, SamplerOutput
+from gspo.data import SampleBatch, SamplerOutput, StepBatch
 from gspo.errors import GspoError
 from gspo.model.unwrap import full_tensor, is_peft, reshard, unwrap
 from gspo.plans import SamplePlan
 from gspo.procs import die_with_parent
 from gspo.rollout.async_state import Ahead, from_wire, in_flight_from_state, in_flight_to_state, to_wire
 from gspo.rollout.hf import copy_tensors
+from gspo.rollout.sampler import GroupFilter, rank_world, share
 from gspo.rollout.weight_transfer import (
     SamplerLink,
     WeightReceiver,
@@ -87,17 +88,26 @@ class AsyncSampler:
         state: dict[str, Any] | None = None,
         make_engine: Callable[..., Any] | None = None,
         score: Callable[..., Any] | None = None,
+        task: Any = None,
     ) -> None:
         """``model``: the trainer's model (its forward module or the HF model in it), after
         ``version`` updates; ``state``: what a checkpoint
         kept (:meth:`state`), whose batches in flight a resumed run must use; ``make_engine``: the
         engine factory (:func:`gspo.rollout.factory.make_engine`), which the process builds its own
-        engine with, once, from ``plan.engine``; ``score``: the trainer's scoring of a batch (dynamic
-        sampling: the process keeps the informative groups)."""
+        engine with, once, from ``plan.engine``; ``score``: the trainer's scoring of a batch, which
+        scores each step's batch here (and in the process, with dynamic sampling, each round's);
+        ``task``: the training examples the batches answer."""
         self.K = self.staleness = plan.async_staleness
         self.policy, self.model = model, unwrap(model, "model")  # FSDP2's root, and the HF model in it
         self.G, self.P = plan.group_size, plan.prompts_per_step
-        self.rank, self.world = _rank_world()
+        self.rank, self.world = rank_world()
+        self.plan, self.tokenizer, self.task, self.score, self.prompt_ids = (
+            plan,
+            tokenizer,
+            task,
+            score,
+            prompt_ids,
+        )
         self.dtype = getattr(torch, plan.engine.rollout_dtype or plan.dtype)  # the sampler's precision
         self.slots: list[dict[str, torch.Tensor]] = []
         self.proc: Any = None
@@ -124,7 +134,7 @@ class AsyncSampler:
             args = (
                 plan,
                 make_engine,
-                score,
+                score if plan.dynamic_sampling else None,  # the process scores its rounds
                 self.model.config,
                 tokenizer,
                 prompt_ids,
@@ -139,6 +149,22 @@ class AsyncSampler:
                 self._connect()
         if devices:
             self._publish(version)  # every rank: the first version crosses like every other
+
+    def next_batch(
+        self, step: int, data_pos: int, short_anywhere: Callable[[bool], bool] = bool
+    ) -> StepBatch:
+        """This rank's share of step ``step``'s batch, scored (blocking; collective on N ranks). The
+        process drew its prompts from ``data_pos`` on, and with dynamic sampling its rounds
+        (:class:`_Draws`: every rank takes its share of one filled batch, ``short_anywhere`` unused)."""
+        assert self.score is not None and self.task is not None, "a trainer's sampler scores"
+        s, idx, data_end = self.filled(step)
+        if not self.plan.dynamic_sampling and idx != share(
+            self.plan, len(self.prompt_ids), data_pos, self.rank, self.world
+        ):
+            raise GspoError(f"async sampler: its batch for step {step} does not answer step {step}'s prompts")
+        examples = [self.task.train[i] for i in idx]
+        data, metrics = self.score(s.batch, self.tokenizer, self.task, examples, t_gen=s.gen_s)
+        return StepBatch(data, metrics | s.info, data_end)
 
     def sample(self, step: int, examples: list[Any], prompt_ids: list[list[int]]) -> SamplerOutput:
         """This rank's share of the responses of ``step`` (blocking; collective on N ranks), with how
@@ -274,12 +300,6 @@ class AsyncSampler:
             if isinstance(msg, str):
                 raise GspoError(f"async sampler: {msg}")
             return from_wire(msg)
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _scatter(shares: list[Any] | None) -> Any:
@@ -472,29 +492,23 @@ class _Draws:
         idx, s = self.one(t, pos, version)
         if self.score is None:
             return Ahead(t, version, s, idx, pos + P)
-        kept: list[tuple[int, SampleBatch, int]] = []  # (prompt, batch, group) of each group
-        dropped: list[tuple[int, SampleBatch, int]] = []
-        rounds, n_dropped, gen_s = 1, 0, s.gen_s
+        # (prompt, batch, group) of each group
+        groups: GroupFilter[tuple[int, SampleBatch, int]] = GroupFilter(
+            P, G, plan.dynamic_sampling_max_rounds
+        )
+        gen_s = s.gen_s
         while True:
             examples = [self.task.train[i] for i in idx]
             scored, _ = self.score(s.batch, self.tokenizer, self.task, examples, t_gen=0.0)
-            reward_NG = scored.reward_B.view(-1, G)
-            informative_N = reward_NG.std(1, correction=0) > 0
-            for g, ok in enumerate(informative_N.tolist()):
-                (kept if ok else dropped).append((idx[g], s.batch, g))
-            n_dropped += int((~informative_N).sum())
-            if len(kept) >= P or rounds > plan.dynamic_sampling_max_rounds:
+            groups.add(scored.reward_B, [(idx[g], s.batch, g) for g in range(len(idx))])
+            if groups.done():
                 break
-            rounds, pos = rounds + 1, pos + P
+            pos += P
             idx, s = self.one(t, pos, version)
             gen_s += s.gen_s
-        chosen = (kept + dropped)[:P]
-        info = {
-            "rollout/filtered_groups": float(n_dropped),
-            "rollout/filled_groups": float(max(0, P - len(kept))),
-            "rollout/sampling_rounds": float(rounds),
-        }
+        chosen = groups.chosen()
         batch = _groups(chosen, G)
+        info = groups.metrics()
         return Ahead(t, version, SamplerOutput(batch, gen_s, info), [i for i, _, _ in chosen], pos + P)
 
 

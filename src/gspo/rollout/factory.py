@@ -50,14 +50,15 @@ def make_sampler(
     state: dict[str, Any] | None = None,
     score: Callable[..., Any] | None = None,
 ) -> Sampler:
-    """Each RL step's responses: from ``engine`` when asked (synchronous), or from a process that runs
-    ``async_staleness`` steps ahead on ``model``'s published weights. ``version``: updates made so
-    far; ``state``: what a resumed checkpoint kept (:meth:`Sampler.state`); ``score``: the trainer's
-    scoring, with which an async process keeps dynamic sampling's informative groups."""
+    """Each RL step's scored batch: sampled from ``engine`` when asked (synchronous), or by a process
+    that runs ``async_staleness`` steps ahead on ``model``'s published weights. ``version``: updates
+    made so far; ``state``: what a resumed checkpoint kept (:meth:`Sampler.state`); ``score``: the
+    trainer's scoring (rewards -> advantages; an async process keeps dynamic sampling's informative
+    groups with it); ``train_ids``: the token ids of every training prompt of ``task``."""
     if plan.async_staleness:
         from gspo.rollout.async_sampler import AsyncSampler
 
-        return AsyncSampler(model, tokenizer, train_ids, plan, version, state, make_engine, score)
+        return AsyncSampler(model, tokenizer, train_ids, plan, version, state, make_engine, score, task)
     from gspo.rollout.sampler import SyncSampler
 
-    return SyncSampler(engine, tokenizer, task, plan)
+    return SyncSampler(engine, tokenizer, task, plan, score, train_ids)

@@ -21,16 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo.data import TrainBatch
 from gspo.errors import GspoError
 from gspo.memory import phase_peak
 from gspo.plans import LoopPlan
-from gspo.tasks.datasets import Example
-from gspo.tasks.prompts import prompt_order
 from gspo.training import distributed as dist_utils
 from gspo.training.logger import Progress, plot_metrics, read_metrics
 from gspo.training.run import Run
-from gspo.training.scoring import collect_rollout, score_rollout
 from gspo.training.update import policy_update
 
 # consecutive RL steps whose every optimizer step was skipped (non-finite gradients) before stopping
@@ -94,12 +90,16 @@ def rl_step(run: Run, plan: LoopPlan) -> dict[str, float]:
     # a sampler process samples elsewhere: nothing of the trainer's to gather (FSDP2)
     rolling = contextlib.nullcontext() if s.sampler.staleness else s.sampling(t.policy)
     with rolling, phase_peak("rollout", peaks, device):
-        data, metrics = sample_batch(run, plan)  # prompts -> G responses each -> rewards -> advantages
+        # prompts -> G responses each -> rewards -> group advantages (dynamic sampling: its rounds)
+        b = s.sampler.next_batch(
+            run.state.step + 1, run.state.data_pos, lambda short: _another_round(run, short)
+        )
+    run.state.data_pos, metrics = b.data_end, b.metrics
     t1 = time.time()
     run.updating = True  # from here on a failure cannot rewind the step
     s.engine.sleep()  # vLLM on a GPU gives its memory to the update
     with phase_peak("update", peaks, device):
-        metrics |= policy_update(t.policy, t.optimizer, t.scheduler, data.to(device), t.plan, run.world)
+        metrics |= policy_update(t.policy, t.optimizer, t.scheduler, b.data.to(device), t.plan, run.world)
     with phase_peak("sync", peaks, device):
         s.sampler.sync(run.state.step + 1)  # the sampler's weights become the trainer's
     metrics |= peaks
@@ -111,66 +111,14 @@ def rl_step(run: Run, plan: LoopPlan) -> dict[str, float]:
     return metrics
 
 
-def sample_batch(run: Run, plan: LoopPlan) -> tuple[TrainBatch, dict[str, float]]:
-    """The next prompts, G responses each, their rewards and group advantages.
-
-    With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no gradient: they are
-    dropped and more prompts drawn, every rank the same number of rounds (so all consume the same
-    prompts and resume stays exact); a batch still short after the last round is filled with dropped
-    groups (zero advantage)."""
-    step = run.state.step + 1
-
-    def sample_and_score() -> tuple[TrainBatch, dict[str, float]]:
-        examples, prompt_ids = next_prompts(run, plan)
-        sampler = run.sampler.sampler
-        return collect_rollout(sampler, run.tokenizer, run.task, examples, prompt_ids, run.score, step)
-
-    if plan.dynamic_sampling and run.sampler.sampler.staleness:
-        return _filled_ahead(run, step)
-    data, metrics = sample_and_score()
-    if not plan.dynamic_sampling:
-        return data, metrics
-    G, want = plan.group_size, len(data) // plan.group_size
-    kept: list[TrainBatch] = []
-    dropped: list[TrainBatch] = []
-    rounds, n_dropped = 1, 0
-    while True:
-        informative_N = data.reward_B.view(-1, G).std(1, correction=0) > 0
-        for g, ok in enumerate(informative_N.tolist()):
-            (kept if ok else dropped).append(data.rows(slice(g * G, (g + 1) * G)))
-        n_dropped += int((~informative_N).sum())
-        short = len(kept) < want
-        if not dist_utils.any_rank(short, run.dctx) or rounds > plan.dynamic_sampling_max_rounds:
-            break
-        if dist_utils.any_rank(run.should_stop(), run.dctx):  # a Ctrl-C need not wait for the last round
-            raise _StepAbandoned
-        rounds += 1
-        data, more = sample_and_score()
-        metrics["time/generate_s"] += more["time/generate_s"]
-    metrics["rollout/filtered_groups"] = float(n_dropped)
-    metrics["rollout/filled_groups"] = float(max(0, want - len(kept)))
-    metrics["rollout/sampling_rounds"] = float(rounds)
-    return TrainBatch.cat((kept + dropped)[:want]), metrics
-
-
-def _filled_ahead(run: Run, step: int) -> tuple[TrainBatch, dict[str, float]]:
-    """Async dynamic sampling: the sampler process drew the rounds and filled the batch
-    (:class:`gspo.rollout.async_sampler.AsyncSampler`); this rank scores its share of the groups,
-    and the data position moves past every prompt drawn for the step."""
-    s, idx, data_end = run.sampler.sampler.filled(step)  # type: ignore[attr-defined]
-    examples = [run.task.train[i] for i in idx]
-    data, metrics = score_rollout(s.batch, run.tokenizer, run.task, examples, run.score, s.gen_s)
-    run.state.data_pos = data_end
-    return data, metrics | s.info
-
-
-def next_prompts(run: Run, plan: LoopPlan) -> tuple[list[Example], list[list[int]]]:
-    """This rank's share of the next ``prompts_per_step`` prompts of an epoch-wise shuffled order."""
-    n, local = plan.prompts_per_step, plan.prompts_per_step // run.world
-    idx = prompt_order(len(run.task.train), run.state.data_pos, n, plan.seed)
-    idx = idx[run.rank * local : (run.rank + 1) * local]
-    run.state.data_pos += n
-    return [run.task.train[i] for i in idx], [run.train_ids[i] for i in idx]
+def _another_round(run: Run, short: bool) -> bool:
+    """Dynamic sampling, between rounds (collective): another round while any rank is short of
+    informative groups, so every rank draws the same prompts; a Ctrl-C need not wait for the last."""
+    if not dist_utils.any_rank(short, run.dctx):
+        return False
+    if dist_utils.any_rank(run.should_stop(), run.dctx):
+        raise _StepAbandoned
+    return True
 
 
 def _guarded_step(run: Run, plan: LoopPlan) -> dict[str, float]:

@@ -35,7 +35,8 @@ def collect_rollout(
     step: int = 1,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """RL step ``step``: G samples (or trajectories) per prompt, rewards, group advantages ->
-    TrainBatch (groups contiguous) and the rollout's metrics."""
+    TrainBatch (groups contiguous) and the rollout's metrics, for given prompts (benchmarks, tests;
+    the training loop asks its sampler for the next batch, :meth:`gspo.data.Sampler.next_batch`)."""
     s = sampler.sample(step, examples, prompt_ids)
     data, metrics = score_rollout(s.batch, tokenizer, task, examples, plan, s.gen_s)
     return data, metrics | s.info
