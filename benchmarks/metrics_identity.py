@@ -24,11 +24,32 @@ CONFIGS: dict[str, list[str]] = {
     "dynamic": ["--steps", "3", "--dynamic-sampling"],
     "grpo-r3": ["--steps", "3", "--algo", "grpo", "--routing-replay"],
     "env": [
-        "--steps", "3", "--model", "embedded:tiny-dense", "--task", "add_long", "--env", "tools:calc",
-        "--max-turns", "2", "--max-new-tokens", "20", "--sft-steps", "20",
+        "--steps",
+        "3",
+        "--model",
+        "embedded:tiny-dense",
+        "--task",
+        "add_long",
+        "--env",
+        "tools:calc",
+        "--max-turns",
+        "2",
+        "--max-new-tokens",
+        "20",
+        "--sft-steps",
+        "20",
     ],  # fmt: skip
     "fsdp2": ["--steps", "2", "--nproc", "2", "--sft-steps", "20"],
-    "vllm": ["--steps", "2", "--rollout-engine", "vllm", "--sft-steps", "20", "--model", "embedded:tiny-moe-h32"],
+    "vllm": [
+        "--steps",
+        "2",
+        "--rollout-engine",
+        "vllm",
+        "--sft-steps",
+        "20",
+        "--model",
+        "embedded:tiny-moe-h32",
+    ],
 }
 # what measures the machine, not the math
 VOLATILE = ("time/", "memory/", "throughput/", "async/queue_wait_s", "async/trainer_idle_frac", "perf/")
@@ -65,7 +86,9 @@ def main() -> None:
             for i, (a, b) in enumerate(zip(ref[n], got[n], strict=True)):
                 diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
                 if diff:
-                    bad.append(f"{n} row {i}: " + ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in diff[:4]))
+                    bad.append(
+                        f"{n} row {i}: " + ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in diff[:4])
+                    )
         print("\n".join(bad) or f"identical: {', '.join(names)}")
         sys.exit(1 if bad else 0)
 
