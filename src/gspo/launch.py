@@ -1,5 +1,5 @@
-"""``gspo.train(cfg)``: the config resolved into plans (:mod:`gspo.resolve`), the run opened fresh or
-resumed (:func:`open_run`), and the loop run (:func:`gspo.training.loop.run_loop`).
+"""``gspo.train(cfg)``: the config resolved once into one plan (:func:`gspo.resolve.resolve`), the run
+opened fresh or resumed (:func:`open_run`), and the loop run (:func:`gspo.training.loop.run_loop`).
 
 :func:`open_run` loads the model, tokenizer and task, resumes from the newest checkpoint or warm-starts,
 applies LoRA, wraps for data parallelism, makes the optimizer, the rollout engine and the logger. This
@@ -24,6 +24,7 @@ from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
 from gspo.model.load import enable_activation_checkpointing, save_pretrained
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
+from gspo.plans import ModelPlan, RunPlan, SamplePlan, ScorePlan
 from gspo.rollout.factory import make_engine, make_sampler
 from gspo.rollout.weight_transfer import check_rollout_devices
 from gspo.training import checkpoint as ckpt
@@ -48,23 +49,28 @@ def train(cfg: Config) -> TrainResult:
     transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
     transformers.utils.logging.set_verbosity_error()
     cfg = cfg.validate()
-    with deferred_signals() as stop, closing(open_run(cfg, should_stop=lambda: stop.requested)) as run:
-        return run_loop(run, resolve.loop_plan(cfg), stop)
+    plan = resolve.resolve(cfg)  # the one plan: every stage below takes its section of it
+    with deferred_signals() as stop, closing(open_run(cfg, lambda: stop.requested, plan)) as run:
+        return run_loop(run, plan.loop, stop)
 
 
-def open_run(cfg: Config, should_stop: Callable[[], bool] = lambda: False) -> Run:
+def open_run(
+    cfg: Config, should_stop: Callable[[], bool] = lambda: False, plan: RunPlan | None = None
+) -> Run:
     """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest complete
     checkpoint, holding the run folder's lock until :meth:`Run.close`. ``should_stop`` is polled by
-    the warm start (Ctrl-C / SIGTERM)."""
-    dctx = dist_utils.setup(resolve.dist_plan(cfg))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    the warm start (Ctrl-C / SIGTERM). ``plan``: the config resolved (:func:`gspo.resolve.resolve`);
+    the config itself is read only to claim and check the run folder."""
+    plan = plan or resolve.resolve(cfg)
+    dctx = dist_utils.setup(plan.dist)
+    if plan.dist.threads:
+        torch.set_num_threads(plan.dist.threads)
     resume_from, state, lock = check_run_dir(cfg, dctx)
     try:
-        run = _build(cfg, dctx, resume_from, state, should_stop)
+        run = _build(plan, cfg, dctx, resume_from, state, should_stop)
     except BaseException as e:
         if state is None and dctx.rank == 0:  # a new run that never finished step 0: leave no trace,
-            ckpt.remove_traces(cfg.run_dir)  # so the same command can simply be run again
+            ckpt.remove_traces(plan.checkpoints.run_dir)  # so the same command can simply be run again
         ckpt.unlock_run_dir(lock)
         if state is None and isinstance(e, KeyboardInterrupt) and not str(e):
             raise KeyboardInterrupt(
@@ -76,7 +82,8 @@ def open_run(cfg: Config, should_stop: Callable[[], bool] = lambda: False) -> Ru
 
 
 def _build(
-    cfg: Config,
+    plan: RunPlan,
+    cfg: Config,  # only for _load_weights (the checkpoint manager's, soon)
     dctx: dist_utils.DistContext,
     resume_from: Path | None,
     state: dict[str, Any] | None,
@@ -87,64 +94,65 @@ def _build(
 
     # FSDP2 from weights on disk: every rank builds the model on the meta device and wrap() fills
     # its shards: each rank reading its own from the safetensors files, or rank 0 reading them all
-    dist_plan = resolve.dist_plan(cfg)
-    sharded = dist_utils.builds_sharded(dist_plan, dctx.world_size, resume_from is None and cfg.sft_steps > 0)
-    check_rollout_devices(resolve.sample_plan(cfg).rollout_devices, dctx.device)  # exist, not this rank's
-    check_plan_fits(cfg, dctx.world_size, gpu_total_memory(dctx.device))  # before any weight is read
+    run_dir = plan.checkpoints.run_dir
+    sharded = dist_utils.builds_sharded(
+        plan.dist, dctx.world_size, resume_from is None and plan.sft.sft_steps > 0
+    )
+    check_rollout_devices(plan.sampling.rollout_devices, dctx.device)  # exist, not this rank's
+    check_plan_fits(
+        plan.capacity, dctx.world_size, gpu_total_memory(dctx.device)
+    )  # before any weight is read
     # seeds, model (dropout off), task (reward limits included), context and env checks: the same
     # code gspo compare's shared warm starts begin with
-    load = resolve.load_plan(cfg)
-    start = load_start(load, dctx.device, meta=sharded)
+    start = load_start(plan.load, dctx.device, meta=sharded)
     from_shards = resume_from is not None and sharded_ckpt.is_sharded(resume_from)
-    folder = _own_shards(cfg, start.model, resume_from, from_shards, dctx) if sharded else None
-    source = load_source(load) if sharded and folder is None and dctx.rank == 0 else None
+    folder = _own_shards(plan.load.model, start.model, resume_from, from_shards, dctx) if sharded else None
+    source = load_source(plan.load) if sharded and folder is None and dctx.rank == 0 else None
     if sharded and folder is None:
         dist_utils.share_probes(start.model, source)
     model, tokenizer = start.model, start.tokenizer
     moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
-    if cfg.routing_replay and not moe:
+    if plan.model.routing_replay and not moe:
         raise GspoError(
-            f"config field 'routing_replay': {cfg.model} is not a MoE model (no routers to replay)"
+            f"config field 'routing_replay': {plan.load.model} is not a MoE model (no routers to replay)"
         )
     if folder is None:  # a layout the model cannot take fails now (else once its shards are read)
-        plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)
-    check_resources(cfg, model)  # batches that cannot fit in memory fail now, not mid-run
-    progress = cfg.progress and dctx.rank == 0
-    if resume_from is None and cfg.sft_steps:
-        warm_start_run(start, resolve.sft_plan(cfg), dctx.device, progress, should_stop)
+        update = resolve.for_model(plan.update, plan.layout, PolicyLogprobs(model), moe)
+    check_resources(plan.capacity, model)  # batches that cannot fit in memory fail now, not mid-run
+    if resume_from is None and plan.sft.sft_steps:
+        warm_start_run(start, plan.sft, dctx.device, plan.loop.progress and dctx.rank == 0, should_stop)
     elif resume_from is not None and not from_shards and folder is None and not (sharded and source is None):
         _load_weights(source if sharded else model, cfg, resume_from)
-    model = _apply_lora(model, tokenizer, cfg, dctx, resume_from)
-    if cfg.activation_checkpointing:
+    model = _apply_lora(model, tokenizer, plan.model, run_dir, dctx, resume_from)
+    if plan.model.activation_checkpointing:
         enable_activation_checkpointing(model)
-    copy_dtype = resolve.model_plan(cfg).rollout_copy_dtype
-    rollout_copy = None
+    rollout_copy, copy_dtype = None, plan.model.rollout_copy_dtype
     if copy_dtype is not None:
         # a copy in the sampler's precision (made before sharding; on the meta device its memory
         # is allocated here and filled by the first sync); sync_sampler copies and casts the weights
         rollout_copy = copy.deepcopy(model).requires_grad_(False).to(getattr(torch, copy_dtype))
         if sharded:
             rollout_copy.to_empty(device=dctx.device)
-    policy = dist_utils.wrap(PolicyLogprobs(model), dist_plan, dctx, source, folder)
+    policy = dist_utils.wrap(PolicyLogprobs(model), plan.dist, dctx, source, folder)
     del source
     if folder is not None:  # the probes run on the sharded model, every rank at once
         dist_utils.probe_sharded(policy)
-        plan = resolve.plan_update(cfg, PolicyLogprobs(model), moe)
-    optimizer, scheduler = make_optimizer(policy, resolve.optim_plan(cfg))
+        update = resolve.for_model(plan.update, plan.layout, PolicyLogprobs(model), moe)
+    optimizer, scheduler = make_optimizer(policy, plan.optim)
     if from_shards:  # before the sampler takes the weights
         sharded_ckpt.load(policy, optimizer, resume_from, state["optimizer"]["dcp"])
-    run_state = RunState(torch.Generator().manual_seed(cfg.seed * 7919 + dctx.rank))
-    sampler_side = _sampler_side(cfg, rollout_copy, policy, start, run_state.sample_gen, state)
+    run_state = RunState(torch.Generator().manual_seed(plan.load.seed * 7919 + dctx.rank))
+    sampler_side = _sampler_side(plan, rollout_copy, policy, start, run_state.sample_gen, state)
     run = Run(
-        dctx, run_state, Trainer(policy, optimizer, scheduler, plan, moe), sampler_side,
-        RunFolder(cfg.run_dir, cfg.to_dict(), sharded_ckpt.uses_sharded_checkpoints(policy, bool(cfg.lora_rank))),
-        tokenizer, start.task, start.train_ids, start.eval_ids, resolve.score_plan(cfg),
+        dctx, run_state, Trainer(policy, optimizer, scheduler, update, moe), sampler_side,
+        RunFolder(run_dir, plan.checkpoints.config, sharded_ckpt.uses_sharded_checkpoints(policy, plan.dist.lora)),
+        tokenizer, start.task, start.train_ids, start.eval_ids, plan.scoring,
     )  # fmt: skip
     if state is not None:
         run.restore(state)
     if dctx.rank == 0:
         run.folder.logger = MetricsLogger(
-            cfg.run_dir, run_state.step if state else None, cfg.wandb, cfg.to_dict()
+            run_dir, run_state.step if state else None, plan.checkpoints.wandb, plan.checkpoints.config
         )
     startup = _startup_peak(dctx.device, state is not None, dctx.rank == 0)  # before the step-0 evaluation
     if state is None:
@@ -152,7 +160,7 @@ def _build(
         run.log(0, {**run_state.initial, **startup})
         run.save()
     elif dctx.rank == 0:
-        run_state.initial = state.get("initial") or read_metrics(cfg.run_dir / "metrics.jsonl")[0]
+        run_state.initial = state.get("initial") or read_metrics(run_dir / "metrics.jsonl")[0]
     return run
 
 
@@ -175,7 +183,7 @@ def _startup_peak(device: torch.device, resumed: bool, say: bool) -> dict[str, f
 
 
 def _own_shards(
-    cfg: Config, model: nn.Module, resume_from: Path | None, from_shards: bool, dctx: dist_utils.DistContext
+    name: str, model: nn.Module, resume_from: Path | None, from_shards: bool, dctx: dist_utils.DistContext
 ) -> Path | None:
     """The HF folder each rank of a sharded start reads its own shards from (the model's, a hub id's
     snapshot fetched once per node, or the whole-model checkpoint being resumed); None when rank 0
@@ -184,15 +192,15 @@ def _own_shards(
     from gspo.model.load import is_hub_id
     from gspo.model.shard_load import readable
 
-    if cfg.model.startswith("embedded:"):
+    if name.startswith("embedded:"):
         return None
     if resume_from is not None and not from_shards:
         folder = resume_from  # a whole-model checkpoint: its HF folder
-    elif is_hub_id(cfg.model):  # the model's weights (also under a sharded checkpoint's resume)
-        folder = dist_utils.node_snapshot(cfg.model, dctx)
+    elif is_hub_id(name):  # the model's weights (also under a sharded checkpoint's resume)
+        folder = dist_utils.node_snapshot(name, dctx)
     else:
-        folder = Path(cfg.model).expanduser()
-    why = readable(model, folder) if folder.is_dir() else f"{cfg.model} is no local folder"
+        folder = Path(name).expanduser()
+    why = readable(model, folder) if folder.is_dir() else f"{name} is no local folder"
     if why and dctx.rank == 0:
         print(
             f"gspo: rank 0 reads the whole model for every rank ({why}); the other ranks wait for it in "
@@ -203,7 +211,7 @@ def _own_shards(
 
 
 def _sampler_side(
-    cfg: Config,
+    plan: RunPlan,
     rollout_copy: nn.Module | None,
     policy: nn.Module,
     start: Any,
@@ -213,28 +221,29 @@ def _sampler_side(
     """The engine over the module it samples (a copy in the sampler's precision, or the trainer's
     own), and the sampler of each RL step."""
     module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
-    engine = make_engine(resolve.engine_plan(cfg), module, start.tokenizer, sample_gen, trainer=policy)
+    sampling = plan.sampling
+    engine = make_engine(sampling.engine, module, start.tokenizer, sample_gen, trainer=policy)
     sampler = make_sampler(
-        resolve.sample_plan(cfg), engine, start.tokenizer, start.task, model=policy,
+        sampling, engine, start.tokenizer, start.task, model=policy,
         train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
-        score=_async_score(cfg),
+        score=_async_score(sampling, plan.scoring),
     )  # fmt: skip
-    gathers = cfg.rollout_engine == "hf" and module is unwrap(policy, "model")
+    gathers = sampling.engine.spec.in_trainer and module is unwrap(policy, "model")
     # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
-    tp = cfg.vllm_tensor_parallel_size if getattr(engine, "tp_group", None) else 1
+    tp = sampling.engine.vllm_tensor_parallel_size if getattr(engine, "tp_group", None) else 1
     return SamplerSide(engine, module, sampler, gathers, tp)
 
 
-def _async_score(cfg: Config) -> Callable[..., Any] | None:
+def _async_score(sampling: SamplePlan, scoring: ScorePlan) -> Callable[..., Any] | None:
     """Async dynamic sampling: the trainer's scoring, for the sampler process to keep the
     informative groups with (picklable: a module function and a frozen plan)."""
-    if not (cfg.async_staleness and cfg.dynamic_sampling):
+    if not (sampling.async_staleness and sampling.dynamic_sampling):
         return None
     import functools
 
     from gspo.training.scoring import score_rollout
 
-    return functools.partial(score_rollout, plan=resolve.score_plan(cfg))
+    return functools.partial(score_rollout, plan=scoring)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,16 +382,21 @@ def _load_weights(model: nn.Module, cfg: Config, resume_from: Path) -> None:
 
 
 def _apply_lora(
-    model: nn.Module, tokenizer: Any, cfg: Config, dctx: dist_utils.DistContext, resume_from: Path | None
+    model: nn.Module,
+    tokenizer: Any,
+    plan: ModelPlan,
+    run_dir: Path,
+    dctx: dist_utils.DistContext,
+    resume_from: Path | None,
 ) -> nn.Module:
-    if not cfg.lora_rank:
+    if not plan.lora_rank:
         return model
     from gspo.model.lora import apply_lora
 
     if resume_from is None and dctx.rank == 0:  # the frozen base, saved once; checkpoints then hold adapters
-        save_pretrained(model, tokenizer, cfg.run_dir / "checkpoints" / "lora-base")
-        ckpt.write_manifest(cfg.run_dir / "checkpoints" / "lora-base")
-    model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+        save_pretrained(model, tokenizer, run_dir / "checkpoints" / "lora-base")
+        ckpt.write_manifest(run_dir / "checkpoints" / "lora-base")
+    model = apply_lora(model, plan.lora_rank, plan.lora_alpha, plan.lora_target_modules)
     if resume_from is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
