@@ -186,8 +186,11 @@ def _estimate(model: str, ep: int) -> dict[str, float]:
     from gspo.capacity import estimate, shape_of
     from gspo.capacity_comm import INTER_GBPS, INTRA_GBPS, link_of, traffic
     from gspo.config import make_config
+    from gspo.resolve import capacity_plan
 
-    cfg = make_config(None, {**SETTINGS, "model": model, "nproc": 2, "expert_parallel_size": ep})
+    cfg = capacity_plan(
+        make_config(None, {**SETTINGS, "model": model, "nproc": 2, "expert_parallel_size": ep})
+    )
     shape = shape_of(model)
     t = traffic(cfg, shape, link_of(1, 2, None, INTRA_GBPS, INTER_GBPS), ep)
     terms = {f"{m.what} (x{t.update_batches})": m.nbytes * t.update_batches for m in t.update}

@@ -91,6 +91,7 @@ def main() -> None:
         return
     from gspo.capacity import Shape, estimate
     from gspo.config import Config
+    from gspo.resolve import capacity_plan
 
     spec = dict(SHAPES[a.shape])
     spec.pop("kind")
@@ -112,7 +113,7 @@ def main() -> None:
             prompts_per_step=a.rows // 2, group_size=2, num_minibatches=4, micro_batch_size=1, nproc=world,
             max_new_tokens=a.response, max_prompt_tokens=a.prompt, parallel="fsdp",
         ).validate()  # fmt: skip
-        est = estimate(cfg, shape, world).update_peak
+        est = estimate(capacity_plan(cfg), shape, world).update_peak
         results[world] = max(p["peak"] for p in peaks)
         for p in peaks:
             print(

@@ -15,6 +15,7 @@ import torch
 from gspo.capacity import KNOWN_MODELS, Shape, estimate, shape_of
 from gspo.cli import main
 from gspo.config import Config
+from gspo.plans import CapacityPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -71,19 +72,19 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(r):
         prompts_per_step=r["rows"] // 2, group_size=2, num_minibatches=r["minibatches"], micro_batch_size=r["micro"],
         max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], activation_checkpointing=r["ac"],
     ).validate()  # fmt: skip
-    est = estimate(cfg, shape, 1).update_peak
+    est = estimate(CapacityPlan.of(cfg), shape, 1).update_peak
     assert abs(est / r["peak_1"] - 1) <= 0.15, (est / 2**30, r["peak_1"] / 2**30)
 
 
 def test_sharding_divides_the_states_and_checkpointing_shrinks_activations():
     shape = shape_of("Qwen/Qwen3-8B")
     base = dict(model="Qwen/Qwen3-8B", prompts_per_step=16, group_size=8, max_new_tokens=2048)
-    one = estimate(Config(**base).validate(), shape, 1)
-    eight = estimate(Config(**base, nproc=8, parallel="fsdp").validate(), shape, 8)
+    one = estimate(CapacityPlan.of(Config(**base).validate()), shape, 1)
+    eight = estimate(CapacityPlan.of(Config(**base, nproc=8, parallel="fsdp").validate()), shape, 8)
     assert eight.weights == pytest.approx(one.weights / 8) and eight.optimizer == pytest.approx(
         one.optimizer / 8
     )
-    ac = estimate(Config(**base, activation_checkpointing=True).validate(), shape, 1)
+    ac = estimate(CapacityPlan.of(Config(**base, activation_checkpointing=True).validate()), shape, 1)
     assert ac.activations < one.activations / 4
 
 
@@ -127,15 +128,17 @@ def test_train_refuses_a_plan_that_does_not_fit_before_loading_weights():
 
     cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=8, group_size=8, max_new_tokens=4096).validate()
     with pytest.raises(GspoError, match="config field 'micro_batch_size': this run needs about"):
-        check_plan_fits(cfg, 1, 80e9)
-    check_plan_fits(cfg, 1, None)  # no GPU: nothing to check
-    check_plan_fits(Config(model="someone/unknown").validate(), 1, 80e9)  # shape unknown until loaded
+        check_plan_fits(CapacityPlan.of(cfg), 1, 80e9)
+    check_plan_fits(CapacityPlan.of(cfg), 1, None)  # no GPU: nothing to check
+    check_plan_fits(
+        CapacityPlan.of(Config(model="someone/unknown").validate()), 1, 80e9
+    )  # shape unknown until loaded
     # no margin beyond the GPU (the 15% tolerance let a run start at 115% of it): this config's
     # peak does not depend on the GPU's size (HF engine), so the GPU can be set around it
-    need = estimate(cfg, shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
-    check_plan_fits(cfg, 1, need)
+    need = estimate(CapacityPlan.of(cfg), shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
+    check_plan_fits(CapacityPlan.of(cfg), 1, need)
     with pytest.raises(GspoError, match="this run needs about"):
-        check_plan_fits(cfg, 1, need * 0.999)
+        check_plan_fits(CapacityPlan.of(cfg), 1, need * 0.999)
 
 
 def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
@@ -151,7 +154,13 @@ def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
             prompts_per_step=r["rows"] // 2, group_size=2, num_minibatches=4, micro_batch_size=1, nproc=r["world"],
             max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], parallel="fsdp",
         ).validate()  # fmt: skip
-        assert abs(estimate(cfg, Shape.from_config(spec), r["world"]).update_peak / r["peak"] - 1) <= 0.15, r
+        assert (
+            abs(
+                estimate(CapacityPlan.of(cfg), Shape.from_config(spec), r["world"]).update_peak / r["peak"]
+                - 1
+            )
+            <= 0.15
+        ), r
     for shape, bound in (("cpu-moe-480m", 0.65), ("cpu-moe-490m-16l", 0.6)):
         one = next(r["peak"] for r in rows if r["world"] == 1 and r["shape"] == shape)
         assert max(r["peak"] for r in rows if r["world"] == 2 and r["shape"] == shape) / one <= bound
@@ -184,7 +193,7 @@ def test_gpu_memory_is_read_in_the_unit_given_and_printed_in_gib(capsys):
     assert "8 GPU(s) x 131.3 GiB (--gpu-memory-gb 141)" in capsys.readouterr().out
     _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")
     assert "8 GPU(s) x 139.8 GiB (--gpu-memory-gib 139.8)" in capsys.readouterr().out
-    e = estimate(_one_node(), shape_of("Qwen/Qwen3-30B-A3B"), 8, H200_GIB * 2**30)
+    e = estimate(CapacityPlan.of(_one_node()), shape_of("Qwen/Qwen3-30B-A3B"), 8, H200_GIB * 2**30)
     assert e.sampler == pytest.approx(0.55 * H200_GIB * 2**30)
     rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "141", "--gpu-memory-gib", "139.8")
     err = capsys.readouterr().err.strip().splitlines()
@@ -201,7 +210,7 @@ def test_start_up_is_a_phase_of_its_own():
     from gspo.limits import check_plan_fits
 
     cfg, shape, gpu = _one_node(), shape_of("Qwen/Qwen3-30B-A3B"), H200_GIB * 2**30
-    e = estimate(cfg, shape, 8, gpu)
+    e = estimate(CapacityPlan.of(cfg), shape, 8, gpu)
     assert e.load == 2 * 128 * 1536 * 2048 * 4
     root = shape.vocab * shape.hidden * 2 * 2  # untied embedding and LM head, bf16
     check = root + 4 * shape.layer_params() * 2 + 24 * shape.vocab * 8
@@ -213,12 +222,14 @@ def test_start_up_is_a_phase_of_its_own():
     free = 1 - cfg.vllm_gpu_memory_utilization
     low = max((e.rollout_peak - e.sampler) / free, e.update_peak, e.sync_peak)
     between = (low + (e.startup_peak - e.sampler) / free) / 2
-    b = estimate(cfg, shape, 8, between)
+    b = estimate(CapacityPlan.of(cfg), shape, 8, between)
     assert b.startup_peak > between >= max(b.update_peak, b.rollout_peak, b.sync_peak)
     with pytest.raises(GspoError, match=r"per GPU \(start-up\)"):
-        check_plan_fits(cfg, 8, between)
+        check_plan_fits(CapacityPlan.of(cfg), 8, between)
     # one process: the weights are loaded whole (no broadcast), the HF engine samples from them
-    one = estimate(Config(model="Qwen/Qwen3-8B").validate(), shape_of("Qwen/Qwen3-8B"), 1, 80e9)
+    one = estimate(
+        CapacityPlan.of(Config(model="Qwen/Qwen3-8B").validate()), shape_of("Qwen/Qwen3-8B"), 1, 80e9
+    )
     assert one.load == 0 and one.startup_peak == pytest.approx(one.weights + one.optimizer)
 
 
@@ -227,8 +238,8 @@ def test_the_hf_engines_copy_is_counted_once_where_it_lives():
     trainer's (no gathered trainer weights then), and that copy stays on the GPU through the update."""
     shape = shape_of("Qwen/Qwen3-8B")
     base = dict(model="Qwen/Qwen3-8B", nproc=8, parallel="fsdp", prompts_per_step=8, group_size=8)
-    own = estimate(Config(**base).validate(), shape, 8, 141e9)
-    copied = estimate(Config(**base, rollout_dtype="bfloat16").validate(), shape, 8, 141e9)
+    own = estimate(CapacityPlan.of(Config(**base).validate()), shape, 8, 141e9)
+    copied = estimate(CapacityPlan.of(Config(**base, rollout_dtype="bfloat16").validate()), shape, 8, 141e9)
     copy, gathered = shape.params() * 2, shape.params() * 4  # bf16 copy; float32 gathered groups
     cfg = Config(**base).validate()
     kv_f32 = 8 * (cfg.max_prompt_tokens + cfg.max_new_tokens) * 2 * shape.layers * shape.kv_dim * 4  # 8 rows
@@ -251,17 +262,17 @@ def test_no_margin_beyond_the_gpu(capsys, ratio):
     from gspo.limits import check_plan_fits
 
     cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=8, group_size=8, max_new_tokens=4096).validate()
-    need = estimate(cfg, shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
+    need = estimate(CapacityPlan.of(cfg), shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
     gpu = need / ratio
     rc = main(_plan_8b_hf(gpu / 2**30))
     captured = capsys.readouterr()
     if ratio > 1:
         with pytest.raises(GspoError, match="this run needs about"):
-            check_plan_fits(cfg, 1, gpu)
+            check_plan_fits(CapacityPlan.of(cfg), 1, gpu)
         err = captured.err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and "does not fit in" in err[0] and "does NOT fit" in captured.out
     else:
-        check_plan_fits(cfg, 1, gpu)
+        check_plan_fits(CapacityPlan.of(cfg), 1, gpu)
         assert rc == 0 and ": fits" in captured.out
 
 
@@ -271,7 +282,7 @@ def test_fresh_and_resumed_start_ups_are_two_lines_and_the_kv_cache_is_weighed(c
     vLLM's KV cache (its share less its weights) in tokens beside what a step asks, with one warning
     line when the batch asks more (preemption: slower, not a refusal)."""
     cfg, shape = _one_node(), shape_of("Qwen/Qwen3-30B-A3B")
-    e = estimate(cfg, shape, 8, H200_GIB * 2**30)
+    e = estimate(CapacityPlan.of(cfg), shape, 8, H200_GIB * 2**30)
     assert e.fresh_startup_peak == pytest.approx(e.weights + e.start_engine)
     assert e.startup_peak == pytest.approx(e.fresh_startup_peak + e.optimizer)
     rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")

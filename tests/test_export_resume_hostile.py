@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 from gspo.cli import main as gspo_main
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.launch import check_run_dir, checkpoint_plan
+from gspo.launch import check_run_dir
 from gspo.model.export import read_index
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
+from gspo.resolve import checkpoint_plan
 from gspo.training import checkpoint_files as ckpt
 from gspo.training.checkpoints import CheckpointManager
 from gspo.training.distributed import DistContext

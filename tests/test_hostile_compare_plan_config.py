@@ -18,6 +18,7 @@ from gspo.cli import main
 from gspo.config import Config, load_yaml, make_config, save_yaml
 from gspo.config.parse import read_yaml
 from gspo.errors import GspoError
+from gspo.plans import CapacityPlan
 from gspo.study.presets import load_preset
 from gspo.study.runner import plan_run, run_compare
 
@@ -227,7 +228,10 @@ def _linear_search(cfg: Config, shape: Shape, world: int, gpu: float) -> int:
     best = 0
     per = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
     for m in range(1, per + 1):
-        if estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, world, gpu).peak <= gpu:
+        if (
+            estimate(CapacityPlan.of(dataclasses.replace(cfg, micro_batch_size=m)), shape, world, gpu).peak
+            <= gpu
+        ):
             best = m
     return best
 
@@ -241,9 +245,14 @@ def test_largest_micro_batch_equals_the_exhaustive_search(model, minibatches):
     minibatch need not fit where one sequence less does."""
     shape = Shape.from_config(BASE) if model == "tiny" else shape_of(model)
     cfg = Config(prompts_per_step=8, group_size=8, num_minibatches=minibatches, max_new_tokens=512).validate()
-    peaks = {estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, 1).peak for m in range(1, 65)}
+    peaks = {
+        estimate(CapacityPlan.of(dataclasses.replace(cfg, micro_batch_size=m)), shape, 1).peak
+        for m in range(1, 65)
+    }
     for gpu in sorted(peaks | {p * (1 - 1e-9) for p in peaks}):
-        assert largest_micro_batch(cfg, shape, 1, gpu) == _linear_search(cfg, shape, 1, gpu), gpu
+        assert largest_micro_batch(CapacityPlan.of(cfg), shape, 1, gpu) == _linear_search(
+            cfg, shape, 1, gpu
+        ), gpu
 
 
 def test_plan_answers_at_once_for_a_million_sequences(capsys):
@@ -252,7 +261,7 @@ def test_plan_answers_at_once_for_a_million_sequences(capsys):
     cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=1000, group_size=1000).validate()
     shape = shape_of("Qwen/Qwen3-8B")
     t0 = time.process_time()
-    best = largest_micro_batch(cfg, shape, 1, 141e9)
+    best = largest_micro_batch(CapacityPlan.of(cfg), shape, 1, 141e9)
     assert time.process_time() - t0 < 2.0
     assert 0 < best <= 10**6
     t0 = time.process_time()
@@ -275,15 +284,19 @@ def test_multi_turn_runs_are_planned_by_their_trajectory_length(capsys):
 
     shape = shape_of("Qwen/Qwen3-1.7B")
     base = dict(model="Qwen/Qwen3-1.7B", prompts_per_step=8, group_size=8, max_new_tokens=256)
-    single = estimate(Config(**base, max_trajectory_tokens=8192).validate(), shape, 1)
-    short = estimate(Config(**base, env="tools", max_trajectory_tokens=256).validate(), shape, 1)
-    long = estimate(Config(**base, env="tools", max_trajectory_tokens=8192).validate(), shape, 1)
+    single = estimate(CapacityPlan.of(Config(**base, max_trajectory_tokens=8192).validate()), shape, 1)
+    short = estimate(
+        CapacityPlan.of(Config(**base, env="tools", max_trajectory_tokens=256).validate()), shape, 1
+    )
+    long = estimate(
+        CapacityPlan.of(Config(**base, env="tools", max_trajectory_tokens=8192).validate()), shape, 1
+    )
     assert short.activations == pytest.approx(single.activations)  # one turn's budget = the trajectory's
     assert long.activations > 8 * short.activations and long.sampler > 8 * short.sampler
     fits = Config(**base, max_trajectory_tokens=8192).validate()
-    check_plan_fits(fits, 1, 141e9)  # single-turn: the trajectory budget does not apply
+    check_plan_fits(CapacityPlan.of(fits), 1, 141e9)  # single-turn: the trajectory budget does not apply
     with pytest.raises(GspoError, match="config field 'micro_batch_size': this run needs about"):
-        check_plan_fits(dataclasses.replace(fits, env="tools"), 1, 141e9)
+        check_plan_fits(CapacityPlan.of(dataclasses.replace(fits, env="tools")), 1, 141e9)
     main(_plan_8b("--env", "tools", "--max-trajectory-tokens", "4096"))
     assert "up to 256+4096 tokens" in capsys.readouterr().out
 

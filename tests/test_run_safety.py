@@ -20,7 +20,7 @@ from cli_helpers import popen as _popen
 
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.launch import checkpoint_plan
+from gspo.resolve import checkpoint_plan
 from gspo.training import checkpoint_files as ckpt
 from gspo.training.checkpoints import CheckpointManager
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.errors import GspoError
+from gspo.plans import CapacityPlan
 
 # what a decoder layer keeps per token, relative to the per-projection count (fitted: see module doc)
 ACTIVATION_FACTOR = 1.05
@@ -205,10 +206,10 @@ def shape_of(spec: str) -> Shape:
     )
 
 
-def response_tokens(cfg: Any) -> int:
+def response_tokens(plan: CapacityPlan) -> int:
     """Tokens after the prompt of one sampled sequence: ``max_new_tokens``, or in a multi-turn run
     (``env``) the whole trajectory's ``max_trajectory_tokens`` (model turns and observations)."""
-    return cfg.max_trajectory_tokens if getattr(cfg, "env", None) else cfg.max_new_tokens
+    return plan.max_trajectory_tokens if plan.env else plan.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -246,19 +247,19 @@ class Estimate:
         }  # fmt: skip
 
 
-def rows_per_forward(cfg: Any, world: int) -> int:
-    per_minibatch = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
-    return min(cfg.micro_batch_size or per_minibatch, per_minibatch)
+def rows_per_forward(plan: CapacityPlan, world: int) -> int:
+    per_minibatch = max(1, plan.prompts_per_step * plan.group_size // world // plan.num_minibatches)
+    return min(plan.micro_batch_size or per_minibatch, per_minibatch)
 
 
-def tokens_and_pairs(cfg: Any, rows: int) -> tuple[int, int]:
+def tokens_and_pairs(plan: CapacityPlan, rows: int) -> tuple[int, int]:
     """Tokens of one training forward and the attention pairs it computes: responses of a group
     share their prompt's forward where prefix sharing applies (group_size > 1); packed rows form one
     sequence with a block mask (transformers' sdpa, the attention gspo loads, takes it dense)."""
-    P, T = cfg.max_prompt_tokens, response_tokens(cfg)
-    if cfg.packing == "on":
+    P, T = plan.max_prompt_tokens, response_tokens(plan)
+    if plan.packing == "on":
         return rows * (P + T), (rows * (P + T)) ** 2
-    if cfg.group_size > 1 and cfg.prefix_sharing != "off":
+    if plan.group_size > 1 and plan.prefix_sharing != "off":
         return P + rows * T, P * P + rows * T * (P + T)
     return rows * (P + T), rows * (P + T) ** 2
 
@@ -283,29 +284,29 @@ def ep_buffers(shape: Shape, tokens: int, ep: int, compute: int) -> float:
     return 2.0 * tokens * shape.top_k * shape.hidden * compute if ep > 1 and shape.experts else 0.0
 
 
-def _update_parts(cfg: Any, shape: Shape, world: int, compute: int) -> tuple[float, float, int]:
+def _update_parts(plan: CapacityPlan, shape: Shape, world: int, compute: int) -> tuple[float, float, int]:
     """Activations and LM-head buffers of one micro-batch at the update's peak, and its rows."""
-    rows = rows_per_forward(cfg, world)
-    tokens, pairs = tokens_and_pairs(cfg, rows)
+    rows = rows_per_forward(plan, world)
+    tokens, pairs = tokens_and_pairs(plan, rows)
     per_layer = tokens * shape.saved_floats_per_token() * compute
     attn = pairs * shape.heads * 4  # sdpa with a mask keeps float32 probabilities
-    if cfg.activation_checkpointing:
+    if plan.activation_checkpointing:
         kept = shape.layers * tokens * shape.hidden * compute
     else:
         kept = shape.layers * (per_layer + attn)
     # the peak: the first layer's backward (its attention transients; under checkpointing its
     # recomputed activations too) or the LM head's backward, on top of what every layer keeps
-    layer_peak = kept + ATTN_TRANSIENT * attn + (per_layer if cfg.activation_checkpointing else 0.0)
-    lm = LM_HEAD_BUFFERS * cfg.logp_chunk_size * shape.vocab * 4 + shape.vocab * shape.hidden * 4
+    layer_peak = kept + ATTN_TRANSIENT * attn + (per_layer if plan.activation_checkpointing else 0.0)
+    lm = LM_HEAD_BUFFERS * plan.logp_chunk_size * shape.vocab * 4 + shape.vocab * shape.hidden * 4
     activations, lm_part = (layer_peak, 0.0) if layer_peak >= kept + lm else (kept, lm)
     return activations, lm_part, rows
 
 
-def expert_parallel(cfg: Any, shape: Shape, world: int) -> int:
+def expert_parallel(plan: CapacityPlan, shape: Shape, world: int) -> int:
     """Ranks each MoE layer's experts are split over: ``expert_parallel_size`` for an MoE under
     FSDP2 on more than one rank, else 1."""
-    sharded = cfg.parallel == "fsdp" and world > 1 and shape.experts
-    return cfg.expert_parallel_size if sharded else 1
+    sharded = plan.parallel == "fsdp" and world > 1 and shape.experts
+    return plan.expert_parallel_size if sharded else 1
 
 
 def largest_tensor(shape: Shape) -> int:
@@ -315,23 +316,23 @@ def largest_tensor(shape: Shape) -> int:
     return max(shape.vocab * h, shape.intermediate * h, 2 * shape.experts * shape.moe_intermediate * h)
 
 
-def estimate(cfg: Any, shape: Shape, world: int, gpu_bytes: float | None = None) -> Estimate:
-    """Per-rank memory of ``cfg`` on ``world`` GPUs of ``gpu_bytes`` (FSDP2 shards by ``world``;
+def estimate(plan: CapacityPlan, shape: Shape, world: int, gpu_bytes: float | None = None) -> Estimate:
+    """Per-rank memory of ``plan`` on ``world`` GPUs of ``gpu_bytes`` (FSDP2 shards by ``world``;
     under expert parallelism the experts too, over the ranks holding the same ones)."""
-    bw = BYTES[cfg.dtype]
-    compute = 2 if cfg.mixed_precision == "bf16" else bw
-    shards = world if cfg.parallel == "fsdp" and world > 1 else 1
-    ep = expert_parallel(cfg, shape, world)
+    bw = BYTES[plan.dtype]
+    compute = 2 if plan.mixed_precision == "bf16" else bw
+    shards = world if plan.parallel == "fsdp" and world > 1 else 1
+    ep = expert_parallel(plan, shape, world)
     n = shape.params()
     weights, optimizer, grads = n * bw / shards, 2 * n * bw / shards, n * bw / shards
-    activations, lm_part, rows = _update_parts(cfg, shape, world, compute)
-    tokens = tokens_and_pairs(cfg, rows)[0]
+    activations, lm_part, rows = _update_parts(plan, shape, world, compute)
+    tokens = tokens_and_pairs(plan, rows)[0]
     unsharded = _unsharded(shape, compute, ep) + ep_buffers(shape, tokens, ep, compute) if shards > 1 else 0.0
-    several = cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches > rows
+    several = plan.prompts_per_step * plan.group_size // world // plan.num_minibatches > rows
     held_grads = grads if several else 0.0
-    s = _sampler(cfg, shape, world, gpu_bytes, compute, shards, ep)
-    if getattr(cfg, "rollout_devices", None):  # the sampler on its own device: here one tensor at a time
-        s = _Sampler(0.0, 0.0, 0.0, transfer_piece(cfg, shape), 0.0)
+    s = _sampler(plan, shape, world, gpu_bytes, compute, shards, ep)
+    if plan.rollout_devices:  # the sampler on its own device: here one tensor at a time
+        s = _Sampler(0.0, 0.0, 0.0, transfer_piece(plan, shape), 0.0)
     states = weights + optimizer
     update = states + held_grads + unsharded + activations + lm_part + s.kept
     # start-up: FSDP2 from disk holds one full tensor at a time in the trainer's dtype (broadcast
@@ -361,17 +362,23 @@ class _Sampler:
 
 
 def _sampler(
-    cfg: Any, shape: Shape, world: int, gpu_bytes: float | None, compute: int, shards: int, ep: int = 1
+    plan: CapacityPlan,
+    shape: Shape,
+    world: int,
+    gpu_bytes: float | None,
+    compute: int,
+    shards: int,
+    ep: int = 1,
 ) -> _Sampler:
     """The sampler's memory in each phase. A weight sync streams the trainer's weights one decoder
     layer (or the embedding) at a time, gathered in the trainer's dtype, plus their converted copy:
     twice the largest piece (measured on vLLM: 0.9-2.0x that piece, benchmarks/RESULTS_scale.md
     section 4)."""
-    rb, bw = BYTES[cfg.rollout_dtype or cfg.dtype], BYTES[cfg.dtype]
+    rb, bw = BYTES[plan.rollout_dtype or plan.dtype], BYTES[plan.dtype]
     sync = 2 * max(shape.layer_params(), shape.vocab * shape.hidden) * bw
-    if cfg.rollout_engine == "vllm":
-        own = shape.params() * rb / cfg.vllm_tensor_parallel_size  # its weights, inside its share
-        share = cfg.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
+    if plan.engine.gpu_share:
+        own = shape.params() * rb / plan.vllm_tensor_parallel_size  # its weights, inside its share
+        share = plan.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
         sleeps = _sleeps(gpu_bytes)  # asleep (level 2) in the update; only its weights woken for a sync
         # the start check runs a 24-token probe through the trainer's module: under FSDP2 the root
         # group and two decoder layers gathered in the compute dtype, and the probe's logits
@@ -380,10 +387,12 @@ def _sampler(
         return _Sampler(
             share, 0.0 if sleeps else share, own if sleeps else share, sync, share + max(sync, check)
         )
-    rows = min(HF_GENERATION_CHUNK, max(1, cfg.prompts_per_step * cfg.group_size // world))
-    kv = rows * (cfg.max_prompt_tokens + response_tokens(cfg)) * 2 * shape.layers * shape.kv_dim * rb
+    rows = min(HF_GENERATION_CHUNK, max(1, plan.prompts_per_step * plan.group_size // world))
+    kv = rows * (plan.max_prompt_tokens + response_tokens(plan)) * 2 * shape.layers * shape.kv_dim * rb
     logits = rows * shape.vocab * 4 * 2
-    if cfg.rollout_dtype not in (None, cfg.dtype):  # a whole copy in the sampler's dtype, kept
+    if plan.engine.copies_weights(
+        plan.dtype, plan.rollout_dtype
+    ):  # a whole copy in the sampler's dtype, kept
         copy = shape.params() * rb
         return _Sampler(kv + logits + copy, copy, copy, sync, copy + sync)
     # samples from the trainer's own module: under FSDP2 every group gathered (compute dtype); under
@@ -395,43 +404,43 @@ def _sampler(
     return _Sampler(kv + logits + gathered, 0.0, 0.0, 0.0, 0.0)
 
 
-def transfer_piece(cfg: Any, shape: Shape) -> float:
+def transfer_piece(plan: CapacityPlan, shape: Shape) -> float:
     """Rollout devices: the trainer's extra memory while a version crosses, one tensor at a time: the
     largest gathered whole (trainer's dtype) and its copy in the sampler's dtype."""
-    return largest_tensor(shape) * (BYTES[cfg.dtype] + BYTES[cfg.rollout_dtype or cfg.dtype])
+    return largest_tensor(shape) * (BYTES[plan.dtype] + BYTES[plan.rollout_dtype or plan.dtype])
 
 
-def sampler_side(cfg: Any, shape: Shape, gpu_bytes: float) -> tuple[list[str], float]:
+def sampler_side(plan: CapacityPlan, shape: Shape, gpu_bytes: float) -> tuple[list[str], float]:
     """Rollout devices: the sampler process's device (its own GPU), and its peak. It holds its model
     in the sampler's dtype, ``K + 1`` buffers the versions are received into, and the HF engine's KV
     cache and logits or vLLM's share (whose own weights copy lies inside it)."""
     gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
-    rb, K = BYTES[cfg.rollout_dtype or cfg.dtype], cfg.async_staleness
+    rb, K = BYTES[plan.rollout_dtype or plan.dtype], plan.async_staleness
     model = shape.params() * rb
     buffers = (K + 1) * model
-    if cfg.rollout_engine == "vllm":
-        engine, what = cfg.vllm_gpu_memory_utilization * gpu_bytes, "vLLM's share (its weights inside)"
+    if plan.engine.gpu_share:
+        engine, what = plan.vllm_gpu_memory_utilization * gpu_bytes, "vLLM's share (its weights inside)"
     else:
-        rows = min(HF_GENERATION_CHUNK, max(1, cfg.prompts_per_step * cfg.group_size))
-        kv = rows * (cfg.max_prompt_tokens + response_tokens(cfg)) * 2 * shape.layers * shape.kv_dim * rb
+        rows = min(HF_GENERATION_CHUNK, max(1, plan.prompts_per_step * plan.group_size))
+        kv = rows * (plan.max_prompt_tokens + response_tokens(plan)) * 2 * shape.layers * shape.kv_dim * rb
         engine, what = kv + rows * shape.vocab * 4 * 2, "HF engine: KV cache and logits"
     peak = model + buffers + engine
     lines = [
-        f"sampler side ({cfg.rollout_devices}, one process, {cfg.rollout_engine} engine, "
-        f"{cfg.rollout_dtype or cfg.dtype}):",
+        f"sampler side ({plan.rollout_devices}, one process, {plan.engine.name} engine, "
+        f"{plan.rollout_dtype or plan.dtype}):",
         f"  model                   {gib(model)}",
         f"  received versions       {gib(buffers)}   (K+1 = {K + 1} buffers a thread fills while it samples)",
         f"  engine                  {gib(engine)}   ({what})",
         f"  sampler peak            {gib(peak)}"
         + (f" of {gpu_bytes / 2**30:.1f} GiB: {'fits' if peak <= gpu_bytes else 'does NOT fit'}"
-           if not str(cfg.rollout_devices).startswith("cpu") else " (host memory)"),
+           if not str(plan.rollout_devices).startswith("cpu") else " (host memory)"),
         "trainer side (the GPUs below): no sampler; a version crosses one tensor at a time"
-        f" ({gib(transfer_piece(cfg, shape)).strip()} at most, in the weight sync)",
+        f" ({gib(transfer_piece(plan, shape)).strip()} at most, in the weight sync)",
     ]  # fmt: skip
     return lines, peak
 
 
-def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) -> int:
+def largest_micro_batch(plan: CapacityPlan, shape: Shape, world: int, gpu_bytes: float) -> int:
     """The largest ``micro_batch_size`` (sequences per forward) whose peak fits, 0 when none does.
     Below a whole minibatch the peak grows with the micro-batch (bisection: ~20 estimates for a
     million sequences); the whole minibatch in one forward holds no gradients across micro-batches,
@@ -439,10 +448,10 @@ def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) ->
 
     def fits(m: int) -> bool:
         return (
-            estimate(dataclasses.replace(cfg, micro_batch_size=m), shape, world, gpu_bytes).peak <= gpu_bytes
+            estimate(dataclasses.replace(plan, micro_batch_size=m), shape, world, gpu_bytes).peak <= gpu_bytes
         )
 
-    per_minibatch = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
+    per_minibatch = max(1, plan.prompts_per_step * plan.group_size // world // plan.num_minibatches)
     if fits(per_minibatch):
         return per_minibatch
     lo, hi = 0, per_minibatch - 1  # fits(lo) (0: none), the answer lies in [lo, hi]
@@ -452,26 +461,26 @@ def largest_micro_batch(cfg: Any, shape: Shape, world: int, gpu_bytes: float) ->
     return lo
 
 
-def kv_bytes_per_token(cfg: Any, shape: Shape) -> float:
+def kv_bytes_per_token(plan: CapacityPlan, shape: Shape) -> float:
     """vLLM's KV cache per token on one rank: keys and values of every layer, this rank's KV heads
     (split over the tensor-parallel ranks; a head is copied where there are more ranks than heads)."""
-    heads = -(-shape.kv_heads // cfg.vllm_tensor_parallel_size)
-    return 2 * shape.layers * heads * shape.head_dim * BYTES[cfg.rollout_dtype or cfg.dtype]
+    heads = -(-shape.kv_heads // plan.vllm_tensor_parallel_size)
+    return 2 * shape.layers * heads * shape.head_dim * BYTES[plan.rollout_dtype or plan.dtype]
 
 
-def kv_lines(cfg: Any, shape: Shape, world: int, kv_bytes: float) -> list[str]:
+def kv_lines(plan: CapacityPlan, shape: Shape, world: int, kv_bytes: float) -> list[str]:
     """vLLM's KV-cache capacity in tokens (its share less its weights: at most, before its activations
     and CUDA graphs) beside the tokens one step's rollout asks of each rank (its instance's rows x
     prompt + response); a warning line when the batch asks more: vLLM then preempts and recomputes
     sequences (slower, not a failure)."""
-    per_token = kv_bytes_per_token(cfg, shape)
+    per_token = kv_bytes_per_token(plan, shape)
     capacity = max(0.0, kv_bytes) / per_token
-    rows = cfg.prompts_per_step * cfg.group_size // world * cfg.vllm_tensor_parallel_size
-    asked = rows * (cfg.max_prompt_tokens + response_tokens(cfg))
+    rows = plan.prompts_per_step * plan.group_size // world * plan.vllm_tensor_parallel_size
+    asked = rows * (plan.max_prompt_tokens + response_tokens(plan))
     lines = [
         f"vLLM KV cache per rank at most {kv_bytes / 2**30:.1f} GiB: {capacity / 1e3:,.0f}k tokens at "
         f"{per_token / 2**10:.0f} KiB per token; a step asks up to {asked / 1e3:,.0f}k ({rows} rows x "
-        f"{cfg.max_prompt_tokens}+{response_tokens(cfg)} tokens)"
+        f"{plan.max_prompt_tokens}+{response_tokens(plan)} tokens)"
     ]
     if asked > capacity:
         lines.append(
@@ -495,24 +504,26 @@ def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[flo
     return value * unit, f"{flag} {value:g}"
 
 
-def _title(cfg: Any, spec: str, shape: Shape, gpus: int, gpu_bytes: float, given: str, nodes: int) -> str:
+def _title(
+    plan: CapacityPlan, spec: str, shape: Shape, gpus: int, gpu_bytes: float, given: str, nodes: int
+) -> str:
     """The plan's first line: the model, the machines and how the model is split over them."""
-    ep = expert_parallel(cfg, shape, gpus)
+    ep = expert_parallel(plan, shape, gpus)
     kind = f"MoE, {shape.experts} experts top-{shape.top_k}" if shape.experts else "dense"
-    sharded = cfg.parallel == "fsdp" and gpus > 1
+    sharded = plan.parallel == "fsdp" and gpus > 1
     shard = f"FSDP2 over {gpus}" if sharded else ("DDP" if gpus > 1 else "1 process")
     shard += f", experts over EP groups of {ep}" if ep > 1 else ""
     where = f"{nodes} nodes x {gpus // nodes} GPUs" if nodes > 1 else f"{gpus} GPU(s)"
     return (
         f"{spec}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers ({kind}); {where} x "
-        f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {cfg.dtype}"
-        + (", bf16 compute" if cfg.mixed_precision == "bf16" else "")
-        + (", activation checkpointing" if cfg.activation_checkpointing else "")
+        f"{gpu_bytes / 2**30:.1f} GiB ({given or f'{gpu_bytes:.4g} bytes'}); {shard}; trainer {plan.dtype}"
+        + (", bf16 compute" if plan.mixed_precision == "bf16" else "")
+        + (", activation checkpointing" if plan.activation_checkpointing else "")
     )
 
 
 def report(
-    cfg: Any,
+    plan: CapacityPlan,
     spec: str,
     gpus: int,
     gpu_bytes: float,
@@ -520,21 +531,21 @@ def report(
     nodes: int = 1,
     shape: Shape | None = None,
 ) -> tuple[str, bool]:
-    """``gspo plan``'s table for ``cfg`` on ``gpus`` GPUs (over ``nodes``) of ``gpu_bytes`` each
+    """``gspo plan``'s table for ``plan`` on ``gpus`` GPUs (over ``nodes``) of ``gpu_bytes`` each
     (``given``: the flag as the user wrote it), phase by phase, and whether every phase fits (no
     margin beyond the GPU)."""
     if not (isinstance(gpu_bytes, (int, float)) and math.isfinite(gpu_bytes) and gpu_bytes > 0):
         raise GspoError(f"GPU memory must be a positive number of bytes (got {gpu_bytes!r})")
     shape = shape or shape_of(spec)
-    e = estimate(cfg, shape, gpus, gpu_bytes)
+    e = estimate(plan, shape, gpus, gpu_bytes)
     gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
-    sharded = cfg.parallel == "fsdp" and gpus > 1
-    P, T = cfg.max_prompt_tokens, response_tokens(cfg)
-    vllm = cfg.rollout_engine == "vllm"
+    sharded = plan.parallel == "fsdp" and gpus > 1
+    P, T = plan.max_prompt_tokens, response_tokens(plan)
+    vllm = plan.engine.gpu_share
     states = e.weights + e.optimizer
-    side = sampler_side(cfg, shape, gpu_bytes) if getattr(cfg, "rollout_devices", None) else ([], 0.0)
+    side = sampler_side(plan, shape, gpu_bytes) if plan.rollout_devices else ([], 0.0)
     lines = [
-        _title(cfg, spec, shape, gpus, gpu_bytes, given, nodes),
+        _title(plan, spec, shape, gpus, gpu_bytes, given, nodes),
         "per GPU, start-up ("
         + ("each rank reads its own shards from the files (a hub id fetched once per node first)" if sharded
            else "weights loaded")
@@ -556,27 +567,27 @@ def report(
         f"  LM head buffers         {gib(e.lm_head)}",
         f"  sampler kept            {gib(e.sampler_kept)}   ("
         + ("vLLM asleep" if vllm and not e.sampler_kept else "vLLM awake: no sleep mode off a GPU" if vllm
-           else f"the HF engine's {cfg.rollout_dtype} copy" if e.sampler_kept else "none")
+           else f"the HF engine's {plan.rollout_dtype} copy" if e.sampler_kept else "none")
         + ")",
         f"  update peak             {gib(e.update_peak)}",
-        f"per GPU, rollout ({cfg.rollout_engine} engine):",
+        f"per GPU, rollout ({plan.engine.name} engine):",
         f"  weights + AdamW moments {gib(states)}",
         f"  sampler                 {gib(e.sampler)}",
         f"  rollout peak            {gib(e.rollout_peak)}",
         "per GPU, weight sync:",
         f"  weights + AdamW moments {gib(states)}",
         f"  sampler resident        {gib(e.sync_peak - states - e.sync)}",
-        f"  weight sync             {gib(e.sync)}   (2x the largest piece streamed, in {cfg.dtype})",
+        f"  weight sync             {gib(e.sync)}   (2x the largest piece streamed, in {plan.dtype})",
         f"  sync peak               {gib(e.sync_peak)}",
     ]  # fmt: skip
     lines[1:1] = side[0]  # rollout devices: the sampler's GPU first, then the trainer's
     fits = e.peak <= gpu_bytes  # no margin: every measured estimate was at or below the truth
-    fits = fits and (side[1] <= gpu_bytes or str(cfg.rollout_devices).startswith("cpu"))
+    fits = fits and (side[1] <= gpu_bytes or str(plan.rollout_devices).startswith("cpu"))
     worst = max(e.phases().items(), key=lambda kv: kv[1])[0]
     verdict = "fits" if fits else "does NOT fit"
     if vllm:
-        need = shape.params() * BYTES[cfg.rollout_dtype or cfg.dtype] / cfg.vllm_tensor_parallel_size
-        tp, kv = cfg.vllm_tensor_parallel_size, shape.kv_heads
+        need = shape.params() * BYTES[plan.rollout_dtype or plan.dtype] / plan.vllm_tensor_parallel_size
+        tp, kv = plan.vllm_tensor_parallel_size, shape.kv_heads
         copies = f"; tensor parallel {tp} over {kv} KV heads: each on {tp // kv} ranks" if tp > kv else ""
         lines.append(f"vLLM weights in its share {gib(need).strip()} of {gib(e.sampler).strip()}{copies}")
         if need >= e.sampler:
@@ -584,8 +595,8 @@ def report(
                 False,
                 "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights)",
             )
-        lines += kv_lines(cfg, shape, gpus, e.sampler - need)
+        lines += kv_lines(plan, shape, gpus, e.sampler - need)
     lines.append(f"peak {gib(e.peak).strip()} ({worst}) of {gpu_bytes / 2**30:.1f} GiB per GPU: {verdict}")
-    best = largest_micro_batch(cfg, shape, gpus, gpu_bytes)
+    best = largest_micro_batch(plan, shape, gpus, gpu_bytes)
     lines.append(f"largest micro_batch_size that fits: {best}" if best else "no micro_batch_size fits")
     return "\n".join(lines), fits

@@ -37,6 +37,7 @@ from typing import Any
 from gspo.capacity import BYTES, Shape, estimate, expert_parallel, rows_per_forward, tokens_and_pairs
 from gspo.errors import GspoError
 from gspo.limits import INT_LIMITS
+from gspo.plans import CapacityPlan
 
 # per GPU and direction, in Gb/s (1e9 bits/s): NVLink 4 on H100/H200 is 900 GB/s both ways together,
 # 450 GB/s = 3600 Gb/s each way; one 400 Gb/s NDR InfiniBand NIC per GPU (ConnectX-7)
@@ -93,24 +94,24 @@ def _bad(field: str, msg: str, got: Any) -> GspoError:
     return GspoError(f"config field '{field}': {msg} (got {got!r})")
 
 
-def check_layout(cfg: Any, shape: Shape, link: Link) -> None:
+def check_layout(plan: CapacityPlan, shape: Shape, link: Link) -> None:
     """Refuse what the code cannot run on ``link``: a vLLM instance across nodes (its tensor-parallel
     group is consecutive ranks, which must lie on one node), expert parallelism on a dense model,
     without FSDP2, or not dividing the experts or the world."""
-    tp = cfg.vllm_tensor_parallel_size
-    if cfg.rollout_engine == "vllm" and link.gpus_per_node % tp:
+    tp = plan.vllm_tensor_parallel_size
+    if plan.engine.tensor_parallel and link.gpus_per_node % tp:
         why = "greater than" if tp > link.gpus_per_node else "does not divide"
         raise _bad(
             "vllm_tensor_parallel_size",
             f"{why} --gpus-per-node {link.gpus_per_node}: one vLLM instance would span nodes",
             tp,
         )
-    ep = cfg.expert_parallel_size
+    ep = plan.expert_parallel_size
     if ep == 1:
         return
     if not shape.experts:
         raise _bad("expert_parallel_size", "must be 1 for a dense model (no experts to split)", ep)
-    if cfg.parallel != "fsdp" or link.world < 2:
+    if plan.parallel != "fsdp" or link.world < 2:
         raise _bad("expert_parallel_size", "needs FSDP2 on more than one rank (parallel fsdp)", ep)
     if shape.experts % ep:
         raise _bad("expert_parallel_size", f"must divide the model's {shape.experts} experts", ep)
@@ -218,16 +219,13 @@ def micro_batch_moves(
     return tuple(moves)
 
 
-def recomputes_pi_old(cfg: Any) -> bool:
-    """Whether each step runs a forward-only pass for pi_old: :func:`gspo.resolve.pi_old_source`
-    restated without loading a model (tests/test_plan_nodes.py checks that the two agree)."""
-    if cfg.old_logp != "auto":
-        return cfg.old_logp == "recompute"
-    same = cfg.rollout_engine == "hf" and cfg.dtype == "float32" and cfg.rollout_dtype in (None, "float32")
-    return not cfg.async_staleness and not same
+def recomputes_pi_old(plan: CapacityPlan) -> bool:
+    """Whether each step runs a forward-only pass for pi_old (the plan's one decision,
+    :func:`gspo.plans.pi_old_source`)."""
+    return plan.pi_old == "recompute"
 
 
-def forward_only_batches(cfg: Any, shape: Shape, per_minibatch: int) -> int:
+def forward_only_batches(plan: CapacityPlan, shape: Shape, per_minibatch: int) -> int:
     """Forward-only micro-batches of one update, ``per_minibatch`` micro-batches to a minibatch
     (:func:`gspo.training.update.record_pi_old` and ``measure_volatility`` restated without a model;
     tests/test_plan_nodes.py checks it against :func:`gspo.resolve.plan_update`): minibatch 0's
@@ -235,12 +233,12 @@ def forward_only_batches(cfg: Any, shape: Shape, per_minibatch: int) -> int:
     (recomputed, or for the mismatch correction) or pi_old's routing (the volatility minibatch, R2);
     under R3 one without replay wherever pi_old's own routing is needed; volatility measured after
     the first step (one minibatch, or a replay) costs one forward of its minibatch."""
-    n, moe = cfg.num_minibatches, bool(shape.experts)
+    n, moe = plan.num_minibatches, bool(shape.experts)
     replay = None
-    if moe and cfg.routing_replay:
-        replay = "R3" if cfg.routing_replay_source == "rollout" else "R2"
-    vol_i = (1 if n > 1 else 0) if moe and cfg.log_volatility else None
-    trainer = recomputes_pi_old(cfg) or cfg.mismatch_correction != "none"
+    if moe and plan.routing_replay:
+        replay = "R3" if plan.routing_replay_source == "rollout" else "R2"
+    vol_i = (1 if n > 1 else 0) if moe and plan.log_volatility else None
+    trainer = recomputes_pi_old(plan) or plan.mismatch_correction != "none"
     count = 0
     for i in range(n):
         own = i == vol_i or (replay == "R2" and i > 0)
@@ -272,35 +270,35 @@ class Traffic:
         )
 
 
-def traffic(cfg: Any, shape: Shape, link: Link, ep: int | None = None) -> Traffic:
-    """Per-rank traffic of ``cfg`` on ``link`` (``ep``: the config's ``expert_parallel_size`` unless
+def traffic(plan: CapacityPlan, shape: Shape, link: Link, ep: int | None = None) -> Traffic:
+    """Per-rank traffic of ``plan`` on ``link`` (``ep``: the config's ``expert_parallel_size`` unless
     given). DDP all-reduces the gradients of each micro-batch in the trainer's dtype; one process moves
     nothing."""
-    W, bw = link.world, BYTES[cfg.dtype]
-    compute = 2 if cfg.mixed_precision == "bf16" else bw
-    reduce = 4 if cfg.mixed_precision == "bf16" else bw
-    rows = rows_per_forward(cfg, W)
-    tokens = tokens_and_pairs(cfg, rows)[0]
-    per_rank = max(1, cfg.prompts_per_step * cfg.group_size // W)
-    per_minibatch = max(1, per_rank // cfg.num_minibatches)
-    update_batches = cfg.num_minibatches * math.ceil(per_minibatch / rows)
-    forward_batches = forward_only_batches(cfg, shape, math.ceil(per_minibatch / rows))
+    W, bw = link.world, BYTES[plan.dtype]
+    compute = 2 if plan.mixed_precision == "bf16" else bw
+    reduce = 4 if plan.mixed_precision == "bf16" else bw
+    rows = rows_per_forward(plan, W)
+    tokens = tokens_and_pairs(plan, rows)[0]
+    per_rank = max(1, plan.prompts_per_step * plan.group_size // W)
+    per_minibatch = max(1, per_rank // plan.num_minibatches)
+    update_batches = plan.num_minibatches * math.ceil(per_minibatch / rows)
+    forward_batches = forward_only_batches(plan, shape, math.ceil(per_minibatch / rows))
     if ep is None:
-        ep = expert_parallel(cfg, shape, W)
+        ep = expert_parallel(plan, shape, W)
     across = link.nodes > 1
     if W == 1:
         return Traffic(1, (), update_batches, (), forward_batches, ())
-    if cfg.parallel == "ddp":
+    if plan.parallel == "ddp":
         grads = _ring("DDP all-reduce", all_reduce_bytes(shape.params() * bw, W), link, across)
         return Traffic(1, (grads,), update_batches, (), forward_batches, ())
-    gloo = cfg.device == "cpu"  # the backend gspo's distributed setup picks for the CPU
+    gloo = plan.device == "cpu"  # the backend gspo's distributed setup picks for the CPU
     update = micro_batch_moves(
-        shape, link, ep, tokens, compute, reduce, True, cfg.activation_checkpointing, gloo
+        shape, link, ep, tokens, compute, reduce, True, plan.activation_checkpointing, gloo
     )
     forward = micro_batch_moves(shape, link, ep, tokens, compute, reduce, False, False, gloo)
     # the sampler needs every weight: vLLM and the HF engine's own copy get them in the trainer's
     # dtype, the HF engine sampling from the trainer's module gathers it in the compute dtype
-    copy = cfg.rollout_engine == "vllm" or cfg.rollout_dtype not in (None, cfg.dtype)
+    copy = plan.engine.copies_weights(plan.dtype, plan.rollout_dtype)
     sync = ring_bytes(shape.params() * (bw if copy else compute), W)
     return Traffic(
         ep, update, update_batches, forward, forward_batches, (_ring("weight sync", sync, link, across),)
@@ -345,25 +343,25 @@ def _rows(columns: list[tuple[Move, ...]], k: list[int]) -> list[str]:
     return lines
 
 
-def comm_report(cfg: Any, shape: Shape, link: Link, gpu_bytes: float | None = None) -> list[str]:
+def comm_report(plan: CapacityPlan, shape: Shape, link: Link, gpu_bytes: float | None = None) -> list[str]:
     """``gspo plan``'s communication lines: bytes each rank sends per micro-batch and per step and
     their seconds, without EP and with it side by side (the run's ``expert_parallel_size``, or the
     largest within a node to compare with), and each one's per-GPU memory peak."""
-    ep = expert_parallel(cfg, shape, link.world)
-    sizes = sorted({1, ep if ep > 1 else suggested_ep(shape, link)} if cfg.parallel == "fsdp" else {1})
+    ep = expert_parallel(plan, shape, link.world)
+    sizes = sorted({1, ep if ep > 1 else suggested_ep(shape, link)} if plan.parallel == "fsdp" else {1})
     peaks = {
-        e: estimate(dataclasses.replace(cfg, expert_parallel_size=e), shape, link.world, gpu_bytes).peak
+        e: estimate(dataclasses.replace(plan, expert_parallel_size=e), shape, link.world, gpu_bytes).peak
         for e in sizes
     }
-    runs = [traffic(cfg, shape, link, e) for e in sizes]
+    runs = [traffic(plan, shape, link, e) for e in sizes]
     heads = [
-        ("FSDP2" if cfg.parallel == "fsdp" else cfg.parallel.upper()) if e == 1 else f"EP {e} + FSDP2"
+        ("FSDP2" if plan.parallel == "fsdp" else plan.parallel.upper()) if e == 1 else f"EP {e} + FSDP2"
         for e in sizes
     ]
     heads = [
         h + (" (this run)" if e == ep and len(sizes) > 1 else "") for h, e in zip(heads, sizes, strict=True)
     ]
-    t, rows = runs[0], rows_per_forward(cfg, link.world)
+    t, rows = runs[0], rows_per_forward(plan, link.world)
     lines = [
         f"interconnect: {link.nodes} node(s) x {link.gpus_per_node} GPUs (rank = node x {link.gpus_per_node}"
         f" + local rank); per GPU and direction NVLink {_gbps(link.intra)}, IB {_gbps(link.inter)}"
@@ -372,7 +370,7 @@ def comm_report(cfg: Any, shape: Shape, link: Link, gpu_bytes: float | None = No
         "with compute); under EP the FSDP2 rows are the dense parameters, the experts' rows their "
         "world/ep holders:",
         f"  {'':<24}" + "".join(f"{h:>35}" for h in heads),
-        f"per update micro-batch ({rows} sequence(s), {tokens_and_pairs(cfg, rows)[0]} tokens at most):",
+        f"per update micro-batch ({rows} sequence(s), {tokens_and_pairs(plan, rows)[0]} tokens at most):",
         *_rows([r.update for r in runs], [1] * len(runs)),
         f"per step ({t.update_batches} update micro-batches, {t.forward_batches} forward-only"
         f" micro-batches, one weight sync):",
@@ -386,11 +384,11 @@ def comm_report(cfg: Any, shape: Shape, link: Link, gpu_bytes: float | None = No
         cells = [_cell(sum(m.nbytes for m in ms) * k, sum(m.seconds for m in ms) * k) for ms in cols]
         lines.append(f"  {name:<24}" + "".join(cells).rstrip())
     lines.append(f"  {'step total':<24}" + "".join(_cell(*r.step()) for r in runs).rstrip())
-    if getattr(cfg, "rollout_devices", None):  # rank 0 -> the sampler's GPU, beside the trainer's traffic
-        nbytes = shape.params() * BYTES[cfg.rollout_dtype or cfg.dtype]
+    if plan.rollout_devices:  # rank 0 -> the sampler's GPU, beside the trainer's traffic
+        nbytes = shape.params() * BYTES[plan.rollout_dtype or plan.dtype]
         lines.append(
             f"  {'to the sampler':<24}{_cell(nbytes, nbytes / link.intra).rstrip()}   (rank 0 alone, every "
-            f"version: one broadcast per tensor to {cfg.rollout_devices} in {cfg.rollout_dtype or cfg.dtype}, "
+            f"version: one broadcast per tensor to {plan.rollout_devices} in {plan.rollout_dtype or plan.dtype}, "
             "NVLink rate)"
         )
     lines.append(

@@ -366,15 +366,17 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from gspo.capacity import gpu_bytes_of, report, shape_of
     from gspo.capacity_comm import check_layout, comm_report, launch_lines, link_of
     from gspo.config import make_config
+    from gspo.resolve import capacity_plan
 
     link = link_of(ns.nodes, ns.gpus_per_node, ns.gpus, ns.intra_gbps, ns.inter_gbps)
     gpu, given = gpu_bytes_of(ns.gpu_memory_gb, ns.gpu_memory_gib)  # bytes, whichever unit was given
     cfg = make_config(ns.config, {**_overrides(ns, ("nproc",)), "nproc": link.world})
-    shape = shape_of(cfg.model)
-    check_layout(cfg, shape, link)
-    text, fits = report(cfg, cfg.model, link.world, gpu, given, link.nodes, shape)
+    plan = capacity_plan(cfg)
+    shape = shape_of(plan.model)
+    check_layout(plan, shape, link)
+    text, fits = report(plan, plan.model, link.world, gpu, given, link.nodes, shape)
     launch = launch_lines(link, ns.config, _given_flags(ns, ("nproc",)))
-    print("\n".join([text, *comm_report(cfg, shape, link, gpu), *launch]))
+    print("\n".join([text, *comm_report(plan, shape, link, gpu), *launch]))
     if not fits:
         raise GspoError(f"does not fit in {gpu / 2**30:.1f} GiB per GPU ({given}; see the table above)")
     return 0

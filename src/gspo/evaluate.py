@@ -111,7 +111,7 @@ def _warn_if_newer(file: Path, run_yaml: Path, key: str) -> None:
 def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load ``path`` with ``from_pretrained`` and report held-out reward / accuracy (greedy decoding)."""
     from gspo.model.load import load_model_and_tokenizer
-    from gspo.resolve import engine_plan, prompt_plan, score_plan, task_plan
+    from gspo.resolve import capacity_plan, engine_plan, prompt_plan, score_plan, task_plan
     from gspo.rollout.factory import make_engine
     from gspo.tasks import task_from_config
     from gspo.tasks.prompts import encode_prompts
@@ -134,7 +134,7 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     model, tokenizer = load_model_and_tokenizer(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    check_resources(cfg, model)
+    check_resources(capacity_plan(cfg), model)
     t = task_from_config(task_plan(cfg))
     engine = make_engine(engine_plan(cfg), model, tokenizer)
     out = evaluate(engine, tokenizer, t, encode_prompts(tokenizer, t.eval, prompt_plan(cfg)), score_plan(cfg))

@@ -16,6 +16,7 @@ from typing import Any
 from gspo import memory
 from gspo.capacity import response_tokens
 from gspo.errors import GspoError
+from gspo.plans import CapacityPlan, EnginePlan, config_field
 from gspo.tasks.timelimit import MAX_TIMEOUT_S
 
 # hard bounds: far above any real use, low enough that nothing downstream overflows or hangs on them
@@ -50,37 +51,37 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _bad(cfg: Any, field: str, msg: str) -> GspoError:
-    return GspoError(f"config field '{field}': {msg} (got {getattr(cfg, field)!r})")
+def _bad(plan: CapacityPlan, field: str, msg: str) -> GspoError:
+    return GspoError(f"config field '{config_field(field)}': {msg} (got {getattr(plan, field)!r})")
 
 
-def check_config(cfg: Any) -> None:
+def check_config(plan: CapacityPlan) -> None:
     """Hard upper bounds of every numeric field, then the batches' least memory against what is free."""
     for f, hi in INT_LIMITS.items():
-        if getattr(cfg, f, 0) > hi:
-            raise _bad(cfg, f, f"must be <= {hi:,}")
-    if cfg.seed < 0:
-        raise _bad(cfg, "seed", "must be >= 0")
+        if getattr(plan, f, 0) > hi:
+            raise _bad(plan, f, f"must be <= {hi:,}")
+    if plan.seed < 0:
+        raise _bad(plan, "seed", "must be >= 0")
     for f, hi in FLOAT_LIMITS.items():
-        if getattr(cfg, f) > hi:
-            raise _bad(cfg, f, f"must be <= {hi:g}")
-    if cfg.temperature < MIN_TEMPERATURE:
-        raise _bad(cfg, "temperature", f"must be >= {MIN_TEMPERATURE:g} (smaller overflows the logits)")
-    if cfg.prompts_per_step * cfg.group_size > MAX_BATCH:
-        raise _bad(cfg, "prompts_per_step", f"prompts_per_step x group_size must be <= {MAX_BATCH:,}")
+        if getattr(plan, f) > hi:
+            raise _bad(plan, f, f"must be <= {hi:g}")
+    if plan.temperature < MIN_TEMPERATURE:
+        raise _bad(plan, "temperature", f"must be >= {MIN_TEMPERATURE:g} (smaller overflows the logits)")
+    if plan.prompts_per_step * plan.group_size > MAX_BATCH:
+        raise _bad(plan, "prompts_per_step", f"prompts_per_step x group_size must be <= {MAX_BATCH:,}")
     free = memory.available_memory()
     if free is None:
         return
     # a sampled sequence after its prompt: one response, or a multi-turn run's whole trajectory
-    per_seq = BYTES_PER_SEQUENCE + response_tokens(cfg) * BYTES_PER_RESPONSE_TOKEN
+    per_seq = BYTES_PER_SEQUENCE + response_tokens(plan) * BYTES_PER_RESPONSE_TOKEN
     for field, seqs in (
-        ("prompts_per_step", cfg.prompts_per_step * cfg.group_size),
-        ("eval_size", cfg.eval_size * _eval_draws(cfg.task)),
-        ("sft_batch_size", cfg.sft_batch_size),
+        ("prompts_per_step", plan.prompts_per_step * plan.group_size),
+        ("eval_size", plan.eval_size * _eval_draws(plan.task)),
+        ("sft_batch_size", plan.sft_batch_size),
     ):
         need = seqs * per_seq
         if need > free:
-            raise _bad(cfg, field, f"needs at least {_gib(need)} of memory, {_gib(free)} is available")
+            raise _bad(plan, field, f"needs at least {_gib(need)} of memory, {_gib(free)} is available")
 
 
 def _eval_draws(task: str) -> int:
@@ -101,7 +102,7 @@ def _device_memory(device: Any) -> int | None:
     return memory.available_memory()
 
 
-def check_resources(cfg: Any, model: Any) -> None:
+def check_resources(plan: CapacityPlan, model: Any) -> None:
     """Memory of the largest batches with this model (KV cache of a generation chunk, logits and
     activations of a training micro-batch and of a warm-start batch), the async sampler's weight
     copies and their file descriptors, against what the model's device has free. Call after loading
@@ -114,38 +115,38 @@ def check_resources(cfg: Any, model: Any) -> None:
     heads = get("num_attention_heads", "n_head")
     kv_heads, head_dim = get("num_key_value_heads", default=heads), get("head_dim", default=hidden // heads)
     vocab, elem = get("vocab_size"), params[0].element_size() if params else 4
-    T = cfg.max_prompt_tokens + response_tokens(cfg)  # a multi-turn run: its whole trajectory
+    T = plan.max_prompt_tokens + response_tokens(plan)  # a multi-turn run: its whole trajectory
     per_token_kv = layers * 2 * kv_heads * head_dim * elem
     per_token_act = layers * hidden * elem * 4  # a lower bound of what backward keeps per token
-    chunk = min(256, max(cfg.eval_size, cfg.prompts_per_step * cfg.group_size // cfg.nproc))  # HF engine
-    mb = cfg.micro_batch_size or max(
-        1, cfg.prompts_per_step * cfg.group_size // cfg.nproc // cfg.num_minibatches
+    chunk = min(256, max(plan.eval_size, plan.prompts_per_step * plan.group_size // plan.nproc))  # HF engine
+    mb = plan.micro_batch_size or max(
+        1, plan.prompts_per_step * plan.group_size // plan.nproc // plan.num_minibatches
     )
-    logits = min(T, cfg.logp_chunk_size) * vocab * 4 * 2  # float32 log-softmax of one LM-head chunk
+    logits = min(T, plan.logp_chunk_size) * vocab * 4 * 2  # float32 log-softmax of one LM-head chunk
     needs = {
         "prompts_per_step": chunk * (T * per_token_kv + vocab * 4 * 2),
-        "micro_batch_size" if cfg.micro_batch_size else "num_minibatches": mb * (T * per_token_act + logits),
-        "sft_batch_size": (cfg.sft_batch_size * (T * per_token_act + logits)) if cfg.sft_steps else 0,
+        "micro_batch_size" if plan.micro_batch_size else "num_minibatches": mb * (T * per_token_act + logits),
+        "sft_batch_size": (plan.sft_batch_size * (T * per_token_act + logits)) if plan.sft_steps else 0,
         # K+1 received weight copies: in shared memory, or on the sampler's own device (not this one)
-        "async_staleness": (cfg.async_staleness + 1) * param_bytes if _copies_here(cfg) else 0,
+        "async_staleness": (plan.async_staleness + 1) * param_bytes if _copies_here(plan) else 0,
     }
-    if cfg.lora_rank > hidden:  # a rank past the hidden size adds parameters and no expressiveness
-        raise _bad(cfg, "lora_rank", f"must be <= the model's hidden size {hidden}")
+    if plan.lora_rank > hidden:  # a rank past the hidden size adds parameters and no expressiveness
+        raise _bad(plan, "lora_rank", f"must be <= the model's hidden size {hidden}")
     device = next((p.device for p in params), None)
     free = _device_memory(device)
     for field, need in needs.items():
         if free is not None and need > free:
             raise _bad(
-                cfg, field, f"needs about {_gib(need)} of memory with this model, {_gib(free)} is free"
+                plan, field, f"needs about {_gib(need)} of memory with this model, {_gib(free)} is free"
             )
-    check_vllm_share(cfg)
-    if cfg.async_staleness and not cfg.rollout_devices:  # one descriptor per shared tensor per copy
-        fds = (cfg.async_staleness + 1) * len(params) + 256
+    check_vllm_share(plan)
+    if plan.async_staleness and not plan.rollout_devices:  # one descriptor per shared tensor per copy
+        fds = (plan.async_staleness + 1) * len(params) + 256
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft != resource.RLIM_INFINITY and fds > soft:
             raise _bad(
-                cfg, "async_staleness",
-                f"needs about {fds} open files ({len(params)} tensors x {cfg.async_staleness + 1} weight copies), "
+                plan, "async_staleness",
+                f"needs about {fds} open files ({len(params)} tensors x {plan.async_staleness + 1} weight copies), "
                 f"the limit is {soft} (ulimit -n)",
             )  # fmt: skip
 
@@ -165,7 +166,7 @@ def check_local_ranks(nproc: int) -> None:
             )
 
 
-def check_vllm_share(cfg: Any, device: Any = None, share: float | None = None) -> None:
+def check_vllm_share(plan: CapacityPlan | EnginePlan, device: Any = None, share: float | None = None) -> None:
     """vLLM on a GPU takes ``share`` (default ``vllm_gpu_memory_utilization``) of the GPU's total memory
     at start and refuses to start when that is more than is free: refused here first, in one line
     naming the field. The vLLM engine calls it on ``device`` after the trainer is sharded and
@@ -174,20 +175,21 @@ def check_vllm_share(cfg: Any, device: Any = None, share: float | None = None) -
     larger than the whole free GPU)."""
     import torch
 
-    if getattr(cfg, "rollout_engine", "hf") != "vllm" or not torch.cuda.is_available():
+    spec = plan.spec if isinstance(plan, EnginePlan) else plan.engine
+    if not spec.gpu_share or not torch.cuda.is_available():
         return
-    share = cfg.vllm_gpu_memory_utilization if share is None else share
+    share = plan.vllm_gpu_memory_utilization if share is None else share
     free, total = torch.cuda.mem_get_info(device)
     want = share * total
     if want > free:
         raise _bad(
-            cfg, "vllm_gpu_memory_utilization",
+            plan, "vllm_gpu_memory_utilization",
             f"{share:g} of this GPU is {_gib(want)}, only {_gib(free)} is free after the trainer took its "
             "share (lower it, or shard the trainer over more GPUs)",
         )  # fmt: skip
 
 
-def check_plan_fits(cfg: Any, world: int, gpu_bytes: float | None) -> None:
+def check_plan_fits(plan: CapacityPlan, world: int, gpu_bytes: float | None) -> None:
     """Refuse, before any weight is loaded, a run whose per-GPU peak (``gspo plan``'s model) exceeds
     the GPU's memory, with no margin beyond the GPU (the model's estimates measured so far were at or
     below the measured peaks, benchmarks/RESULTS_scale.md, so a margin could only go the other way).
@@ -198,17 +200,17 @@ def check_plan_fits(cfg: Any, world: int, gpu_bytes: float | None) -> None:
     if gpu_bytes is None:
         return
     try:
-        shape = shape_of(cfg.model)
+        shape = shape_of(plan.model)
     except GspoError:  # a hub id whose numbers gspo does not ship: found out when it loads
         return
-    e = estimate(cfg, shape, world, gpu_bytes)
+    e = estimate(plan, shape, world, gpu_bytes)
     peak = e.peak
     if peak > gpu_bytes:
         phase = max(e.phases().items(), key=lambda kv: kv[1])[0]
-        best = largest_micro_batch(cfg, shape, world, gpu_bytes)
+        best = largest_micro_batch(plan, shape, world, gpu_bytes)
         hint = f"micro_batch_size {best} fits" if best else "see `gspo plan` for where the memory goes"
         raise _bad(
-            cfg, "micro_batch_size",
+            plan, "micro_batch_size",
             f"this run needs about {_gib(peak)} per GPU ({phase}), the GPU has {_gib(gpu_bytes)} ({hint})",
         )  # fmt: skip
 
@@ -221,7 +223,7 @@ def gpu_total_memory(device: Any) -> float | None:
     return float(torch.cuda.get_device_properties(device).total_memory)
 
 
-def _copies_here(cfg: Any) -> bool:
+def _copies_here(plan: CapacityPlan) -> bool:
     """Whether async's K+1 weight copies take this device's memory: shared memory, or a sampler whose
     own device is the CPU (a sampler on a GPU of its own holds them there)."""
-    return bool(cfg.async_staleness) and cfg.rollout_devices in (None, "", "cpu")
+    return bool(plan.async_staleness) and plan.rollout_devices in (None, "", "cpu")

@@ -9,8 +9,65 @@ This module imports nothing of gspo: every layer may import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
+
+
+# ------------------------------------------------------------------------------------------------
+# rollout engines: what the plan, the capacity model and the limits know of each, in one place. Adding
+# an engine: its entry here, its builder in gspo.rollout.factory, and its module.
+@dataclass(frozen=True)
+class EngineSpec:
+    """What gspo needs to know about a rollout engine besides its code."""
+
+    name: str  # the ``rollout_engine`` value
+    build: str  # "module:function" building it (gspo.rollout.factory), imported only when selected
+    in_trainer: bool  # samples with the trainer's own module and forward (its numerics, its KV cache)
+    gpu_share: bool  # takes ``vllm_gpu_memory_utilization`` of the GPU, its own weights inside
+    records_routing: bool  # can return the experts it routed to (R3)
+    tensor_parallel: bool  # one instance spans ``vllm_tensor_parallel_size`` ranks
+
+    def copies_weights(self, dtype: str, rollout_dtype: str | None) -> bool:
+        """Whether the sampler holds a weight copy of its own (the in-trainer engine only when it
+        samples in another precision)."""
+        return not self.in_trainer or rollout_dtype not in (None, dtype)
+
+    def trainer_numerics(self, dtype: str, rollout_dtype: str | None) -> bool:
+        """Whether its log-probs are the trainer's own numbers (the trainer's forward in float32)."""
+        return self.in_trainer and dtype == "float32" and rollout_dtype in (None, "float32")
+
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec("hf", "gspo.rollout.factory:build_hf", True, False, False, False),
+        EngineSpec("vllm", "gspo.rollout.factory:build_vllm", False, True, True, True),
+    )
+}
+
+
+def pi_old_source(
+    old_logp: str, async_staleness: int, engine: EngineSpec, dtype: str, rollout_dtype: str | None
+) -> str:
+    """Where the loss's pi_old comes from: ``rollout`` (the sampler's log-probs) or ``recompute`` (the
+    trainer's own forward); ``old_logp = auto`` takes the sampler's wherever they are the trainer's
+    numerics (the in-trainer engine in float32) or the batch's own policy (async). The one place this
+    is decided: the update's plan and the capacity model read it."""
+    if old_logp != "auto":
+        return old_logp
+    if async_staleness:  # sampled from an older version: its log-probs are that policy's
+        return "rollout"
+    return "rollout" if engine.trainer_numerics(dtype, rollout_dtype) else "recompute"
+
+
+#: plan field -> the config field it comes from, where the names differ (a plan's other fields keep
+#: the config's names): a bad value found on a plan is said in one line naming its config field
+CONFIG_FIELDS = {"rollout_copy_dtype": "rollout_dtype", "engine": "rollout_engine", "pi_old": "old_logp"}
+
+
+def config_field(plan_field: str) -> str:
+    return CONFIG_FIELDS.get(plan_field, plan_field)
 
 
 @dataclass(frozen=True)
@@ -55,7 +112,7 @@ class EnvPlan:
 class EnginePlan:
     """How a rollout engine is built and samples (:func:`gspo.rollout.factory.make_engine`)."""
 
-    rollout_engine: str  # "hf" or "vllm"
+    rollout_engine: str  # a key of ENGINES
     model: str  # the model's name, for messages
     dtype: str  # the trainer's weights
     rollout_dtype: str | None  # the sampler's (None: the trainer's)
@@ -71,6 +128,10 @@ class EnginePlan:
     vllm_gpu_memory_utilization: float
     vllm_tensor_parallel_size: int
     dist_timeout_min: int = 120  # vLLM's tensor-parallel group waits as long as the world group
+
+    @property
+    def spec(self) -> EngineSpec:
+        return ENGINES[self.rollout_engine]
 
 
 @dataclass(frozen=True)
@@ -155,13 +216,38 @@ class DistPlan:
 @dataclass(frozen=True)
 class ModelPlan:
     """What is done to the loaded model before it is wrapped: LoRA, activation checkpointing, a copy
-    in the sampler's precision."""
+    in the sampler's precision (read by gspo.launch; LoRA's settings by gspo.model.lora)."""
 
     lora_rank: int
     lora_alpha: float
     lora_target_modules: str
     activation_checkpointing: bool
-    rollout_copy_dtype: str | None  # the HF sampler samples from a copy in this dtype (None: no copy)
+    rollout_copy_dtype: str | None  # the in-trainer sampler samples from a copy in this dtype (None: no copy)
+    routing_replay: bool = False  # the model must be an MoE (checked once it is loaded)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The settings the training forward's layout is chosen from, once the model is loaded
+    (:func:`gspo.resolve.choose_layout`)."""
+
+    packing: str
+    prefix_sharing: str
+    replay_rows: bool  # R3: the routing comes per row
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The run folder, what its checkpoints and logs record, and whether it resumes
+    (:class:`gspo.training.checkpoints.CheckpointManager`)."""
+
+    run_dir: Path
+    resume: bool
+    overwrite: bool
+    config: dict[str, Any]  # the config as recorded in checkpoints and metrics (config.yaml)
+    lora: bool  # checkpoints hold the adapters; the frozen base is saved once (lora-base/)
+    wandb: bool
+    keep: int = 2  # complete checkpoints kept
 
 
 @dataclass(frozen=True)
@@ -259,3 +345,88 @@ class UpdatePlan:
     def volatility_forward(self) -> bool:
         """Volatility costs one no-grad forward of its minibatch after the first optimizer step."""
         return self.volatility == "forward"
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What the capacity model and the limits (:mod:`gspo.capacity`, :mod:`gspo.capacity_comm`,
+    :mod:`gspo.limits`) read: the config's sizes and layout, under the config's names, with the
+    engine's facts and the pi_old decision resolved. Built from the config by :meth:`of` (the config's
+    own checks call it before the rest is resolved; :func:`gspo.resolve.resolve` once per run)."""
+
+    model: str
+    task: str
+    env: str | None
+    device: str
+    seed: int
+    steps: int
+    sft_steps: int
+    warmup_steps: int
+    eval_every: int
+    save_every: int
+    prompts_per_step: int
+    group_size: int
+    eval_size: int
+    sft_batch_size: int
+    micro_batch_size: int
+    num_minibatches: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    max_trajectory_tokens: int
+    overlong_buffer: int
+    overlong_penalty: float
+    logp_chunk_size: int
+    threads: int
+    nproc: int
+    lora_rank: int
+    dynamic_sampling_max_rounds: int
+    max_turns: int
+    async_staleness: int
+    reward_timeout_s: float
+    temperature: float
+    dtype: str
+    rollout_dtype: str | None
+    rollout_devices: str | None
+    mixed_precision: str
+    parallel: str
+    expert_parallel_size: int
+    activation_checkpointing: bool
+    packing: str
+    prefix_sharing: str
+    routing_replay: bool
+    routing_replay_source: str
+    log_volatility: bool
+    mismatch_correction: str
+    vllm_gpu_memory_utilization: float
+    vllm_tensor_parallel_size: int
+    engine: EngineSpec
+    pi_old: str  # "rollout" or "recompute" (pi_old_source)
+
+    @classmethod
+    def of(cls, source: Any) -> CapacityPlan:
+        """From ``source``'s same-named fields (a config, or a plan under the config's names)."""
+        engine = ENGINES[source.rollout_engine]
+        pi_old = pi_old_source(
+            source.old_logp, source.async_staleness, engine, source.dtype, source.rollout_dtype
+        )
+        names = {f.name for f in fields(cls)} - {"engine", "pi_old"}
+        return cls(**{n: getattr(source, n) for n in names}, engine=engine, pi_old=pi_old)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A whole run, resolved once from the config (:func:`gspo.resolve.resolve`): each section is
+    handed whole to the stage that uses it."""
+
+    dist: DistPlan
+    load: LoadPlan
+    sft: SftPlan
+    model: ModelPlan
+    optim: OptimPlan
+    sampling: SamplePlan
+    scoring: ScorePlan
+    update: UpdatePlan  # its layout, routing replay and volatility settled once the model is loaded
+    layout: LayoutPlan
+    loop: LoopPlan
+    checkpoints: CheckpointPlan
+    capacity: CapacityPlan

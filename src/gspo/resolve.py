@@ -1,7 +1,8 @@
 """The config, resolved once into the plans every stage runs (:mod:`gspo.plans`).
 
-This is where config fields are read: ``gspo.train(cfg)`` (:mod:`gspo.launch`), ``gspo compare`` and
-the study runner resolve here, and hand each stage its plan.
+This is where config fields are read: ``gspo.train(cfg)`` (:mod:`gspo.launch`) takes
+:func:`resolve`'s one :class:`~gspo.plans.RunPlan`; ``gspo compare``, ``gspo plan`` and the study
+runner take the sections they need from the functions below, and hand each stage its plan.
 """
 
 from __future__ import annotations
@@ -18,20 +19,26 @@ from gspo.losses import LOSSES
 from gspo.model.logprobs import attn_implementation, lm_head_is_plain, shared_prefix_is_exact
 from gspo.model.unwrap import unwrap
 from gspo.plans import (
+    ENGINES,
+    CapacityPlan,
+    CheckpointPlan,
     DistPlan,
     EnginePlan,
     EnvPlan,
+    LayoutPlan,
     LoadPlan,
     LoopPlan,
     ModelPlan,
     OptimPlan,
     PromptPlan,
+    RunPlan,
     SamplePlan,
     ScorePlan,
     SftPlan,
     TaskPlan,
     UpdatePlan,
 )
+from gspo.plans import pi_old_source as _pi_old_source
 
 P = TypeVar("P")
 
@@ -50,37 +57,74 @@ def task_plan(cfg: Config) -> TaskPlan:
     return _take(TaskPlan, cfg)
 
 
-def env_plan(cfg: Config) -> EnvPlan | None:
-    return _take(EnvPlan, cfg, prompt=prompt_plan(cfg)) if cfg.env else None
+def env_plan(cfg: Config, prompt: PromptPlan | None = None) -> EnvPlan | None:
+    return _take(EnvPlan, cfg, prompt=prompt or prompt_plan(cfg)) if cfg.env else None
+
+
+def _parts(cfg: Config) -> dict[str, Any]:
+    """The sub-plans several sections share, each built once."""
+    prompt = prompt_plan(cfg)
+    return dict(prompt=prompt, task=task_plan(cfg), env=env_plan(cfg, prompt))
 
 
 def engine_plan(cfg: Config) -> EnginePlan:
     return _take(EnginePlan, cfg, return_routing=cfg.routing_replay_source == "rollout")
 
 
-def sample_plan(cfg: Config) -> SamplePlan:
-    plans = dict(engine=engine_plan(cfg), task=task_plan(cfg), env=env_plan(cfg))
-    return _take(SamplePlan, cfg, **plans, rollout_devices=rollout_device_list(cfg.rollout_devices))
-
-
-def score_plan(cfg: Config) -> ScorePlan:
-    return _take(ScorePlan, cfg, env=env_plan(cfg))
-
-
-def load_plan(cfg: Config, dtype: str | None = None) -> LoadPlan:
-    """``dtype`` overrides the config's (``gspo compare`` warm-starts in float32)."""
+def sample_plan(cfg: Config, parts: dict[str, Any] | None = None) -> SamplePlan:
+    p = parts or _parts(cfg)
     return _take(
-        LoadPlan,
-        cfg,
-        dtype=dtype or cfg.dtype,
-        task=task_plan(cfg),
-        prompt=prompt_plan(cfg),
-        env=env_plan(cfg),
+        SamplePlan, cfg, engine=engine_plan(cfg), task=p["task"], env=p["env"],
+        rollout_devices=rollout_device_list(cfg.rollout_devices),
+    )  # fmt: skip
+
+
+def score_plan(cfg: Config, parts: dict[str, Any] | None = None) -> ScorePlan:
+    return _take(ScorePlan, cfg, env=(parts or _parts(cfg))["env"])
+
+
+def load_plan(cfg: Config, dtype: str | None = None, parts: dict[str, Any] | None = None) -> LoadPlan:
+    """``dtype`` overrides the config's (``gspo compare`` warm-starts in float32)."""
+    p = parts or _parts(cfg)
+    return _take(LoadPlan, cfg, dtype=dtype or cfg.dtype, task=p["task"], prompt=p["prompt"], env=p["env"])
+
+
+def sft_plan(cfg: Config, parts: dict[str, Any] | None = None) -> SftPlan:
+    return _take(SftPlan, cfg, env=(parts or _parts(cfg))["env"])
+
+
+def capacity_plan(cfg: Config) -> CapacityPlan:
+    return CapacityPlan.of(cfg)
+
+
+def checkpoint_plan(cfg: Config) -> CheckpointPlan:
+    return CheckpointPlan(
+        run_dir=cfg.run_dir,
+        resume=cfg.resume,
+        overwrite=cfg.overwrite,
+        config=cfg.to_dict(),
+        lora=bool(cfg.lora_rank),
+        wandb=cfg.wandb,
     )
 
 
-def sft_plan(cfg: Config) -> SftPlan:
-    return _take(SftPlan, cfg, env=env_plan(cfg))
+def resolve(cfg: Config) -> RunPlan:
+    """The whole run's plan (``gspo.train``): every section, and every decision in it, made once."""
+    parts, capacity = _parts(cfg), capacity_plan(cfg)
+    return RunPlan(
+        dist=dist_plan(cfg),
+        load=load_plan(cfg, parts=parts),
+        sft=sft_plan(cfg, parts),
+        model=model_plan(cfg),
+        optim=optim_plan(cfg),
+        sampling=sample_plan(cfg, parts),
+        scoring=score_plan(cfg, parts),
+        update=update_plan(cfg, capacity.pi_old),
+        layout=layout_plan(cfg),
+        loop=loop_plan(cfg),
+        checkpoints=checkpoint_plan(cfg),
+        capacity=capacity,
+    )
 
 
 def dist_plan(cfg: Config) -> DistPlan:
@@ -105,8 +149,13 @@ def _check_experts(cfg: Config) -> None:
 
 
 def model_plan(cfg: Config) -> ModelPlan:
-    copy = cfg.rollout_engine == "hf" and cfg.rollout_dtype not in (None, cfg.dtype)
-    return _take(ModelPlan, cfg, rollout_copy_dtype=cfg.rollout_dtype if copy else None)
+    copy = ENGINES[cfg.rollout_engine].in_trainer and cfg.rollout_dtype not in (None, cfg.dtype)
+    return _take(
+        ModelPlan,
+        cfg,
+        rollout_copy_dtype=cfg.rollout_dtype if copy else None,
+        routing_replay=cfg.routing_replay,
+    )
 
 
 def optim_plan(cfg: Config) -> OptimPlan:
@@ -127,16 +176,22 @@ def loop_plan(cfg: Config) -> LoopPlan:
 
 def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
     """The plan of every update of this run (probing ``policy`` once for its layout)."""
+    return for_model(update_plan(cfg), layout_plan(cfg), policy, is_moe)
+
+
+def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
+    """Every update's plan as far as the config says it: :func:`for_model` settles the layout, routing
+    replay and volatility once the model is loaded (here: as if it were an MoE)."""
     default_aggregation = LOSSES[cfg.algo].aggregation  # None: the loss takes none
     aggregation = (cfg.aggregation or default_aggregation) if default_aggregation else None
     replay = None
-    if is_moe and cfg.routing_replay:
+    if cfg.routing_replay:
         replay = "R3" if cfg.routing_replay_source == "rollout" else "R2"
-    vol_i = (1 if cfg.num_minibatches > 1 else 0) if is_moe and cfg.log_volatility else None
+    vol_i = (1 if cfg.num_minibatches > 1 else 0) if cfg.log_volatility else None
     # minibatch vol_i > 0 is next trained one step after pi_old, so its training forward shows the
     # new routing, unless replay forces the experts there
     volatility = None if vol_i is None else ("free" if vol_i > 0 and replay is None else "forward")
-    pi_old = pi_old_source(cfg)
+    pi_old = pi_old or pi_old_source(cfg)
     return UpdatePlan(
         algo=cfg.algo,
         aggregation=aggregation,
@@ -147,7 +202,7 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
         top_k=cfg.top_k,
         top_p=cfg.top_p,
         logp_chunk_size=cfg.logp_chunk_size,
-        layout=choose_layout(policy, cfg),
+        layout="rows",
         pi_old=pi_old,
         trainer_pi_old=pi_old == "recompute" or cfg.mismatch_correction != "none",
         replay=replay,
@@ -162,21 +217,29 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
     )
 
 
+def for_model(plan: UpdatePlan, layout: LayoutPlan, policy: nn.Module, is_moe: bool) -> UpdatePlan:
+    """``plan`` settled for the loaded model: its layout probed, and no routing replay or volatility
+    for a dense model (no routers)."""
+    routing = {} if is_moe else dict(replay=None, volatility=None, volatility_minibatch=None)
+    return dataclasses.replace(plan, layout=_choose_layout(policy, layout), **routing)
+
+
+def layout_plan(cfg: Config) -> LayoutPlan:
+    replay_rows = cfg.routing_replay and cfg.routing_replay_source == "rollout"
+    return _take(LayoutPlan, cfg, replay_rows=replay_rows)
+
+
 def pi_old_source(cfg: Config) -> str:
-    """Where the loss's pi_old comes from: ``rollout`` (the sampler's log-probs) or ``recompute`` (the
-    trainer's own forward); ``old_logp = auto`` takes the sampler's wherever they are the trainer's
-    numerics (the HF engine in float32 is the trainer itself) or the batch's own policy (async)."""
-    if cfg.old_logp != "auto":
-        return cfg.old_logp
-    if cfg.async_staleness:  # sampled from an older version: its log-probs are that policy's
-        return "rollout"
-    same_numerics = (
-        cfg.rollout_engine == "hf" and cfg.dtype == "float32" and cfg.rollout_dtype in (None, "float32")
-    )
-    return "rollout" if same_numerics else "recompute"
+    """Where the loss's pi_old comes from (:func:`gspo.plans.pi_old_source`)."""
+    engine = ENGINES[cfg.rollout_engine]
+    return _pi_old_source(cfg.old_logp, cfg.async_staleness, engine, cfg.dtype, cfg.rollout_dtype)
 
 
 def choose_layout(policy: nn.Module, cfg: Config) -> str:
+    return _choose_layout(policy, layout_plan(cfg))
+
+
+def _choose_layout(policy: nn.Module, plan: LayoutPlan) -> str:
     """Training forward layout (see :mod:`gspo.model.logprobs`). Packing removes padding compute, but
     with dense-mask attention (sdpa/eager) its attention cost grows with the packed length squared,
     so ``auto`` packs only with flash attention; prefix sharing needs a model that takes 4D masks.
@@ -184,15 +247,15 @@ def choose_layout(policy: nn.Module, cfg: Config) -> str:
     hf = unwrap(policy, "hf")
     lm_head_is_plain(hf)
     impl = attn_implementation(hf)
-    if cfg.routing_replay and cfg.routing_replay_source == "rollout":
+    if plan.replay_rows:
         return "rows"  # R3's routing comes per row (gspo.rollout.vllm.routing_rows_layout)
-    if cfg.packing == "on" or (cfg.packing == "auto" and impl.startswith("flash")):
+    if plan.packing == "on" or (plan.packing == "auto" and impl.startswith("flash")):
         return "packed"
-    if cfg.prefix_sharing == "off":
+    if plan.prefix_sharing == "off":
         return "rows"
     if shared_prefix_is_exact(hf):
         return "shared_prefix"
-    if cfg.prefix_sharing == "on":
+    if plan.prefix_sharing == "on":
         raise GspoError(
             "config field 'prefix_sharing': 'on' needs a model that takes a 4D attention mask (sdpa or "
             f"eager attention, no sliding window, positions from position_ids); this one ({impl!r}) "

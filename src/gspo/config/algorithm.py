@@ -11,6 +11,7 @@ from annotated_types import Ge
 from pydantic import with_config
 
 from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
+from gspo.plans import ENGINES
 
 
 def loss_names() -> tuple[str, ...]:
@@ -133,7 +134,7 @@ class Mismatch(Group):
     @staticmethod
     def _rules(cfg: Any) -> None:
         if cfg.routing_replay_source == "rollout":  # R3: the rollout engine's routing
-            if cfg.rollout_engine != "vllm":
+            if not ENGINES[cfg.rollout_engine].records_routing:
                 msg = "'rollout' (R3) needs rollout_engine vllm (the HF engine is the trainer)"
                 raise bad(cfg, "routing_replay_source", msg)
             if not cfg.routing_replay:

@@ -10,6 +10,7 @@ from pydantic import with_config
 
 from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
 from gspo.config.run import DTYPES
+from gspo.plans import ENGINES
 
 
 @with_config(DOCUMENTED)
@@ -37,7 +38,7 @@ class Rollout(Group):
     """Weights dtype of the sampler (default: ``dtype``). ``bfloat16`` with a float32 trainer samples
     from a bf16 copy (HF engine) or a bf16 vLLM: the paper's precision mismatch between inference and
     training, whose log-probs ``old_logp=rollout`` then takes as pi_old."""
-    rollout_engine: Annotated[str, OneOf(("hf", "vllm"))] = "hf"
+    rollout_engine: Annotated[str, OneOf(tuple(ENGINES))] = "hf"
     """``hf`` (the training model itself, KV cache) or ``vllm`` (GPU, ``pip install gspo[vllm]``)."""
     vllm_gpu_memory_utilization: Annotated[float, Gt(0)] = 0.3
     """vLLM (GPU): the share of each GPU's memory vLLM may take for its weights and KV cache (its
@@ -59,7 +60,7 @@ class Rollout(Group):
             raise bad(cfg, "top_k", "must be < 2**31 (0: off)")
         if cfg.vllm_gpu_memory_utilization > 1:
             raise bad(cfg, "vllm_gpu_memory_utilization", "must be <= 1 (a share of the GPU's memory)")
-        if cfg.rollout_engine == "vllm":
+        if ENGINES[cfg.rollout_engine].tensor_parallel:
             _check_tensor_parallel(cfg)
         if cfg.prompts_per_step % cfg.nproc:
             raise bad(

@@ -29,10 +29,13 @@ class Config(
     def validate(self) -> Config:
         """Check every value; raise GspoError naming the first bad field."""
         from gspo.limits import check_config
+        from gspo.plans import CapacityPlan
 
         check_types(self)
         check_fields(self, late=False)  # choices, lower bounds, finite numbers
-        check_config(self)  # upper bounds before any relation between fields is computed from them
+        check_config(
+            CapacityPlan.of(self)
+        )  # upper bounds before any relation between fields is computed from them
         check_fields(self, late=True)
         for group in GROUPS:
             group._rules(self)  # each group's own, called by class: one per group, none shadowed

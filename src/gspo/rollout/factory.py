@@ -3,6 +3,7 @@ process and ``gspo compare`` ask for them by plan, never by class."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,14 +21,23 @@ def make_engine(
     generator: torch.Generator | None = None,
     trainer: nn.Module | None = None,
 ) -> RolloutEngine:
-    """The planned engine over ``model`` (``rollout_engine``); vLLM is imported only when selected.
-    ``trainer``: the trainer's module, where the HF engine samples from a copy of it in another
-    precision (``model``): the engine takes its weights with every ``sync_weights``, the first now;
-    vLLM's start check runs its probe through it (one FSDP2 layer gathered at a time)."""
-    if plan.rollout_engine == "vllm":
-        from gspo.rollout.vllm import VLLMRolloutEngine
+    """The planned engine over ``model``, built by its registry entry's builder
+    (:data:`gspo.plans.ENGINES`; vLLM is imported only when selected). ``trainer``: the trainer's
+    module, where the HF engine samples from a copy of it in another precision (``model``): the engine
+    takes its weights with every ``sync_weights``, the first now; vLLM's start check runs its probe
+    through it (one FSDP2 layer gathered at a time)."""
+    module, name = plan.spec.build.split(":")
+    build = getattr(importlib.import_module(module), name)
+    return build(plan, model, tokenizer, generator, trainer)
 
-        return VLLMRolloutEngine.from_trainer(plan, model, tokenizer, trainer=trainer)
+
+def build_hf(
+    plan: EnginePlan,
+    model: nn.Module,
+    tokenizer: Any,
+    generator: torch.Generator | None,
+    trainer: nn.Module | None,
+) -> RolloutEngine:
     from gspo.rollout.hf import HFRolloutEngine
 
     engine = HFRolloutEngine(
@@ -36,6 +46,18 @@ def make_engine(
     )  # fmt: skip
     engine.sync_weights()
     return engine
+
+
+def build_vllm(
+    plan: EnginePlan,
+    model: nn.Module,
+    tokenizer: Any,
+    generator: torch.Generator | None,
+    trainer: nn.Module | None,
+) -> RolloutEngine:
+    from gspo.rollout.vllm import VLLMRolloutEngine
+
+    return VLLMRolloutEngine.from_trainer(plan, model, tokenizer, trainer=trainer)
 
 
 def make_sampler(

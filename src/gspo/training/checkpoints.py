@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,10 @@ from gspo.errors import GspoError
 from gspo.model.export import DCP_DIR, save_config_and_tokenizer, save_streamed
 from gspo.model.load import save_pretrained
 from gspo.model.unwrap import is_peft
+from gspo.plans import CheckpointPlan
 from gspo.training import checkpoint_files as files
 from gspo.training import distributed as dist_utils
 from gspo.training.run import Run
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """What the checkpoints of a run need to know (resolved from the config by gspo.launch)."""
-
-    run_dir: Path
-    resume: bool
-    overwrite: bool
-    config: dict[str, Any]  # the run's config, as every checkpoint records it
-    lora: bool  # checkpoints hold the adapters; the frozen base is saved once (lora-base/)
-    keep: int = 2  # complete checkpoints kept
 
 
 class CheckpointManager:
