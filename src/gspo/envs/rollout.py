@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,24 +190,21 @@ def run_episodes(
     prompt_ids = [list(t.context) for t in trajs]
     live = [i for i, t in enumerate(trajs) if not t.failed]
     layers = None
-    # an engine that can (HF) keeps each trajectory's KV cache from one turn to the next
-    keep = getattr(engine, "multi_turn", None) if limits.max_turns > 1 else None
-    with keep() if keep is not None else nullcontext():
-        while live:
-            budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
-            rb = engine.generate([trajs[i].context for i in live], max(budget), temperature, greedy)
-            lens = rb.response_mask_BT.sum(-1).tolist()
-            ids_BT, logp_BT = rb.response_ids_BT.tolist(), rb.sampler_logp_BT.float().tolist()
-            routed = getattr(rb, "routed_experts", None)  # R3 (vLLM with return_routing)
-            if routed is not None:
-                layers = rb.routed_layers
-                for j, i in enumerate(live):
-                    _add_routing(trajs[i], routed[j], min(lens[j], budget[j]))
-            live = [
-                i
-                for j, i in enumerate(live)
-                if _turn(trajs[i], ids_BT[j], logp_BT[j], min(lens[j], budget[j]), tokenizer, spec, limits)
-            ]
+    while live:
+        budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
+        rb = engine.generate([trajs[i].context for i in live], max(budget), temperature, greedy)
+        lens = rb.response_mask_BT.sum(-1).tolist()
+        ids_BT, logp_BT = rb.response_ids_BT.tolist(), rb.sampler_logp_BT.float().tolist()
+        routed = getattr(rb, "routed_experts", None)  # R3 (vLLM with return_routing)
+        if routed is not None:
+            layers = rb.routed_layers
+            for j, i in enumerate(live):
+                _add_routing(trajs[i], routed[j], min(lens[j], budget[j]))
+        live = [
+            i
+            for j, i in enumerate(live)
+            if _turn(trajs[i], ids_BT[j], logp_BT[j], min(lens[j], budget[j]), tokenizer, spec, limits)
+        ]
     n_bad = sum(t.failed for t in trajs)
     if n_bad and n_bad == len(trajs):
         raise GspoError(f"environment {spec.name} failed on all {n_bad} trajectories of the batch")
