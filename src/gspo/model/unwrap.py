@@ -26,6 +26,7 @@ class ModelWrapper(nn.Module):
     model: nn.Module
 
 
+LEVELS: tuple[Level, ...] = ("policy", "model", "hf")
 #: what the trainer's forward puts before the HF model's parameter names (it holds it as ``.model``)
 POLICY_PREFIX = "model."
 
@@ -39,6 +40,8 @@ def unwrap(model: Any, to: Level = "hf") -> Any:
     """Peel ``model``'s wrappers (absent ones skipped) down to ``to``: ``"policy"``, the trainer's
     forward inside DDP; ``"model"``, the HF causal LM or its PEFT wrapper (trained, saved, sampled);
     ``"hf"``, the transformers model itself (under LoRA, with the adapters injected in place)."""
+    if to not in LEVELS:
+        raise ValueError(f"unwrap: to must be one of {LEVELS}, got {to!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
     if to != "policy" and isinstance(model, ModelWrapper):
