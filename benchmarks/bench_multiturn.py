@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 from gspo.envs.base import Limits, Step  # noqa: E402
+from gspo.envs.episodes import run_episodes  # noqa: E402
 from gspo.envs.load import EnvSpec  # noqa: E402
-from gspo.envs.rollout import run_episodes  # noqa: E402
 from gspo.tasks.datasets import Example  # noqa: E402
 
 PROMPTS = ["rev:123=", "rev:4567=", "rev:89=", "rev:01234=", "rev:56=", "rev:789=", "rev:3141=", "rev:27="]

@@ -19,7 +19,7 @@ LAYERS = [
     {"envs"},
     {"rollout"},
     {"training"},
-    {"config", "resolve", "launch", "cli", "compare", "evaluate", "study", "__init__", "__main__"},
+    {"config", "resolve", "launch", "cli", "compare", "checkpoint_eval", "study", "__init__", "__main__"},
 ]
 BELOW_THE_CONFIG = ("training", "rollout", "envs", "model")
 

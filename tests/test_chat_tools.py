@@ -21,8 +21,8 @@ from gspo.config import Config
 from gspo.data import SampleBatch, left_pad
 from gspo.envs.base import Step
 from gspo.envs.chat import demo_tokens, hermes_call, tool_call_text, tools_system_text
+from gspo.envs.episodes import encoder, run_episodes
 from gspo.envs.load import EnvSpec, env_spec
-from gspo.envs.rollout import encoder, run_episodes
 from gspo.envs.tools import TOOL_SCHEMAS
 from gspo.errors import GspoError
 from gspo.resolve import env_plan
@@ -104,7 +104,7 @@ def _plan(**kw):
 def _play(tok, turns, plan=None, examples=None, spec=None):
     plan = plan or _plan()
     examples = examples or [Example("add:12+34=", "46")] * 2
-    spec = spec or env_spec(plan.env, exact_match, None, "error")
+    spec = spec or env_spec(plan.spec, exact_match, None, "error")
     enc = encoder(tok, plan)
     ids = [enc(e.prompt) for e in examples]
     eb = run_episodes(_Turns(tok, turns), tok, spec, examples, ids, _limits(plan), 1.0, encode=enc)
@@ -112,7 +112,7 @@ def _play(tok, turns, plan=None, examples=None, spec=None):
 
 
 def _limits(plan):
-    from gspo.envs.rollout import limits_of
+    from gspo.envs.episodes import limits_of
 
     return limits_of(plan)
 

@@ -142,7 +142,7 @@ def check_command(argv: list[str]) -> str | None:
             if ns.seeds is not None:
                 [int(s) for s in ns.seeds.split(",")]
         elif ns.command == "eval":
-            from gspo.evaluate import EVAL_FIELDS
+            from gspo.checkpoint_eval import EVAL_FIELDS
 
             _overrides(ns, tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS))
     except (GspoError, ValueError) as e:

@@ -19,8 +19,8 @@ from fixture_observe_env import Observer
 from gspo.config import Config
 from gspo.data import TrainBatch
 from gspo.envs.base import Limits, Step
+from gspo.envs.episodes import run_episodes
 from gspo.envs.load import EnvSpec
-from gspo.envs.rollout import run_episodes
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
 from gspo.resolve import plan_update, score_plan
 from gspo.rollout.hf import HFRolloutEngine
@@ -304,7 +304,7 @@ def test_a_share_of_trajectories_counts_its_own_errors():
     """What async would send each rank (``env_fields(batch, rows)``): a share of the groups carries
     its own rows' failures, so the shares' error counts add up to the batch's (a whole-batch count
     sent to each rank would count each failure N times). The round trip keeps them."""
-    from gspo.envs.rollout import env_fields, with_env_fields
+    from gspo.envs.episodes import env_fields, with_env_fields
 
     tok = build_char_tokenizer()
     eng = HFRolloutEngine(build_tiny_moe(len(tok), seed=0).eval(), tok.eos_token_id, tok.pad_token_id,

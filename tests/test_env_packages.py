@@ -17,8 +17,8 @@ import torch
 
 from gspo.data import SampleBatch
 from gspo.envs.base import Limits
+from gspo.envs.episodes import run_episodes
 from gspo.envs.load import env_spec
-from gspo.envs.rollout import run_episodes
 from gspo.errors import GspoError
 from gspo.tasks.datasets import Example
 
@@ -437,7 +437,7 @@ def test_skyrl_gym_wrong_step_output_is_one_line(env_dir):
 def _chat_play(spec_s, examples, turns):
     from test_chat_tools import _limits, _plan, _Turns, make_tokenizer
 
-    from gspo.envs.rollout import encoder
+    from gspo.envs.episodes import encoder
 
     tok = make_tokenizer()
     plan = _plan(env=spec_s, max_turns=6, max_trajectory_tokens=2000)

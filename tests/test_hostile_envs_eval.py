@@ -18,8 +18,8 @@ from gspo.cli import main
 from gspo.config import Config, save_yaml
 from gspo.data import SampleBatch
 from gspo.envs.base import Limits
+from gspo.envs.episodes import encoder, run_episodes
 from gspo.envs.load import env_spec
-from gspo.envs.rollout import encoder, run_episodes
 from gspo.envs.tools import ToolError, calculator
 from gspo.errors import GspoError
 from gspo.resolve import env_plan
@@ -88,7 +88,7 @@ def test_eval_imports_the_runs_relative_env_file_not_the_current_folders(
     """A run started in ``work/`` with ``--env env.py:Env --output-dir runs``; gspo eval from a folder
     holding another env.py. Before: that env.py was imported (another score); the run's one gone, the
     error called the environment a reward."""
-    from gspo.evaluate import evaluate_checkpoint
+    from gspo.checkpoint_eval import evaluate_checkpoint
 
     work = tmp_path / "work"
     run = work / "runs" / "r"

@@ -69,8 +69,8 @@ def test_held_out_prompts_also_in_training_are_warned_about(tmp_path, capsys):
 def test_relative_dataset_path_of_a_run_is_found_by_eval_from_another_folder(tmp_path, monkeypatch, capsys):
     """A run started in ``work/`` with ``--task data.jsonl --output-dir runs``: ``gspo eval`` of its model
     works from anywhere; moved elsewhere, it says which setting and how to fix it."""
+    from gspo.checkpoint_eval import evaluate_checkpoint
     from gspo.config import Config, save_yaml
-    from gspo.evaluate import evaluate_checkpoint
     from gspo.model.load import load_model_and_tokenizer, save_pretrained
 
     work = tmp_path / "work"

@@ -13,8 +13,8 @@ import torch
 from gspo.config import Config
 from gspo.data import SampleBatch
 from gspo.envs.base import Limits, Step
+from gspo.envs.episodes import run_episodes
 from gspo.envs.load import EnvSpec, env_spec
-from gspo.envs.rollout import run_episodes
 from gspo.envs.tools import ToolEnv, calculator, parse_tool_call, run_tool_call
 from gspo.errors import GspoError
 from gspo.loss_inputs import loss_inputs
@@ -422,7 +422,7 @@ def test_reset_may_change_the_prompt():
 def test_overlong_penalty_and_filter_on_trajectories():
     """The soft penalty counts a trajectory's tokens (model and observations) against
     max_trajectory_tokens; the filter zeroes the advantage of trajectories a limit cut off."""
-    from gspo.envs.rollout import EnvSampleBatch
+    from gspo.envs.episodes import EnvSampleBatch
     from gspo.resolve import score_plan
     from gspo.training.scoring import score_rollout
 

@@ -14,8 +14,8 @@ from fixture_observe_env import Observer
 from gspo.config import Config
 from gspo.data import SampleBatch, SamplerOutput
 from gspo.envs.base import Limits, Step
+from gspo.envs.episodes import EnvSampleBatch, run_episodes
 from gspo.envs.load import EnvSpec
-from gspo.envs.rollout import EnvSampleBatch, run_episodes
 from gspo.resolve import plan_update, score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example

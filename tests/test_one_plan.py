@@ -17,8 +17,8 @@ ENGINE_NAMES = set(ENGINES)
 # the modules that may read the config (``cfg.<field>``), and how often: the config's own checks,
 # resolve, the CLI / compare / study front doors; launch.py only in its run-folder code (claimed and
 # checked against the run being resumed, before the plan's stages start)
-CONFIG_READERS = {"config", "resolve.py", "launch.py", "cli.py", "compare.py", "evaluate.py", "study"}
-LAUNCH_READERS = {"check_run_dir", "claim_run_dir", "_load_weights"}
+CONFIG_READERS = {"config", "resolve.py", "launch.py", "cli.py", "compare.py", "checkpoint_eval.py", "study"}
+LAUNCH_READERS = {"check_run_dir", "_check_resumable"}  # the config of the run being resumed
 
 
 def _modules() -> list[tuple[str, ast.AST]]:
@@ -49,7 +49,7 @@ def test_the_config_field_offers_the_registered_engines():
     assert Config().rollout_engine in ENGINES
     for name in ENGINES:
         assert Config(rollout_engine=name).validate().rollout_engine == name
-    assert "OneOf(tuple(ENGINES))" in (SRC / "config" / "rollout.py").read_text(), choices
+    assert "OneOf(tuple(ENGINES))" in (SRC / "config" / "sampling.py").read_text(), choices
 
 
 def test_every_engine_builds_through_the_factory():

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from gspo.config import Config  # noqa: E402
 from gspo.data import left_pad  # noqa: E402
 from gspo.envs.base import Limits, Step  # noqa: E402
+from gspo.envs.episodes import run_episodes  # noqa: E402
 from gspo.envs.load import EnvSpec  # noqa: E402
-from gspo.envs.rollout import run_episodes  # noqa: E402
 from gspo.model.load import load_model_and_tokenizer  # noqa: E402
 from gspo.model.logprobs import make_layout, response_logprobs  # noqa: E402
 from gspo.resolve import engine_plan  # noqa: E402

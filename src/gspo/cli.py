@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a saved model (HF folder) on a task's held-out set.",
     )
     e.add_argument("checkpoint", help="HF model folder (e.g. runs/NAME/final)")
-    from gspo.evaluate import EVAL_FIELDS
+    from gspo.checkpoint_eval import EVAL_FIELDS
 
     _add_config_flags(e, skip=tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS))
     return parser
@@ -427,7 +427,7 @@ def _quiet_upstream() -> None:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from gspo.evaluate import EVAL_FIELDS, evaluate_checkpoint
+    from gspo.checkpoint_eval import EVAL_FIELDS, evaluate_checkpoint
 
     _quiet_upstream()
     skip = tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS)

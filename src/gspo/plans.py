@@ -63,7 +63,12 @@ def pi_old_source(
 
 #: plan field -> the config field it comes from, where the names differ (a plan's other fields keep
 #: the config's names): a bad value found on a plan is said in one line naming its config field
-CONFIG_FIELDS = {"rollout_copy_dtype": "rollout_dtype", "engine": "rollout_engine", "pi_old": "old_logp"}
+CONFIG_FIELDS = {
+    "spec": "env",
+    "rollout_copy_dtype": "rollout_dtype",
+    "engine": "rollout_engine",
+    "pi_old": "old_logp",
+}
 
 
 def config_field(plan_field: str) -> str:
@@ -98,7 +103,7 @@ class TaskPlan:
 class EnvPlan:
     """Multi-turn episodes in an environment (:mod:`gspo.envs`)."""
 
-    env: str
+    spec: str  # the environment (config field ``env``): ``tools:calc``, ``FILE:Class``, a package's
     max_turns: int
     max_new_tokens: int  # per model turn
     max_trajectory_tokens: int  # all turns of one trajectory, tool output included

@@ -58,7 +58,7 @@ def task_plan(cfg: Config) -> TaskPlan:
 
 
 def env_plan(cfg: Config, prompt: PromptPlan | None = None) -> EnvPlan | None:
-    return _take(EnvPlan, cfg, prompt=prompt or prompt_plan(cfg)) if cfg.env else None
+    return _take(EnvPlan, cfg, spec=cfg.env, prompt=prompt or prompt_plan(cfg)) if cfg.env else None
 
 
 def _parts(cfg: Config) -> dict[str, Any]:

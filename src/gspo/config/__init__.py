@@ -8,7 +8,7 @@ rules (its ``Annotated`` markers), the hard limits of :mod:`gspo.limits`, then e
 relate fields. Bad input raises :class:`GspoError` naming the field.
 
 Groups (in field order): :class:`RunSetup`, :class:`ModelAndTask`, :class:`WarmStart`, :class:`Algorithm`,
-:class:`Mismatch`, :class:`Async`, :class:`SampleFilters`, :class:`PolicyForward`, :class:`Rollout`,
+:class:`Mismatch`, :class:`Async`, :class:`SampleFilters`, :class:`PolicyForward`, :class:`Sampling`,
 :class:`MultiTurn`, :class:`Optimization`, :class:`LoRA`, :class:`Evaluation`, :class:`Distributed`.
 """
 

@@ -12,8 +12,8 @@ from pydantic import ConfigDict, with_config
 
 from gspo.config.algorithm import Algorithm, Async, Mismatch, PolicyForward, SampleFilters
 from gspo.config.checks import Group, check_fields, check_types
-from gspo.config.rollout import MultiTurn, Rollout
 from gspo.config.run import ModelAndTask, RunSetup, WarmStart
+from gspo.config.sampling import MultiTurn, Sampling
 from gspo.config.training import Distributed, Evaluation, LoRA, Optimization
 
 
@@ -21,7 +21,7 @@ from gspo.config.training import Distributed, Evaluation, LoRA, Optimization
 @with_config(ConfigDict(extra="forbid"))
 @dataclass
 class Config(
-    Distributed, Evaluation, LoRA, Optimization, MultiTurn, Rollout, PolicyForward, SampleFilters,
+    Distributed, Evaluation, LoRA, Optimization, MultiTurn, Sampling, PolicyForward, SampleFilters,
     Async, Mismatch, Algorithm, WarmStart, ModelAndTask, RunSetup,
 ):  # fmt: skip
     """Every group's fields, flat: ``cfg.lr``, ``dataclasses.replace(cfg, seed=1)``."""

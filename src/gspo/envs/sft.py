@@ -70,7 +70,7 @@ def demo_tokens(tokenizer: Any, demo: Demo) -> tuple[list[int], list[int], list[
 
 def _chat_rows(tokenizer: Any, plan: EnvPlan, examples: list[Example]) -> Callable[[int, Demo], Row] | None:
     """Row makers for a chat-template rollout (None without one): the prompt from the environment's
-    ``reset`` with its ``chat_tools`` declared, as :mod:`gspo.envs.rollout` starts a trajectory."""
+    ``reset`` with its ``chat_tools`` declared, as :mod:`gspo.envs.episodes` starts a trajectory."""
     if not (plan.prompt.chat_template and getattr(tokenizer, "chat_template", None)):
         return None
     from gspo.envs.chat import ChatFormat
@@ -78,7 +78,7 @@ def _chat_rows(tokenizer: Any, plan: EnvPlan, examples: list[Example]) -> Callab
     from gspo.envs.load import env_spec, make_env
 
     fmt = ChatFormat(tokenizer, plan.prompt.system_prompt)
-    env = make_env(env_spec(plan.env, lambda *a: [], None, "error"))
+    env = make_env(env_spec(plan.spec, lambda *a: [], None, "error"))
     tools = getattr(env, "chat_tools", None)
     return lambda i, demo: chat_demo_tokens(fmt, env.reset(examples[i]), tools, demo)
 

@@ -46,7 +46,7 @@ def unwrap(model: Any, to: Level = "hf") -> Any:
         model = model.module
     if to != "policy" and isinstance(model, ModelWrapper):
         model = model.model
-    return model.get_base_model() if to == "hf" and is_peft(model) else model
+    return model.get_base_model() if to not in ("policy", "model") and is_peft(model) else model
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ class Ahead:
 # through shared-memory file descriptors, ~4 ms per batch on this CPU (a twentieth of a tiny step).
 def to_wire(a: Ahead, groups: slice | None = None, G: int = 1) -> tuple[Any, ...]:
     """``a`` (its ``groups`` alone, G rows each) as plain values and numpy arrays."""
-    from gspo.envs.rollout import env_fields
+    from gspo.envs.episodes import env_fields
 
     rb, idx = a.out.batch, a.idx
     arrays = (rb.response_ids_BT, rb.response_mask_BT, rb.sampler_logp_BT.float(), rb.sampler_version_BT)
@@ -42,7 +42,7 @@ def to_wire(a: Ahead, groups: slice | None = None, G: int = 1) -> tuple[Any, ...
 
 
 def from_wire(msg: tuple[Any, ...]) -> Ahead:
-    from gspo.envs.rollout import with_env_fields
+    from gspo.envs.episodes import with_env_fields
 
     t, version, prompt_ids, arrays, env, routing, (gen_s, info, idx, data_end) = msg
     rb = SampleBatch(prompt_ids, *(x if x is None else torch.from_numpy(x) for x in arrays))
@@ -65,7 +65,7 @@ def routing_of(rb: SampleBatch, rows: slice | None = None) -> tuple[list[torch.T
 def with_routing(rb: SampleBatch, routing: tuple[list[torch.Tensor], list[str]] | None) -> SampleBatch:
     """``rb`` carrying R3's routing again (inverse of :func:`routing_of`): a trajectory batch keeps its
     class, a single-turn one becomes the vLLM engine's batch, whose ``routing_rows`` lays it out."""
-    from gspo.envs.rollout import EnvSampleBatch
+    from gspo.envs.episodes import EnvSampleBatch
     from gspo.rollout.vllm_batch import VLLMSampleBatch
 
     if routing is None:
@@ -112,7 +112,7 @@ def _routing_state(rb: SampleBatch) -> dict[str, Any]:
 
 def _env_state(rb: SampleBatch) -> dict[str, Any]:
     """A multi-turn batch's own fields (gspo.envs) as tensors and ints, for the checkpoint."""
-    from gspo.envs.rollout import env_fields
+    from gspo.envs.episodes import env_fields
 
     env = env_fields(rb)
     return {} if env is None else {"env": {k: torch.as_tensor(v) for k, v in env.items()}}
@@ -121,7 +121,7 @@ def _env_state(rb: SampleBatch) -> dict[str, Any]:
 def in_flight_from_state(items: list[dict[str, Any]], P: int) -> list[Ahead]:
     """:func:`in_flight_to_state` undone (a checkpoint written before dynamic sampling could run
     async has no prompt indices: its step ``t`` drew prompts ``(t-1) P .. t P``)."""
-    from gspo.envs.rollout import with_env_fields
+    from gspo.envs.episodes import with_env_fields
 
     out = []
     for d in items:

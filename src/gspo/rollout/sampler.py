@@ -92,7 +92,7 @@ class SyncSampler:
         self.score, self.train_ids = score, train_ids
         self.env = None
         if plan.env is not None:  # resolved now: a bad environment spec fails before any sampling
-            from gspo.envs.rollout import encoder, limits_of, spec_of
+            from gspo.envs.episodes import encoder, limits_of, spec_of
 
             self.env = (spec_of(plan.env, task), limits_of(plan.env), encoder(tokenizer, plan.env))
 
@@ -136,7 +136,7 @@ class SyncSampler:
         if self.env is None:
             rb = self.engine.generate(rep, plan.max_new_tokens, plan.temperature)
         else:
-            from gspo.envs.rollout import run_episodes
+            from gspo.envs.episodes import run_episodes
 
             spec, limits, encode = self.env
             examples_rep = [e for e in examples for _ in range(G)]

@@ -1,7 +1,7 @@
 """Scoring sampled responses: rewards -> group advantages -> the training batch (``TrainBatch``).
 
 One path for single-turn responses (the task's reward scores them here) and multi-turn trajectories
-(their environment scored them while they were played, :mod:`gspo.envs.rollout`): the overlong
+(their environment scored them while they were played, :mod:`gspo.envs.episodes`): the overlong
 penalty, the group advantages, the overlong filter, the metrics and the batch are the same code.
 The sampling itself is the sampler's (:mod:`gspo.rollout`); also here: the held-out evaluation
 (greedy decoding, the same reward), which uses the run's engine.
@@ -17,7 +17,7 @@ import torch
 
 from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
 from gspo.data import RolloutEngine, SampleBatch, Sampler, TrainBatch, left_pad
-from gspo.envs.rollout import EnvSampleBatch, env_eval_scores
+from gspo.envs.episodes import EnvSampleBatch, env_eval_scores
 from gspo.plans import ScorePlan
 from gspo.tasks import Task
 from gspo.tasks.datasets import Example
@@ -148,7 +148,7 @@ def _episode_rewards(eb: EnvSampleBatch, plan: ScorePlan) -> _Rewards:
         total_B,
         plan.max_trajectory_tokens,
         eb.truncated_B.bool(),
-        f"of environment {plan.env.env}",
+        f"of environment {plan.env.spec}",
         eb.n_errors,
         {"rollout/truncated_frac": float(eb.truncated_B.mean())},
         {

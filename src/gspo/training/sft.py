@@ -48,7 +48,7 @@ def load_start(plan: LoadPlan, device: torch.device, meta: bool = False) -> Star
     np.random.seed(plan.seed)
     task = task_from_config(plan.task)  # (tasks draw from their own generators, not the global ones)
     if plan.env is not None:  # a bad environment spec fails before any weight is read
-        from gspo.envs.rollout import spec_of
+        from gspo.envs.episodes import spec_of
 
         spec_of(plan.env, task)
     model, tokenizer = load_model_and_tokenizer(plan.model, plan.tokenizer, plan.dtype, plan.seed, meta)

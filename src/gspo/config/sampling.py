@@ -15,7 +15,7 @@ from gspo.plans import ENGINES
 
 @with_config(DOCUMENTED)
 @dataclass
-class Rollout(Group):
+class Sampling(Group):
     steps: Annotated[int, Ge(1)] = 200
     """RL steps (one rollout batch each)."""
     prompts_per_step: Annotated[int, Ge(1)] = 32

@@ -138,7 +138,7 @@ def _longest_token_chars(tokenizer: Any) -> int:
 
 def spec_of(plan: EnvPlan, task: Any) -> EnvSpec:
     return env_spec(
-        plan.env,
+        plan.spec,
         task.reward,
         plan.reward_timeout_s or None,
         plan.reward_on_error,
