@@ -124,16 +124,16 @@ def test_sync_weights_refuse_lora(tiny_moe):
 def test_one_line_summary_of_vllm_errors():
     """vLLM's pydantic config errors are summarised to their 'Value error' line."""
     msg = "1 validation error for VllmConfig\n  Value error, AuxOutput needs X; set Y. [type=value_error, input=..]\n    see"
-    assert gv._one_line(ValueError(msg)) == "AuxOutput needs X; set Y."
-    assert gv._one_line(RuntimeError("first\nsecond")) == "first"
-    assert gv._one_line(RuntimeError("")) == "RuntimeError"
-    long = gv._one_line(
+    assert gv._config_error_line(ValueError(msg)) == "AuxOutput needs X; set Y."
+    assert gv._config_error_line(RuntimeError("first\nsecond")) == "first"
+    assert gv._config_error_line(RuntimeError("")) == "RuntimeError"
+    long = gv._config_error_line(
         ValueError(
             "Model architectures ['X'] are not supported for now. Supported architectures: " + "a" * 900
         )
     )
     assert long == "Model architectures ['X'] are not supported for now."
-    assert len(gv._one_line(RuntimeError("b" * 900))) == 300
+    assert len(gv._config_error_line(RuntimeError("b" * 900))) == 300
 
 
 def test_selecting_vllm_without_it_installed_is_one_line_error(tiny_moe):

@@ -444,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         return commands[ns.command](ns)
     except (GspoError, KeyboardInterrupt, SystemError) as e:
-        return _one_line(e)
+        return _say_error(e)
 
 
-def _one_line(e: BaseException) -> int:
+def _say_error(e: BaseException) -> int:
     """Say ``e`` in one line: gspo's own error (exit 2) or an interrupt (130). A ``SystemError`` is what
     CPython raises when a C call (safetensors' writer, a torch op in export) returns while an exception
     is pending, typically a Ctrl-C landing inside it; its chain holds that exception, which is what the
