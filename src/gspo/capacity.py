@@ -2,32 +2,30 @@
 
 What one rank holds (bytes), for a decoder-only (dense or MoE) transformer:
 
-* **weights, optimizer**: every parameter in the trainer's dtype and AdamW's two moments, each
-  divided by the world size under FSDP2 (``parallel: fsdp``), whole under DDP or in one process;
-* **gradients**: the same size as the weights they belong to, held from the first backward of a
-  minibatch to its optimizer step (so at the peak only when a minibatch takes more than one
-  micro-batch per rank); under FSDP2 also the unsharded working set: the root group (with the
-  embeddings) and, per decoder layer being gathered, its all-gather buffer and unsharded copy (this
-  layer and the prefetched next one, in the compute dtype), its unsharded gradients and the
-  reduce-scatter buffer (float32);
-* **activations** of one training micro-batch: per token and layer the tensors a decoder layer
-  keeps for backward (counted per projection below, times a factor fitted to measurements), plus
-  the attention probabilities (``heads x pairs x 4`` bytes per layer: gspo loads transformers' sdpa
-  attention, which keeps them when given a mask), and the chunked LM head's buffers; with activation checkpointing only each layer's
+* **weights, optimizer**: every parameter in the trainer's dtype and AdamW's two moments, each divided by the
+  world size under FSDP2 (``parallel: fsdp``), whole under DDP or in one process;
+* **gradients**: the same size as the weights they belong to, held from the first backward of a minibatch to
+  its optimizer step (so at the peak only when a minibatch takes more than one micro-batch per rank); under
+  FSDP2 also the unsharded working set: the root group (with the embeddings) and, per decoder layer being
+  gathered, its all-gather buffer and unsharded copy (this layer and the prefetched next one, in the compute
+  dtype), its unsharded gradients and the reduce-scatter buffer (float32);
+* **activations** of one training micro-batch: per token and layer the tensors a decoder layer keeps for
+  backward (counted per projection below, times a factor fitted to measurements), plus the attention
+  probabilities (``heads x pairs x 4`` bytes per layer: gspo loads transformers' sdpa attention, which keeps
+  them when given a mask), and the chunked LM head's buffers; with activation checkpointing only each layer's
   input is kept, and one layer's activations while it is recomputed;
-* **sampler**: the HF engine's KV cache for one generation chunk, beside its copy in another dtype
-  (kept through the update) or under FSDP2 the trainer's weights gathered while it samples; vLLM its
-  configured share of the GPU, given back during the update by sleep mode on a GPU;
-* **start-up**: this rank's shard while one full tensor at a time is read (each rank its own shards,
-  from a local folder or a hub snapshot) or broadcast from rank 0 (whose copy is host memory) and
-  sharded; then AdamW's moments (on a resume) and the sampler started: vLLM's share and
-  the larger of its first weight sync and its start check (a probe through the sharded module, one
-  layer gathered at a time).
+* **sampler**: the HF engine's KV cache for one generation chunk, beside its copy in another dtype (kept
+  through the update) or under FSDP2 the trainer's weights gathered while it samples; vLLM its configured
+  share of the GPU, given back during the update by sleep mode on a GPU;
+* **start-up**: this rank's shard while one full tensor at a time is read (each rank its own shards, from a
+  local folder or a hub snapshot) or broadcast from rank 0 (whose copy is host memory) and sharded; then
+  AdamW's moments (on a resume) and the sampler started: vLLM's share and the larger of its first weight sync
+  and its start check (a probe through the sharded module, one layer at a time).
 
-Each phase is a per-GPU peak: start-up, update (at the first layer's backward or the LM head's,
-whichever is larger), rollout and weight sync; the run's peak is the largest. The per-token
-count's factor and the shape of the update's peak were fitted to, and checked against, measured
-peaks (``benchmarks/memory_probe.py``; ``benchmarks/RESULTS_scale.md``).
+Each phase is a per-GPU peak: start-up, update (at the first layer's backward or the LM head's, whichever is
+larger), rollout and weight sync; the run's peak is the largest. The per-token count's factor and the update
+peak's shape were fitted to, and checked against, measured peaks (``benchmarks/memory_probe.py``,
+``benchmarks/RESULTS_scale.md``).
 """
 
 from __future__ import annotations

@@ -97,9 +97,8 @@ def _build(
         plan.dist, dctx.world_size, resume_from is None and plan.sft.sft_steps > 0
     )
     check_rollout_devices(plan.sampling.rollout_devices, dctx.device)  # exist, not this rank's
-    check_plan_fits(
-        plan.capacity, dctx.world_size, gpu_total_memory(dctx.device)
-    )  # before any weight is read
+    # what fits, before any weight is read
+    check_plan_fits(plan.capacity, dctx.world_size, gpu_total_memory(dctx.device))
     # seeds, model (dropout off), task (reward limits included), context and env checks: the same
     # code gspo compare's shared warm starts begin with
     start = load_start(plan.load, dctx.device, meta=sharded)
