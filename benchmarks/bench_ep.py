@@ -88,9 +88,10 @@ def worker(out: str, args: list[str]) -> None:
 
     from gspo import cli
     from gspo.training import loop
+    from gspo.training import run as run_module
 
     base, real, res = _vm("VmRSS"), loop.rl_step, {"steps": []}
-    real_update, updates = loop.policy_update, []
+    real_update, updates = run_module.policy_update, []
 
     def update(*args: Any) -> dict[str, float]:
         dist.barrier()
@@ -116,7 +117,7 @@ def worker(out: str, args: list[str]) -> None:
         res["steps"].append(_delta(a, b) | {"update": updates[-1], "phases": phases, "entry_hwm": a["hwm"]})
         return metrics
 
-    loop.rl_step, loop.policy_update = measured, update
+    loop.rl_step, run_module.policy_update = measured, update
     rc = cli.main(["train", *args])
     rank = int(os.environ["RANK"])
     # gspo's phase_peak resets VmHWM at each phase of a step and records the phase's peak: the run's

@@ -192,13 +192,13 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
 
     from gspo.model.load import build_char_tokenizer
     from gspo.training import checkpoint_files as checkpoint
-    from gspo.training import loop
+    from gspo.training import run as run_module
 
     cfg = dict(
         TINY, steps=5, save_every=2, dynamic_sampling=True, overlong_filter=True,
         max_new_tokens=6, prompts_per_step=4, lr=3e-3,
     )  # fmt: skip
-    trained, update = [], loop.policy_update
+    trained, update = [], run_module.policy_update
     with monkeypatch.context() as mp:
         weights, batches = _record_versions_and_batches(mp)
 
@@ -206,7 +206,7 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
             trained.append(data)
             return update(policy, opt, sched, data, *a)
 
-        mp.setattr(loop, "policy_update", recording_update)
+        mp.setattr(run_module, "policy_update", recording_update)  # Trainer.update calls it
         mp.setattr(checkpoint, "prune", lambda *a: None)  # keep step 2's checkpoint past steps 4 and 5
         full = train(Config(name="dyn", output_dir=str(tmp_path), **cfg))
     rows = _rows(full.run_dir)

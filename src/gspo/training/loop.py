@@ -27,7 +27,6 @@ from gspo.plans import LoopPlan
 from gspo.training import distributed as dist_utils
 from gspo.training.logger import Progress, plot_metrics, read_metrics
 from gspo.training.run import Run
-from gspo.training.update import policy_update
 
 # consecutive RL steps whose every optimizer step was skipped (non-finite gradients) before stopping
 MAX_SKIPPED_STEPS = 3
@@ -99,7 +98,7 @@ def rl_step(run: Run, plan: LoopPlan) -> dict[str, float]:
     run.updating = True  # from here on a failure cannot rewind the step
     s.engine.sleep()  # vLLM on a GPU gives its memory to the update
     with phase_peak("update", peaks, device):
-        metrics |= policy_update(t.policy, t.optimizer, t.scheduler, b.data.to(device), t.plan, run.world)
+        metrics |= t.update(b.data.to(device), run.world)
     with phase_peak("sync", peaks, device):
         s.sampler.sync(run.state.step + 1)  # the sampler's weights become the trainer's
     metrics |= peaks

@@ -15,13 +15,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from gspo.data import RolloutEngine, Sampler
+from gspo.data import RolloutEngine, Sampler, TrainBatch
 from gspo.model.unwrap import unwrap
 from gspo.plans import OptimPlan, ScorePlan, UpdatePlan
 from gspo.tasks import Task
 from gspo.training import distributed as dist_utils
 from gspo.training.logger import MetricsLogger
 from gspo.training.scoring import eval_metrics, eval_scores
+from gspo.training.update import policy_update
 
 
 @dataclass
@@ -49,6 +50,10 @@ class Trainer:
     def hf(self) -> nn.Module:
         """The Hugging Face model being trained (its PEFT wrapper with LoRA)."""
         return unwrap(self.policy, "model")
+
+    def update(self, data: TrainBatch, world_size: int) -> dict[str, float]:
+        """The step's optimizer steps over ``data`` (this rank's rows); returns their metrics."""
+        return policy_update(self.policy, self.optimizer, self.scheduler, data, self.plan, world_size)
 
 
 @dataclass
