@@ -144,3 +144,24 @@ def test_the_top_package_exports_every_loss():
     from gspo.losses import LOSSES
 
     assert {spec.fn.__name__ for spec in LOSSES.values()} <= set(gspo.__all__)
+
+
+def test_a_refused_flag_imports_neither_transformers_nor_the_study_tools(tmp_path):
+    """``gspo train`` with a bad value answers after importing torch only: transformers, scipy and the
+    study's runner are imported when a run or a compare needs them (each ``gspo`` command a user or
+    a test starts used to pay for all three first: ~5 s of a 7.5 s refusal on this machine)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gspo.cli import main\n"
+        "assert main(['train', '--lr', 'inf', '--output-dir', sys.argv[1]]) == 2\n"
+        "print(sorted(m for m in ('transformers', 'scipy.stats', 'gspo.study.runner', 'gspo.launch')"
+        " if m in sys.modules))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", p.stdout

@@ -23,6 +23,7 @@ from gspo.losses import (
     cispo_loss,
     gmpo_loss,
     grpo_loss,
+    grpo_seq_mask_loss,
     gspo_loss,
     gspo_token_loss,
     luspo_loss,
@@ -89,6 +90,25 @@ def ref_grpo(logp, old, adv_BT, mask, el=0.2, eh=0.27, n=None, aggregation="seq_
     return -tok_sum / (max(n_tok, 1) if n is None else n)
 
 
+def ref_grpo_seq_mask(logp, old, adv_B, mask, el=3e-4, eh=4e-4, n=None, aggregation="seq_mean_token_mean"):
+    """GRPO's unclipped token ratios; a sequence dropped whole where GSPO's clip zeroes its gradient."""
+    logp, old, mask, adv = _rows(logp), _rows(old), _rows(mask), _rows(adv_B)
+    seq_sum, tok_sum, n_tok = 0.0, 0.0, 0
+    for i in range(len(logp)):
+        toks = [t for t in range(len(logp[i])) if mask[i][t] == 1]
+        n_tok += len(toks)
+        if not toks:
+            continue
+        s = math.exp(sum(logp[i][t] - old[i][t] for t in toks) / len(toks))
+        dropped = (s > 1 + eh and adv[i] > 0) or (s < 1 - el and adv[i] < 0)
+        objs = [0.0 if dropped else math.exp(logp[i][t] - old[i][t]) * adv[i] for t in toks]
+        tok_sum += sum(objs)
+        seq_sum += sum(objs) / len(toks)
+    if aggregation == "seq_mean_token_mean":
+        return -seq_sum / (len(logp) if n is None else n)
+    return -tok_sum / (max(n_tok, 1) if n is None else n)
+
+
 # ----------------------------------------------------------------------------------------------
 # fixtures
 
@@ -142,6 +162,8 @@ VARIANTS = {
     "gspo_token": tensor_loss("gspo_token"),
     "grpo": tensor_loss("grpo"),
     "grpo_tm": tensor_loss("grpo", aggregation="token_mean"),
+    "grpo_seq_mask": tensor_loss("grpo_seq_mask"),
+    "grpo_seq_mask_tm": tensor_loss("grpo_seq_mask", aggregation="token_mean"),
     "sapo": tensor_loss("sapo"),
     "sapo_token": tensor_loss("sapo_token"),
     "sapo_token_tm": tensor_loss("sapo_token", aggregation="token_mean"),
@@ -152,10 +174,31 @@ VARIANTS = {
     "vespo": tensor_loss("vespo"),  # token_mean by default
     "vespo_smtm": tensor_loss("vespo", aggregation="seq_mean_token_mean"),
 }
-TOKEN_NORMALIZED = {"grpo_tm", "sapo_token_tm", "cispo", "vespo"}  # the normalizer counts tokens
+TOKEN_NORMALIZED = {
+    "grpo_tm",
+    "grpo_seq_mask_tm",
+    "sapo_token_tm",
+    "cispo",
+    "vespo",
+}  # the normalizer counts tokens
 SEQUENCE_LEVEL = {"gspo", "sapo", "gmpo", "luspo"}  # advantages and weight are [B]
-SEQUENCE_ADVANTAGES = SEQUENCE_LEVEL | {"vespo", "vespo_smtm"}  # advantages [B], weight [B] or [B, T]
-TOKEN_RATIO = {"grpo", "grpo_tm", "sapo_token", "sapo_token_tm", "cispo", "cispo_smtm", "gmpo"}
+SEQUENCE_ADVANTAGES = SEQUENCE_LEVEL | {
+    "vespo",
+    "vespo_smtm",
+    "grpo_seq_mask",
+    "grpo_seq_mask_tm",
+}  # advantages [B], weight [B] or [B, T]
+TOKEN_RATIO = {
+    "grpo",
+    "grpo_tm",
+    "grpo_seq_mask",
+    "grpo_seq_mask_tm",
+    "sapo_token",
+    "sapo_token_tm",
+    "cispo",
+    "cispo_smtm",
+    "gmpo",
+}
 
 
 def _normalizer(name, mask):
@@ -222,6 +265,37 @@ def test_grpo_value_matches_reference(aggregation):
         loss, _ = call("grpo", logp, old, adv, mask, aggregation=aggregation)
         adv_ref = adv if adv.dim() == 2 else adv[:, None].expand(5, 5)
         assert abs(loss.item() - ref_grpo(logp, old, adv_ref, mask, aggregation=aggregation)) < ATOL
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean"])
+def test_grpo_seq_mask_value_and_gradient_match_reference(aggregation):
+    """grpo_seq_mask equals its plain-python reference in every mask region (s_i inside GSPO's range,
+    above it with A > 0 and with A < 0, below it with either sign), and a dropped sequence gets no
+    gradient while a kept one gets GRPO's unclipped one: -A_i w_it / (|y_i| B) per token."""
+    logp, old, adv, mask = _batch([1e-4, 5e-3, -4e-3, 2e-2, -3e-2], [0.7, 1.3, -0.9, -1.1, 0.4], spread=0.2)
+    loss, m = call("grpo_seq_mask", logp, old, adv, mask, aggregation=aggregation)
+    assert abs(loss.item() - ref_grpo_seq_mask(logp, old, adv, mask, aggregation=aggregation)) < ATOL
+    # rows 1 (s > 1 + eps, A > 0) and 2 (s < 1 - eps, A < 0) are dropped; 3 (above, A < 0) and 4
+    # (below, A > 0) are kept: the mask is GSPO's, one-sided as its clip
+    g = _grad(loss, logp)
+    assert (g[1] == 0).all() and (g[2] == 0).all() and (g[[0, 3, 4]] != 0).any(-1).all()
+    w = torch.exp(logp - old).detach()
+    denom = mask.sum(-1, keepdim=True) * 5 if aggregation == "seq_mean_token_mean" else mask.sum()
+    want = -(adv[:, None] * w / denom) * mask
+    want[[1, 2]] = 0.0
+    torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
+    assert abs(m["clip_frac_seq"].item() - 2 / 5) < ATOL
+
+
+def test_grpo_seq_mask_without_a_range_is_grpo_without_a_clip():
+    """With a range no sequence leaves, nothing is dropped: the loss is GRPO's with a clip no token
+    reaches (value and gradient, both aggregations)."""
+    logp, old, adv, mask = _batch([0.3, -0.3, 0.1, -0.2, 0.05], [0.7, 1.3, -0.9, -1.1, 0.4], spread=0.5)
+    for agg in ("seq_mean_token_mean", "token_mean"):
+        a, _ = call("grpo_seq_mask", logp, old, adv, mask, 1.0, 1e9, aggregation=agg)
+        b, _ = call("grpo", logp, old, adv, mask, 1.0, 1e9, aggregation=agg)
+        assert abs(a.item() - b.item()) < ATOL
+        torch.testing.assert_close(_grad(a, logp), _grad(b, logp), atol=1e-12, rtol=0)
 
 
 def test_grpo_token_mean_divides_by_total_tokens():
@@ -728,7 +802,8 @@ EXPECTED_KEYS = {
     "vespo": GATE_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     "vespo_smtm": GATE_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     **{
-        n: CLIP_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS for n in ("grpo", "grpo_tm", "cispo", "cispo_smtm", "gmpo")
+        n: CLIP_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS
+        for n in ("grpo", "grpo_tm", "grpo_seq_mask", "grpo_seq_mask_tm", "cispo", "cispo_smtm", "gmpo")
     },
     **{n: GATE_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS for n in ("sapo_token", "sapo_token_tm")},
 }
@@ -797,7 +872,7 @@ def test_rejects_unknown_aggregation(fn):
 
 def _gradcheck_case(name):
     """(logp, loss of logp) away from clip boundaries, for each loss whose gradient is its value's."""
-    if name in ("gspo", "gspo_token", "luspo"):
+    if name in ("gspo", "gspo_token", "luspo", "grpo_seq_mask", "grpo_seq_mask_tm"):
         logp, old, adv, mask = _batch(GSPO_LR, spread=1e-3)
         # gspo_token with constant A_it = A_i: with varying A_it the stop-gradient surrogate is, by
         # design, not the derivative of the loss value (covered by the per-token closed-form test)
@@ -827,12 +902,19 @@ def test_losses_registry_entries_and_default_eps():
     """LOSSES holds each loss once: its function, the papers' parameters (SAPO: its temperatures,
     VESPO: its kernel, no clip range), its default aggregation and the kind of its own ratio."""
     assert list(LOSSES) == [
-        "gspo", "gspo_token", "grpo", "sapo", "sapo_token", "cispo", "gmpo", "luspo", "vespo"
+        "gspo", "gspo_token", "grpo", "grpo_seq_mask", "sapo", "sapo_token", "cispo", "gmpo", "luspo",
+        "vespo",
     ]  # fmt: skip
     want = {
         "gspo": (gspo_loss, {"eps_low": 3e-4, "eps_high": 4e-4}, None, False),
         "gspo_token": (gspo_token_loss, {"eps_low": 3e-4, "eps_high": 4e-4}, None, False),
         "grpo": (grpo_loss, {"eps_low": 0.2, "eps_high": 0.27}, "seq_mean_token_mean", True),
+        "grpo_seq_mask": (
+            grpo_seq_mask_loss,
+            {"eps_low": 3e-4, "eps_high": 4e-4},
+            "seq_mean_token_mean",
+            True,
+        ),
         "sapo": (sapo_loss, {"tau_neg": 1.05, "tau_pos": 1.0}, None, False),
         "sapo_token": (sapo_token_loss, {"tau_neg": 1.05, "tau_pos": 1.0}, "seq_mean_token_mean", True),
         "cispo": (cispo_loss, {"eps_low": 1.0, "eps_high": 0.28}, "token_mean", True),

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import TINY
+from cli_helpers import TINY, one_line
 from cli_helpers import gspo as _gspo
 from cli_helpers import popen as _popen
 
@@ -125,6 +125,9 @@ def _corrupt_model(tmp_path: Path) -> str:
     return str(folder)
 
 
+# bad values the config or the loader refuses: one line, exit 2, through ``gspo.cli.main`` in this
+# process (one test, no interpreter start per case); the cases that go through the launcher, and the
+# command as a user starts it, run as subprocesses below
 BAD = {
     "device": (["--device", "cuda"], "config field 'device'"),
     "lr-inf": (["--lr", "inf"], "config field 'lr': must be a finite number"),
@@ -134,15 +137,32 @@ BAD = {
     "group-1": (["--group-size", "1"], "config field 'group_size'"),
     "missing-folder": (["--model", "./no/such/model"], "model folder not found"),
     "replay-dense": (["--model", "embedded:tiny-dense", "--routing-replay"], "config field 'routing_replay'"),
-    "output-under-file": (["--output-dir", "/etc/passwd/x"], "config field 'output_dir'"),
+    "output-under-file": (["--output-dir", "{decoy}/x"], "config field 'output_dir'"),
+}
+BAD_LAUNCHED = {
     "nproc-missing-folder": (["--nproc", "2", "--model", "./no/such/model"], "model folder not found"),
     "nproc-divisible": (["--nproc", "2", "--prompts-per-step", "3"], "config field"),
 }
 
 
-@pytest.mark.parametrize("case", [*BAD, "corrupt-weights"])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
-    args, want = BAD[case] if case in BAD else (["--model", _corrupt_model(tmp_path)], "cannot load")
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # ./no/such/model: relative to a folder of the test's own
+    decoy = tmp_path / "decoy"
+    decoy.write_text("a file, not a folder\n")
+    for case, (args, want) in BAD.items():
+        args = [a.replace("{decoy}", str(decoy)) for a in args]
+        line = one_line(
+            capsys, ["train", *TINY, "--steps", "1", "--output-dir", str(tmp_path / "o"), *args], want
+        )
+        assert line.startswith("gspo: error:"), (case, line)
+    assert decoy.read_text() == "a file, not a folder\n"
+
+
+@pytest.mark.parametrize("case", [*BAD_LAUNCHED, "corrupt-weights"])
+def test_bad_input_through_the_command_is_one_line_and_exit_2(tmp_path, case):
+    args, want = (
+        BAD_LAUNCHED[case] if case in BAD_LAUNCHED else (["--model", _corrupt_model(tmp_path)], "cannot load")
+    )
     r = _gspo("train", *TINY, "--steps", "1", "--output-dir", str(tmp_path / "o"), *args)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr[-3000:]

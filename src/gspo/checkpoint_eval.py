@@ -13,17 +13,11 @@ from typing import Any
 import torch
 
 from gspo.config import Config, load_yaml
+from gspo.config.schema import EVAL_FIELDS
 from gspo.errors import GspoError
 from gspo.limits import check_resources
 from gspo.model.export import DCP_DIR
 from gspo.training.checkpoint_files import is_sharded
-
-# the config fields that decide what a held-out evaluation measures
-EVAL_FIELDS = (
-    "task", "eval_task", "reward", "prompt_field", "answer_field", "eval_size", "max_new_tokens", "seed",
-    "chat_template", "system_prompt", "max_prompt_tokens", "reward_on_error", "reward_timeout_s",
-    "env", "max_turns", "max_trajectory_tokens",
-)  # fmt: skip
 
 
 def run_config_of(path: Path) -> Path | None:

@@ -157,7 +157,7 @@ def _add_compare_parser(sub: Any) -> None:
         "verdicts from the CIs), plots with confidence bands, summary.json and per_seed.csv. "
         "Values: preset <- --config YAML <- flags.",
     )
-    from gspo.compare import list_presets
+    from gspo.study.presets import list_presets
 
     c.add_argument(
         "--preset",
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a saved model (HF folder) on a task's held-out set.",
     )
     e.add_argument("checkpoint", help="HF model folder (e.g. runs/NAME/final)")
-    from gspo.checkpoint_eval import EVAL_FIELDS
+    from gspo.config.schema import EVAL_FIELDS
 
     _add_config_flags(e, skip=tuple(f.name for f in dataclasses.fields(Config) if f.name not in EVAL_FIELDS))
     return parser

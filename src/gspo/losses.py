@@ -1,4 +1,5 @@
-"""Policy-gradient losses: GSPO, GSPO-token, the GRPO baseline, SAPO, CISPO, GMPO, LUSPO and VESPO.
+"""Policy-gradient losses: GSPO, GSPO-token, the GRPO baseline (and GRPO under GSPO's sequence mask),
+SAPO, CISPO, GMPO, LUSPO and VESPO.
 
 All functions are pure tensor-in/tensor-out: no config objects, no ``.item()`` host syncs and no
 distributed calls. Shapes: ``B`` sequences, ``T`` response positions (padded). ``mask_BT`` is 1 on
@@ -192,6 +193,33 @@ def grpo_loss(inp: LossInputs, *, eps_low: float, eps_high: float, aggregation: 
     loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
     metrics = token_clip_metrics(inp, *clip_masks(w_BT.detach(), adv_BT, eps_low, eps_high))
     metrics.update(token_ratio_metrics(inp))
+    return LossOutput(loss, metrics)
+
+
+def grpo_seq_mask_loss(inp: LossInputs, *, eps_low: float, eps_high: float, aggregation: str) -> LossOutput:
+    """GRPO's token ratios under GSPO's sequence-level mask: an ablation that separates the two things
+    GSPO changes (issue 46). Each token keeps its own unclipped ratio w_it = pi_theta/pi_old, as in
+    GRPO; a sequence is dropped whole exactly where GSPO's clip would zero its gradient, i.e. where its
+    sequence ratio s_i leaves [1 - eps_low, 1 + eps_high] on the side its advantage pushes to
+    (s_i > 1 + eps_high with A_i > 0, s_i < 1 - eps_low with A_i < 0):
+
+        loss = -agg_{i,t} m_i w_it A_i,   m_i = 0 on those sequences, 1 elsewhere.
+
+    Defaults: GSPO's range (3e-4 / 4e-4) and GRPO's aggregation. ``inp``: ``[B]`` sequence advantages,
+    an optional ``[B]`` or ``[B, T]`` weight. Metrics: GRPO's token ratio metrics (``ratio_*`` of
+    w_it, ``seq_ratio_*`` of s_i, ``approx_kl``) and the fractions of sequences (and of their tokens)
+    dropped, as ``clip_frac_*``.
+    """
+    check_aggregation(aggregation)
+    adv_B = inp.seq_advantages()
+    log_w_BT = inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_s_B = sequence_mean(inp.log_r_BT.detach(), inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    low_B, high_B = clip_masks(torch.exp(log_s_B), adv_B, eps_low, eps_high)
+    keep_B = ~(low_B | high_B)
+    obj_BT = torch.exp(log_w_BT) * (adv_B * keep_B)[:, None] * inp.mask_BT
+    loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
+    metrics = sequence_clip_metrics(inp, torch.exp(log_s_B), adv_B, eps_low, eps_high)
+    metrics.update(token_ratio_metrics(inp))  # ratio_* of the token ratios the loss uses
     return LossOutput(loss, metrics)
 
 
@@ -516,6 +544,8 @@ LOSSES: dict[str, LossSpec] = {
     "gspo": LossSpec(gspo_loss, GSPO_EPS),
     "gspo_token": LossSpec(gspo_token_loss, GSPO_EPS),
     "grpo": LossSpec(grpo_loss, {"eps_low": 0.2, "eps_high": 0.27}, SEQ_MEAN, token_ratio=True),
+    # GRPO's token ratios, GSPO's sequence mask and range (an ablation: grpo_seq_mask_loss)
+    "grpo_seq_mask": LossSpec(grpo_seq_mask_loss, GSPO_EPS, SEQ_MEAN, token_ratio=True),
     "sapo": LossSpec(sapo_loss, SAPO_TEMPERATURES, eps=tuple(SAPO_TEMPERATURES)),
     "sapo_token": LossSpec(
         sapo_token_loss, SAPO_TEMPERATURES, SEQ_MEAN, token_ratio=True, eps=tuple(SAPO_TEMPERATURES)

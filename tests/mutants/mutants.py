@@ -102,6 +102,14 @@ MUTANTS: list[Mutant] = [
         "issue 44 gap 6: the trace the task scores lacks the environment's messages",
     ),
     Mutant(
+        "gguf-dequantization-bar-kept",
+        "src/gspo/model/load.py",
+        'kept = [ln for ln in lines if ln.strip() and "de-quantizing GGUF tensors" not in ln]',
+        "kept = [ln for ln in lines if ln.strip()]",
+        ("tests/test_gguf.py::test_loading_draws_no_progress_bar",),
+        "a GGUF load draws transformers' dequantization bar on stderr (the check moved to the default tier)",
+    ),
+    Mutant(
         "one-node-ep-crosses-nodes",
         "src/gspo/capacity_comm.py",
         "crosses = across and holders > 1",

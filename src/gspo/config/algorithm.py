@@ -30,7 +30,8 @@ def advantage_scales() -> tuple[str, ...]:
 @dataclass
 class Algorithm(Group):
     algo: Annotated[str, OneOf(loss_names)] = "gspo"
-    """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token), ``grpo`` (token ratio baseline), ``sapo``,
+    """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token), ``grpo`` (token ratio baseline),
+    ``grpo_seq_mask`` (GRPO's token ratios under GSPO's sequence mask, an ablation), ``sapo``,
     ``sapo_token``, ``cispo``, ``gmpo``, ``luspo`` (GSPO with each sequence's term scaled by its
     length, arXiv 2602.05261) or ``vespo`` (REINFORCE scaled by a smooth kernel of the unnormalized
     sequence ratio, arXiv 2602.10693)."""
@@ -62,7 +63,7 @@ class Algorithm(Group):
 
     @staticmethod
     def _rules(cfg: Any) -> None:
-        clipped = ("gspo", "gspo_token", "grpo", "luspo")
+        clipped = ("gspo", "gspo_token", "grpo", "grpo_seq_mask", "luspo")
         if cfg.eps_low is not None and cfg.algo in clipped and cfg.eps_low > 1:
             raise bad(cfg, "eps_low", f"must be <= 1 for {cfg.algo} (the ratio's lower clip is 1 - eps_low)")
         if cfg.algo == "vespo":

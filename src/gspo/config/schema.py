@@ -63,3 +63,10 @@ class Config(
 GROUPS: tuple[type[Group], ...] = tuple(
     c for c in reversed(Config.__mro__) if issubclass(c, Group) and c not in (Group, Config)
 )
+# the fields ``gspo eval`` reads from a run's config.yaml (its task and how it was scored) and takes
+# as flags; the rest of a run's settings do not change what a checkpoint scores
+EVAL_FIELDS = (
+    "task", "eval_task", "reward", "prompt_field", "answer_field", "eval_size", "max_new_tokens", "seed",
+    "chat_template", "system_prompt", "max_prompt_tokens", "reward_on_error", "reward_timeout_s",
+    "env", "max_turns", "max_trajectory_tokens",
+)  # fmt: skip

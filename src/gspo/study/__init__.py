@@ -7,9 +7,26 @@
 - :mod:`gspo.study.report`, :mod:`gspo.study.combine`, :mod:`gspo.study.plots`: what is written
 """
 
-from gspo.study.combine import write_study
-from gspo.study.presets import VARIANTS, Preset, list_presets, load_preset
-from gspo.study.report import write_report
-from gspo.study.runner import run_compare
+from __future__ import annotations
 
+import importlib
+from typing import Any
+
+# imported when first used (as gspo's own names): the command line reads the presets' names
+# without the runner's and the reports' imports
+_EXPORTS = {
+    "VARIANTS": "gspo.study.presets",
+    "Preset": "gspo.study.presets",
+    "list_presets": "gspo.study.presets",
+    "load_preset": "gspo.study.presets",
+    "run_compare": "gspo.study.runner",
+    "write_report": "gspo.study.report",
+    "write_study": "gspo.study.combine",
+}
 __all__ = ["VARIANTS", "Preset", "list_presets", "load_preset", "run_compare", "write_report", "write_study"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gspo.study' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -43,6 +43,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gspo_token": {"algo": "gspo_token", "routing_replay": False},
     "grpo": {"algo": "grpo", "routing_replay": False},
     "grpo_replay": {"algo": "grpo", "routing_replay": True},
+    # GRPO's token ratios under GSPO's sequence mask and range (an ablation; gspo.losses)
+    "grpo_seq_mask": {"algo": "grpo_seq_mask", "routing_replay": False},
     # the other losses (not in the default set; --variants sapo,cispo,gmpo,luspo,vespo)
     "sapo": {"algo": "sapo", "routing_replay": False},
     "sapo_token": {"algo": "sapo_token", "routing_replay": False},

@@ -18,9 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from gspo.errors import GspoError
+
+
+def _stats() -> Any:
+    """scipy.stats, imported when first needed: ``gspo train`` reads the preset names (this module's
+    importers) without it."""
+    from scipy import stats
+
+    return stats
+
 
 ALPHA = 0.05
 CONSISTENT, INCONSISTENT, INCONCLUSIVE = "consistent", "inconsistent", "inconclusive"
@@ -68,7 +76,7 @@ def t_quantile(df: float, level: float = 0.95) -> float:
     """Two-sided ``level`` Student-t multiplier ``t_{(1+level)/2, df}`` (df may be fractional: Welch)."""
     if not df > 0:
         raise ValueError("df must be > 0")
-    return float(stats.t.ppf((1 + level) / 2, df))
+    return float(_stats().t.ppf((1 + level) / 2, df))
 
 
 def t_interval(xs: Sequence[float | None], level: float = 0.95) -> Interval:
@@ -133,7 +141,7 @@ def welch_interval(a: Sequence[float | None], b: Sequence[float | None]) -> Inte
         return Interval(d, None, None, n)
     if statistics.variance(x) + statistics.variance(y) == 0:
         return Interval(d, d, d, n)
-    ci = stats.ttest_ind(x, y, equal_var=False).confidence_interval(0.95)
+    ci = _stats().ttest_ind(x, y, equal_var=False).confidence_interval(0.95)
     return Interval(d, float(ci.low), float(ci.high), n)
 
 
@@ -155,7 +163,7 @@ def t_test_p(diffs: Sequence[float], null: float = 0.0) -> float | None:
         return None
     if _no_spread(d):
         return sign_flip_p(d)
-    return float(stats.ttest_1samp(d, 0.0).pvalue)
+    return float(_stats().ttest_1samp(d, 0.0).pvalue)
 
 
 def _signed_sums(d: np.ndarray) -> np.ndarray:
@@ -303,15 +311,15 @@ def fmt_p(p: float | None) -> str:
 def planning_sd(sd: float, n: int, confidence: float = 0.8) -> float:
     """An upper ``confidence`` bound of the sd of the per-seed differences from a pilot of ``n`` seeds
     (chi-square), so a study is not sized on a pilot's lucky small sd (Browne 1995)."""
-    return sd * math.sqrt((n - 1) / float(stats.chi2.ppf(1 - confidence, n - 1)))
+    return sd * math.sqrt((n - 1) / float(_stats().chi2.ppf(1 - confidence, n - 1)))
 
 
 def paired_power(n: int, delta: float, sd: float, alpha: float) -> float:
     """Power of the two-sided paired t test at level ``alpha`` with ``n`` seeds, when the true mean
     difference is ``delta`` and its per-seed sd is ``sd`` (noncentral t)."""
     df, nc = n - 1, delta / sd * math.sqrt(n)
-    crit = float(stats.t.ppf(1 - alpha / 2, df))
-    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+    crit = float(_stats().t.ppf(1 - alpha / 2, df))
+    return float(_stats().nct.sf(crit, df, nc) + _stats().nct.cdf(-crit, df, nc))
 
 
 def sign_flip_power(n: int, delta: float, sd: float, alpha: float, n_sim: int = 4000, seed: int = 0) -> float:
@@ -329,7 +337,7 @@ def sign_flip_power(n: int, delta: float, sd: float, alpha: float, n_sim: int = 
         # beyond exact enumeration, the permutation distribution's normal limit given |d|: the
         # sum of random signs times |d_s| has mean 0 and variance sum(d_s^2)
         z = np.abs(draws.sum(1)) / np.sqrt((draws**2).sum(1))
-        return float((2 * stats.norm.sf(z) < alpha).mean())
+        return float((2 * _stats().norm.sf(z) < alpha).mean())
     return sum(sign_flip_p(d) < alpha for d in draws) / n_sim  # type: ignore[operator]
 
 
@@ -403,7 +411,7 @@ def size_from_pilot(
 def obrien_fleming_spent(alpha: float, t: float) -> float:
     """Two-sided type I error spent by information fraction ``t`` (0 < t <= 1) under the
     O'Brien-Fleming-type spending function ``2 - 2 Phi(z_{1-alpha/2} / sqrt(t))``; ``alpha`` at t = 1."""
-    return float(2.0 * stats.norm.sf(stats.norm.isf(alpha / 2.0) / math.sqrt(t)))
+    return float(2.0 * _stats().norm.sf(_stats().norm.isf(alpha / 2.0) / math.sqrt(t)))
 
 
 def interim_levels(alpha: float, t: float) -> tuple[float, float]:
@@ -415,8 +423,8 @@ def interim_levels(alpha: float, t: float) -> tuple[float, float]:
     if not 0 < t < 1:
         raise ValueError(f"interim information fraction must be in (0, 1), got {t}")
     a1 = obrien_fleming_spent(alpha, t)
-    c1 = float(stats.norm.isf(a1 / 2.0))
-    mvn = stats.multivariate_normal(mean=[0.0, 0.0], cov=[[1.0, math.sqrt(t)], [math.sqrt(t), 1.0]])
+    c1 = float(_stats().norm.isf(a1 / 2.0))
+    mvn = _stats().multivariate_normal(mean=[0.0, 0.0], cov=[[1.0, math.sqrt(t)], [math.sqrt(t), 1.0]])
 
     def box(c2: float) -> float:  # P(|Z1| < c1, |Z2| < c2)
         return float(mvn.cdf([c1, c2]) - mvn.cdf([-c1, c2]) - mvn.cdf([c1, -c2]) + mvn.cdf([-c1, -c2]))
@@ -430,4 +438,4 @@ def interim_levels(alpha: float, t: float) -> tuple[float, float]:
     from scipy.optimize import brentq
 
     c2 = float(brentq(excess, 0.5, 10.0, xtol=1e-10))
-    return a1, float(2.0 * stats.norm.sf(c2))
+    return a1, float(2.0 * _stats().norm.sf(c2))
