@@ -102,6 +102,14 @@ MUTANTS: list[Mutant] = [
         "issue 44 gap 6: the trace the task scores lacks the environment's messages",
     ),
     Mutant(
+        "seq-mask-drops-both-sides",
+        "src/gspo/losses.py",
+        "    keep_B = ~(low_B | high_B)\n",
+        "    keep_B = (log_s_B.abs() <= math.log1p(eps_high))\n",
+        ("tests/test_losses.py::test_grpo_seq_mask_value_and_gradient_match_reference",),
+        "grpo_seq_mask drops every sequence outside the range, whatever its advantage's sign (GSPO's clip is one-sided)",
+    ),
+    Mutant(
         "gguf-dequantization-bar-kept",
         "src/gspo/model/load.py",
         'kept = [ln for ln in lines if ln.strip() and "de-quantizing GGUF tensors" not in ln]',
