@@ -61,3 +61,10 @@ cp runs/smollm2-copy/{report.md,summary.json,per_seed.csv,timing.json} runs/smol
 gspo compare --preset confirm-clip-mechanism --workers 2 --out runs/confirm-clip-mechanism
 mkdir -p docs/stability/confirm-clip-mechanism
 cp runs/confirm-clip-mechanism/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-clip-mechanism/*.png docs/stability/confirm-clip-mechanism/
+
+# The paper's MoE claim as an interaction (family moe-interaction, 1 primary + 3 secondary endpoints,
+# seeds 300-329; lr calibrated on seeds 0-3 first, see confirm-moe-interaction/calibration/README.md;
+# declared at 8915f94), run 2026-12-06 from a frozen worktree of 8915f94: 108.3 min
+gspo compare --preset confirm-moe-interaction --workers 2 --threads 1 --out runs/confirm-moe-interaction
+mkdir -p docs/stability/confirm-moe-interaction
+cp runs/confirm-moe-interaction/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-moe-interaction/*.png docs/stability/confirm-moe-interaction/
