@@ -144,6 +144,10 @@ def test_the_top_package_exports_every_loss():
     from gspo.losses import LOSSES
 
     assert {spec.fn.__name__ for spec in LOSSES.values()} <= set(gspo.__all__)
+    # every public name resolves (most on first use, PEP 562) to what its module defines
+    for name in gspo.__all__:
+        assert getattr(gspo, name) is not None, name
+    assert gspo.loss_inputs.__name__ == "loss_inputs" and gspo.train.__module__ == "gspo.launch"
 
 
 def test_a_refused_flag_imports_neither_transformers_nor_the_study_tools(tmp_path):

@@ -16,30 +16,6 @@ from typing import TYPE_CHECKING, Any
 # would otherwise leave ``gspo.loss_inputs`` naming the module
 from gspo.loss_inputs import LossInputs, loss_inputs
 
-# public name -> the module that defines it
-_EXPORTS = {
-    "Config": "gspo.config",
-    "train": "gspo.launch",
-    "group_advantages": "gspo.advantages",
-    **{
-        name: "gspo.losses"
-        for name in (
-            "LOSSES",
-            "LossOutput",
-            "LossSpec",
-            "cispo_loss",
-            "gmpo_loss",
-            "grpo_loss",
-            "grpo_seq_mask_loss",
-            "gspo_loss",
-            "gspo_token_loss",
-            "luspo_loss",
-            "sapo_loss",
-            "sapo_token_loss",
-            "vespo_loss",
-        )
-    },
-}
 __all__ = [
     "LOSSES",
     "Config",
@@ -61,6 +37,13 @@ __all__ = [
     "vespo_loss",
 ]
 __version__ = "0.1.0"
+# each name imported on first use -> its module: these three, and the rest of ``__all__`` (but the two
+# imported above) from gspo.losses
+_EXPORTS = {n: "gspo.losses" for n in __all__ if n not in ("LossInputs", "loss_inputs")} | {
+    "Config": "gspo.config",
+    "train": "gspo.launch",
+    "group_advantages": "gspo.advantages",
+}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from gspo.advantages import group_advantages

@@ -213,12 +213,12 @@ def grpo_seq_mask_loss(inp: LossInputs, *, eps_low: float, eps_high: float, aggr
     check_aggregation(aggregation)
     adv_B = inp.seq_advantages()
     log_w_BT = inp.log_r_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    log_s_B = sequence_mean(inp.log_r_BT.detach(), inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    low_B, high_B = clip_masks(torch.exp(log_s_B), adv_B, eps_low, eps_high)
+    s_B = torch.exp(sequence_mean(inp.log_r_BT.detach(), inp.n_tok_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    low_B, high_B = clip_masks(s_B, adv_B, eps_low, eps_high)
     keep_B = ~(low_B | high_B)
     obj_BT = torch.exp(log_w_BT) * (adv_B * keep_B)[:, None] * inp.mask_BT
     loss = inp.token_loss(inp.weigh_tokens(obj_BT), aggregation)
-    metrics = sequence_clip_metrics(inp, torch.exp(log_s_B), adv_B, eps_low, eps_high)
+    metrics = sequence_clip_metrics(inp, s_B, adv_B, eps_low, eps_high)
     metrics.update(token_ratio_metrics(inp))  # ratio_* of the token ratios the loss uses
     return LossOutput(loss, metrics)
 

@@ -23,7 +23,7 @@ _EXPORTS = {
     "write_report": "gspo.study.report",
     "write_study": "gspo.study.combine",
 }
-__all__ = ["VARIANTS", "Preset", "list_presets", "load_preset", "run_compare", "write_report", "write_study"]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
