@@ -364,6 +364,8 @@ def test_merge_keys_may_still_be_overridden(tmp_path):
         (b"primary: [{metric: acc_final, contrast: gspo - grpo}]\nfamily: {alpha: .nan}\n", "'family alpha'"),
         (b"- seeds\n", "expected a mapping of preset keys, got list"),
         (b"seedz: [0]\n", "unknown preset key(s) seedz"),
+        (b"pairs: [gspo - nope]\n", ":1: 'pairs' must be a list of 'a - b' of this preset's variants"),
+        (b"pairs: gspo - grpo\n", ":1: 'pairs' must be a list of 'a - b'"),
     ],
 )
 def test_bad_preset_is_one_line_naming_file_line_and_key(tmp_path, capsys, content, want):

@@ -1,5 +1,5 @@
 """Off-policy sequence masking (OPSM, DeepSeek-V3.2): the mask in closed form, through every loss, in
-the trainer's update, and its bad input."""
+the trainer's update, and its bad input; the random sequence drop (an ablation) the same way."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from test_losses import ATOL, F64, VARIANTS, _grad, _normalizer, _token_batch
 
 from gspo.config import Config
-from gspo.correction import off_policy_sequence_mask, with_opsm
+from gspo.correction import off_policy_sequence_mask, with_opsm, with_random_drop
 from gspo.errors import GspoError
 
 
@@ -82,38 +82,79 @@ def test_threshold_out_of_range(bad):
         Config(opsm_threshold=bad).validate()
 
 
-def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
-    """policy_update with --opsm-threshold 0.5 on a batch whose sampler log-probs sit 1 nat/token above
-    the policy on half the rows: it logs the masked share and makes exactly the update of the same
-    batch with those rows' advantages set to 0 (their sequences still counted in the normalizer)."""
+def _update(model, tok, sampler_shift_B, adv_B, **kw):
+    """One policy_update of 8 sampled rows (SGD, lr 0.1) -> (the updated copy, its metrics)."""
     from gspo.data import TrainBatch, left_pad
     from gspo.resolve import plan_update
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.training.update import policy_update
 
-    model, tok = tiny_moe
     prompts = [tok(f"rev:{n}=").input_ids for n in [1, 12, 123, 1234, 9, 98, 987, 9876]]
     eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
     rb = eng.generate(prompts, 6, temperature=1.0)
     ids, pmask = left_pad(prompts, tok.pad_token_id)
-    shifted = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.bool)
-    sampler = rb.sampler_logp_BT + shifted[:, None] * rb.response_mask_BT  # D = 1 on the shifted rows
+    sampler = rb.sampler_logp_BT + sampler_shift_B[:, None] * rb.response_mask_BT
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = Config(prompts_per_step=1, group_size=8, num_minibatches=1, log_volatility=False, **kw)
+    data = TrainBatch(ids, pmask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv_B)
+    return m, policy_update(m, opt, sched, data, plan_update(cfg.validate(), m, True), 1)
+
+
+def _same(m1, m2) -> bool:
+    return all(
+        torch.allclose(a, b, atol=1e-7, rtol=0) for a, b in zip(m1.parameters(), m2.parameters(), strict=True)
+    )
+
+
+def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
+    """policy_update with --opsm-threshold 0.5 on a batch whose sampler log-probs sit 1 nat/token above
+    the policy on half the rows: it logs the masked share and makes exactly the update of the same
+    batch with those rows' advantages set to 0 (their sequences still counted in the normalizer)."""
+    model, tok = tiny_moe
+    shifted = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.bool)  # D = 1 on the shifted rows
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, -0.5, 0.5, -2.0, 2.0])
     dropped = shifted & (adv < 0)
-
-    def run(adv_B, **kw):
-        m = copy.deepcopy(model)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        cfg = Config(prompts_per_step=1, group_size=8, num_minibatches=1, log_volatility=False, **kw)
-        data = TrainBatch(ids, pmask, rb.response_ids_BT, rb.response_mask_BT, sampler, adv_B)
-        metrics = policy_update(m, opt, sched, data, plan_update(cfg.validate(), m, True), 1)
-        return m, metrics
-
-    m1, met = run(adv, opsm_threshold=0.5, old_logp="recompute")
-    m2, _ = run(torch.where(dropped, 0.0, adv), old_logp="recompute")
+    m1, met = _update(model, tok, shifted, adv, opsm_threshold=0.5, old_logp="recompute")
+    m2, _ = _update(model, tok, shifted, torch.where(dropped, 0.0, adv), old_logp="recompute")
     assert abs(met["mismatch/opsm_frac_seq"] - dropped.sum().item() / 8) < 1e-9
-    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
-        torch.testing.assert_close(p1, p2, atol=1e-7, rtol=0)
-    m3, _ = run(adv, old_logp="recompute")  # without OPSM the masked rows do move the policy
-    assert any(not torch.allclose(a, b) for a, b in zip(m1.parameters(), m3.parameters(), strict=True))
+    assert _same(m1, m2)
+    m3, _ = _update(model, tok, shifted, adv, old_logp="recompute")  # without OPSM the rows move it
+    assert not _same(m1, m3)
+
+
+def test_random_drop_hand_computed():
+    """Dropped: the rows whose draw is below p, whatever their advantage; the share counts rows with
+    tokens only; an existing [B] or [B, T] weight is multiplied; p = 0 keeps every row."""
+    logp, sampler, adv, mask = _case()
+    u = torch.tensor([0.1, 0.5, 0.29, 0.3, 0.0], dtype=F64)
+    keep, metrics = with_random_drop(None, u, mask, 0.3)
+    assert keep.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert abs(metrics["random_drop_frac_seq"].item() - 2 / 4) < ATOL  # row 4 has no tokens
+    assert with_random_drop(None, u, mask, 0.0)[0].tolist() == [1.0] * 5
+    w = torch.linspace(0.5, 1.5, 5, dtype=F64)
+    assert torch.equal(with_random_drop(w, u, mask, 0.3)[0], w * keep)
+    assert torch.equal(
+        with_random_drop(w[:, None].expand(5, 3), u, mask, 0.3)[0], (w[:, None] * keep[:, None]).expand(5, 3)
+    )
+
+
+def test_update_with_random_drop_equals_the_update_without_the_drawn_rows(tiny_moe):
+    """--random-seq-drop 0.5 through policy_update: the rows dropped are those whose torch.rand draw
+    (the global generator, right before the loss) falls below 0.5, and the update equals the one with
+    those rows' advantages set to 0; the logged share is theirs; out of [0, 1] is one config error."""
+    model, tok = tiny_moe
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, -0.5, 0.5, -2.0, 2.0])
+    none = torch.zeros(8, dtype=torch.bool)
+    torch.manual_seed(5)
+    dropped = torch.rand(8) < 0.5
+    assert 0 < dropped.sum() < 8
+    torch.manual_seed(5)
+    m1, met = _update(model, tok, none, adv, random_seq_drop=0.5)
+    m2, _ = _update(model, tok, none, torch.where(dropped, 0.0, adv))
+    assert abs(met["mismatch/random_drop_frac_seq"] - dropped.sum().item() / 8) < 1e-9
+    assert _same(m1, m2)
+    assert not _same(m1, _update(model, tok, none, adv)[0])
+    with pytest.raises(GspoError, match="random_seq_drop"):
+        Config(random_seq_drop=1.5).validate()

@@ -126,3 +126,23 @@ def test_a_bad_interaction_or_secondary_is_one_line(tmp_path, contrast, what):
     with pytest.raises(GspoError, match="'secondary_family' without 'secondary'"):
         load_preset(str(path))
     assert Path(path).exists()
+
+
+def test_declared_pairs_extend_the_exploratory_table(tmp_path):
+    """``pairs: [a - b]`` adds raw paired differences (no verdict) to the report's exploratory table
+    and to summary.json, computed as every other pair: the mean of the per-seed differences."""
+    import json
+
+    out = tmp_path / "out"
+    _runs(out, FINALS)
+    preset = tmp_path / "p.yaml"
+    preset.write_text(PRESET + "pairs: [grpo_dense - grpo, gspo - grpo]\n")
+    p = load_preset(str(preset))
+    assert p.pairs == [("grpo_dense", "grpo"), ("gspo", "grpo")]
+    text = write_report(out, list(FINALS), list(range(6)), Config(**TINY), preset=p).read_text()
+    diff = sum(d - g for d, g in zip(FINALS["grpo_dense"], FINALS["grpo"], strict=True)) / 6
+    row = next(line for line in text.splitlines() if line.startswith("| grpo_dense - grpo |"))
+    assert f"{diff:.3f}" in row
+    assert sum(line.startswith("| gspo - grpo |") for line in text.splitlines()) == 1  # built-in: once
+    summary = json.loads((out / "summary.json").read_text())
+    assert "grpo_dense-grpo:acc_final" in json.dumps(summary)

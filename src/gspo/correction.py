@@ -314,10 +314,26 @@ def with_opsm(
         "opsm_frac_seq": dropped_B.sum() / (n_tok_B > 0).sum().clamp(min=1),
         "opsm_frac_tok": (dropped_B * n_tok_B).sum() / n_tok_B.sum().clamp(min=1),
     }
+    return _times_keep(weight, keep_B), metrics
+
+
+def with_random_drop(
+    weight: Tensor | None, u_B: Tensor, mask: Tensor, p: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A loss's ``weight`` (None, ``[B]`` or ``[B, T]``) with each sequence whose uniform draw
+    ``u_B`` is below ``p`` dropped, whatever its ratio or advantage: an ablation that drops the share
+    of sequences GSPO's clip drops, but at random (docs/stability). Metric: ``random_drop_frac_seq``."""
+    has_B = mask.detach().sum(-1) > 0
+    keep_B = (u_B >= p).to(mask.dtype)
+    dropped = ((1 - keep_B) * has_B).sum() / has_B.sum().clamp(min=1)
+    return _times_keep(weight, keep_B), {"random_drop_frac_seq": dropped}
+
+
+def _times_keep(weight: Tensor | None, keep_B: Tensor) -> Tensor:
     if weight is None:
-        return keep_B, metrics
+        return keep_B
     w = weight.detach()
-    return w * (keep_B if w.dim() == 1 else keep_B[:, None]).to(w.dtype), metrics
+    return w * (keep_B if w.dim() == 1 else keep_B[:, None]).to(w.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -311,6 +311,7 @@ class UpdatePlan:
     mismatch_high: float
     mismatch_cap: float
     opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
+    random_seq_drop: float = 0.0  # share of sequences dropped at random (gspo.correction.with_random_drop)
     #: the loss's own parameters, resolved (its defaults and the config's): a clip range, SAPO's
     #: temperatures, VESPO's kernel (gspo.losses.LossSpec.params)
     loss_params: tuple[tuple[str, float], ...] = ()

@@ -213,6 +213,7 @@ def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
         mismatch_high=cfg.mismatch_high_resolved(),
         mismatch_cap=cfg.mismatch_cap,
         opsm_threshold=cfg.opsm_threshold,
+        random_seq_drop=cfg.random_seq_drop,
         loss_params=tuple(loss_params(cfg).items()),
     )
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from annotated_types import Ge
+from annotated_types import Ge, Interval
 from pydantic import with_config
 
 from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
@@ -44,6 +44,11 @@ class Algorithm(Group):
     (per-sequence token mean, then mean over sequences: GRPO paper) or ``token_mean`` (sum over all
     tokens of the optimizer step / their count: DAPO, CISPO). Default: the loss's own (grpo and
     sapo_token: seq_mean_token_mean; cispo: token_mean)."""
+    random_seq_drop: Annotated[float, Interval(ge=0, lt=1)] = 0.0
+    """An ablation: drop each sequence from the loss at random with this probability, in every
+    micro-batch, whatever its ratio or advantage (GSPO's clip drops ~7% of sequences at lr 1e-3:
+    this asks whether the share dropped matters or which ones; docs/stability). Logged:
+    ``mismatch/random_drop_frac_seq``. 0: off."""
     adv_scale: Annotated[str, OneOf(advantage_scales)] = "group"
     """Advantage scaling: ``group`` std, ``batch`` std, or ``none`` (center only)."""
     old_logp: Annotated[str, OneOf(("auto", "recompute", "rollout"))] = "auto"

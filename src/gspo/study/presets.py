@@ -70,6 +70,7 @@ _KEYS = {
     "interim",
     "secondary",
     "secondary_family",
+    "pairs",
 }
 SPENDING = ("obrien-fleming",)  # the one declared interim look's alpha-spending rule
 # a warm_target is checked every 10 warm-start steps from step 50, on 200 held-out-like prompts
@@ -137,6 +138,7 @@ class Preset:
     secondary: list[Endpoint] = field(default_factory=list)  # their own declared family (Holm)
     secondary_family: Family | None = None
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)  # the preset's own variants
+    pairs: list[tuple[str, str]] = field(default_factory=list)  # exploratory a - b beyond metrics.PAIRS
 
     def settings(self) -> dict[str, dict[str, Any]]:
         """Every variant this preset can run: the built-in :data:`VARIANTS` and its own ``arms``."""
@@ -191,6 +193,7 @@ def load_preset(spec: str) -> Preset:
         interim=_interim(data.get("interim"), seeds, bool(primary), at("interim")),
         **_secondary(data, variants, bool(primary), path.stem, at),
         arms=arms,
+        pairs=_pairs(data.get("pairs", []), variants, at("pairs")),
     )
 
 
@@ -275,6 +278,14 @@ def _names(v: Any, where: str, key: str) -> list[str]:
     if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.strip() for x in v):
         raise GspoError(f"{where}: '{key}' must be a non-empty list of names (got {v!r:.60})")
     return [x.strip() for x in v]
+
+
+def _pairs(v: Any, variants: list[str], where: str) -> list[tuple[str, str]]:
+    """``pairs: ["a - b", ...]``: more exploratory paired differences for the report (no verdicts)."""
+    split = [tuple(x.strip() for x in p.split(" - ")) if isinstance(p, str) else () for p in v or []]
+    if not isinstance(v, list) or any(len(p) != 2 or not set(p) <= set(variants) for p in split):
+        raise GspoError(f"{where}: 'pairs' must be a list of 'a - b' of this preset's variants {variants}")
+    return split  # type: ignore[return-value]
 
 
 _INTERACTION = re.compile(r"\(\s*(\S+)\s+-\s+(\S+)\s*\)\s+-\s+\(\s*(\S+)\s+-\s+(\S+)\s*\)")

@@ -96,11 +96,11 @@ def analysed_seeds(per: PerSeed, preset: Preset) -> dict[str, list[int]]:
     return {v: sorted(per.get(v, {})) for v in sorted(arms)}
 
 
-def exploratory(per: PerSeed) -> dict[tuple[str, str, str], Comparison]:
-    """Every (pair, metric) of :data:`PAIRS` x :data:`PAIR_KEYS`, raw."""
+def exploratory(per: PerSeed, pairs: list[tuple[str, str]]) -> dict[tuple[str, str, str], Comparison]:
+    """Every (pair, metric) of ``pairs`` x :data:`PAIR_KEYS`, raw."""
     return {
         (a, b, key): compare_paired(key, a, b, column(per, a, key), column(per, b, key))
-        for a, b in PAIRS
+        for a, b in pairs
         if a in per and b in per
         for key, _ in PAIR_KEYS
     }
@@ -398,7 +398,7 @@ def _variant_tables(per: PerSeed, ci: str, crit: Criteria) -> list[str]:
     ]
 
 
-def _paired_table(pairs: dict[tuple[str, str, str], Comparison]) -> list[str]:
+def _paired_table(pairs: dict[tuple[str, str, str], Comparison], order: list[tuple[str, str]]) -> list[str]:
     lines = [
         "## Paired by seed, exploratory: mean difference [raw (unadjusted) 95% t CI], raw p (sign-flip), "
         "seeds with a > b / a < b",
@@ -406,7 +406,7 @@ def _paired_table(pairs: dict[tuple[str, str, str], Comparison]) -> list[str]:
         "| a - b | " + " | ".join(lbl for _, lbl in PAIR_KEYS) + " |",
         "|---" * (len(PAIR_KEYS) + 1) + "|",
     ]
-    for a, b in PAIRS:
+    for a, b in order:
         if (a, b, PAIR_KEYS[0][0]) in pairs:
             cells = [pairs[(a, b, k)] for k, _ in PAIR_KEYS]
             fmt = [f"{c.interval.fmt()} p={fmt_p(c.p_perm)} ({c.n_pos}/{c.n_neg})" for c in cells]
@@ -452,7 +452,8 @@ def write_report(
     per = collect(out, variants, seeds, crit)
     images = band_plots(out, variants, seeds, ci)
     decl = declaration(preset, run_records(out, per), analysed_seeds(per, preset))
-    confirm, pairs = confirmatory(per, preset, decl.get("level")), exploratory(per)
+    order = PAIRS + [p for p in preset.pairs if p not in PAIRS]
+    confirm, pairs = confirmatory(per, preset, decl.get("level")), exploratory(per, order)
     second = secondary(per, preset, decl)
     decl |= secondary_data(preset, second)
     bound = list(confirm) if decl.get("preregistered") else []  # no verdict without a binding declaration
@@ -461,7 +462,7 @@ def write_report(
     timing = json.loads(timing_file.read_text()) if timing_file.exists() else {}
     lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl)
     lines += secondary_lines(preset, second, decl)
-    lines += _variant_tables(per, ci, crit) + _paired_table(pairs)
+    lines += _variant_tables(per, ci, crit) + _paired_table(pairs, order)
     lines += [
         "## The paper's claims and this run",
         "",

@@ -79,6 +79,7 @@ _MISMATCH = {
     "tok_mask_frac_seq": SEQUENCE,
     "opsm_frac_seq": SEQUENCE,  # off-policy sequence masking (--opsm-threshold)
     "opsm_frac_tok": TOKEN,
+    "random_drop_frac_seq": SEQUENCE,  # --random-seq-drop
 }
 METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
 
@@ -231,6 +232,10 @@ def _train_micro_batch(
                 weight, f.logp_BT, sampler_BT, mb.data.adv_B, m_BT, plan.opsm_threshold
             )
             corr |= opsm
+        if plan.random_seq_drop:  # an ablation: sequences dropped at random (docs/stability)
+            u_B = torch.rand(m_BT.shape[0], device=m_BT.device)
+            weight, drop = C.with_random_drop(weight, u_B, m_BT, plan.random_seq_drop)
+            corr |= drop
         inp = loss_inputs(
             f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
         )
