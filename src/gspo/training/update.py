@@ -227,15 +227,8 @@ def _train_micro_batch(
                 lo=plan.mismatch_low,
                 hi=plan.mismatch_high,
             )
-        if plan.opsm_threshold is not None:  # decided with this forward's pi_theta
-            weight, opsm = C.with_opsm(
-                weight, f.logp_BT, sampler_BT, mb.data.adv_B, m_BT, plan.opsm_threshold
-            )
-            corr |= opsm
-        if plan.random_seq_drop:  # an ablation: sequences dropped at random (docs/stability)
-            u_B = torch.rand(m_BT.shape[0], device=m_BT.device)
-            weight, drop = C.with_random_drop(weight, u_B, m_BT, plan.random_seq_drop)
-            corr |= drop
+        if plan.opsm_threshold is not None or plan.random_seq_drop:  # with this forward's pi_theta
+            weight, corr = C.sequence_masks(weight, corr, f.logp_BT, mb.data, m_BT, plan)
         inp = loss_inputs(
             f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
         )
