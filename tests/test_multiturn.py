@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools (gspo.envs): the interface, tools, masks, losses over the model's
 tokens only, budgets, bad environments, and a task the tiny model learns with the calculator."""
 
+import copy
 import json
 import re
 import subprocess
@@ -257,6 +258,47 @@ def test_budgets_truncate_and_keep_masks_right(max_tokens, turn_tokens):
     # every generate call got the whole context so far and at most the remaining budget
     for _, budget, lens in eng.calls:
         assert budget <= turn_tokens and all(L - 2 + budget <= max_tokens for L in lens)
+
+
+class _PerTurn:
+    """The HF engine without ``play``: one ``generate`` call per turn, each prefilling its context."""
+
+    def __init__(self, engine):
+        self.generate = engine.generate
+
+
+class _Answers:
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, model_turn):
+        return Step(" ok=", 0.5)
+
+
+@pytest.mark.parametrize("turn_tokens, max_tokens", [(6, 40), (3, 17), (8, 9), (1, 5)])
+def test_kept_kv_cache_plays_the_turns_of_one_generate_per_turn(tiny_moe, turn_tokens, max_tokens):
+    """The HF engine's ``play`` (one decode loop, each trajectory's KV cache kept across turns, the
+    observations fed beside the other rows' tokens) makes exactly the greedy trajectories of one
+    ``generate`` call per turn: ids, masks, turns, rewards, truncation; log-probs to float32 noise."""
+    from gspo.rollout.hf import HFRolloutEngine
+
+    model, tok = tiny_moe
+    model = copy.deepcopy(model)  # EOS the greedy choice at some positions, not all
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(head.weight.shape[0]), requires_grad=False)
+    head.bias.data[tok.eos_token_id] = 1.2
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    ex = [Example(f"rev:{n}=", "") for n in [12, 345, 6789, 1, 12, 90, 4321]]
+    ids = [tok(e.prompt).input_ids for e in ex]
+    lim = Limits(max_turns=3, max_turn_tokens=turn_tokens, max_tokens=max_tokens)
+    spec = EnvSpec(_Answers, "answers", None)
+    a = run_episodes(eng, tok, spec, ex, ids, lim, 1.0, greedy=True)
+    b = run_episodes(_PerTurn(eng), tok, spec, ex, ids, lim, 1.0, greedy=True)
+    for f in ("response_ids_BT", "response_mask_BT", "obs_mask_BT", "turns_B", "reward_B", "truncated_B"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    torch.testing.assert_close(a.sampler_logp_BT, b.sampler_logp_BT, atol=1e-5, rtol=0)
+    if max_tokens >= 17:  # observations fed mid-loop, and trajectories of different lengths
+        assert (a.turns_B > 1).any() and a.obs_mask_BT.sum() > 0 and len(set(a.turns_B.tolist())) > 1
 
 
 def test_single_turn_task_is_the_one_step_case(tiny_moe):

@@ -102,6 +102,22 @@ MUTANTS: list[Mutant] = [
         "issue 44 gap 6: the trace the task scores lacks the environment's messages",
     ),
     Mutant(
+        "kept-cache-drops-observations",
+        "src/gspo/rollout/hf.py",
+        "                        queue[r], budget[r] = list(nxt[0]), nxt[1]\n",
+        "                        queue[r], budget[r] = [], nxt[1]\n",
+        ("tests/test_multiturn.py::test_kept_kv_cache_plays_the_turns_of_one_generate_per_turn",),
+        "the HF engine's multi-turn loop never feeds the observation tokens into the kept KV cache",
+    ),
+    Mutant(
+        "random-drop-ignores-draws",
+        "src/gspo/correction.py",
+        "    keep_B = (u_B >= p).to(mask.dtype)\n",
+        "    keep_B = torch.ones_like(u_B).to(mask.dtype)\n",
+        ("tests/test_opsm.py::test_random_drop_hand_computed",),
+        "--random-seq-drop drops nothing",
+    ),
+    Mutant(
         "seq-mask-drops-both-sides",
         "src/gspo/losses.py",
         "    keep_B = ~(low_B | high_B)\n",

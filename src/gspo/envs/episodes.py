@@ -190,8 +190,11 @@ def run_episodes(
     prompt_ids = [list(t.context) for t in trajs]
     live = [i for i, t in enumerate(trajs) if not t.failed]
     layers = None
+    if getattr(engine, "play", None) is not None and live:  # the engine keeps KV caches across turns
+        _play(engine, trajs, live, tokenizer, spec, limits, temperature, greedy)
+        live = []
     while live:
-        budget = [min(limits.max_turn_tokens, limits.max_tokens - len(trajs[i].ids)) for i in live]
+        budget = [_budget(trajs[i], limits) for i in live]
         rb = engine.generate([trajs[i].context for i in live], max(budget), temperature, greedy)
         lens = rb.response_mask_BT.sum(-1).tolist()
         ids_BT, logp_BT = rb.response_ids_BT.tolist(), rb.sampler_logp_BT.float().tolist()
@@ -204,6 +207,7 @@ def run_episodes(
             i
             for j, i in enumerate(live)
             if _turn(trajs[i], ids_BT[j], logp_BT[j], min(lens[j], budget[j]), tokenizer, spec, limits)
+            is not None
         ]
     n_bad = sum(t.failed for t in trajs)
     if n_bad and n_bad == len(trajs):
@@ -216,6 +220,34 @@ def run_episodes(
         ]
         eb.routed_layers = list(layers)
     return eb
+
+
+def _budget(t: _Traj, limits: Limits) -> int:
+    """The tokens ``t``'s next model turn may have."""
+    return min(limits.max_turn_tokens, limits.max_tokens - len(t.ids))
+
+
+def _play(
+    engine: Any,
+    trajs: list[_Traj],
+    live: list[int],
+    tokenizer: Any,
+    spec: EnvSpec,
+    limits: Limits,
+    temperature: float,
+    greedy: bool,
+) -> None:
+    """Every turn of the ``live`` trajectories in one call of an engine's ``play`` (its KV cache kept
+    across turns, :meth:`gspo.rollout.hf.HFRolloutEngine.play`): the same turns as one ``generate``
+    call per turn, without re-prefilling each context."""
+
+    def turn_end(j: int, ids: list[int], logp: list[float]) -> tuple[list[int], int] | None:
+        t = trajs[live[j]]
+        obs = _turn(t, ids, logp, len(ids), tokenizer, spec, limits)
+        return None if obs is None else (obs, _budget(t, limits))
+
+    contexts, budgets = [trajs[i].context for i in live], [_budget(trajs[i], limits) for i in live]
+    engine.play(contexts, budgets, limits.max_tokens, turn_end, temperature, greedy)
 
 
 def _start(spec: EnvSpec, ex: Example, ids: list[int], encode: Callable[[Prompt], list[int]] | None) -> _Traj:
@@ -275,9 +307,9 @@ def _chat_observation(s: Step, max_chars: int) -> list[dict[str, Any]]:
 
 def _turn(
     t: _Traj, ids: list[int], logp: list[float], n: int, tokenizer: Any, spec: EnvSpec, limits: Limits
-) -> bool:
+) -> list[int] | None:
     """Append one sampled model turn (its first ``n`` tokens) and the environment's answer to it;
-    True when the trajectory goes on."""
+    the observation's token ids when the trajectory goes on, else None."""
     ids, eos = ids[:n], tokenizer.eos_token_id
     t.ids += ids
     t.model += [1] * n
@@ -290,15 +322,15 @@ def _turn(
         s = step(spec, t.env, text)
     except EnvFailure:
         t.failed, t.reward = True, 0.0
-        return False
+        return None
     t.reward += s.reward
     if s.observation is None:
         t.truncated = not ended  # cut off by the per-turn budget, yet scored (as a single-turn task)
-        return False
+        return None
     room = limits.max_tokens - len(t.ids)
     if not ended or t.turns >= limits.max_turns or room <= 0:
         t.truncated = True
-        return False
+        return None
     # cut the text first: tokenizing a 50 MB observation to keep `room` tokens would hang the step
     if t.chat is None:
         obs = tokenizer(s.observation[: 64 * room + 64], add_special_tokens=False).input_ids[:room]
@@ -309,9 +341,9 @@ def _turn(
     t.logp += [0.0] * len(obs)
     if len(t.ids) >= limits.max_tokens:  # no room left for a model token
         t.truncated = True
-        return False
+        return None
     t.context = t.context + ids + obs
-    return True
+    return obs
 
 
 def _to_batch(trajs: list[_Traj], prompt_ids: list[list[int]], pad_id: int, n_bad: int) -> EnvSampleBatch:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -136,23 +137,18 @@ class HFRolloutEngine:
             return torch.nn.functional.linear(hidden[:, -1], model.get_output_embeddings().weight)
         return model(**kw, logits_to_keep=1).logits[:, -1]
 
-    def _generate(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample up to ``max_new_tokens``; a row that emits EOS leaves the batch (and the KV cache)."""
+    def _prefill(self, prompt_ids: list[list[int]], steps: int) -> _Decode:
+        """Prefill each distinct prompt once (U rows) and copy its cache to its samples (B rows): the
+        decode state for up to ``steps`` more tokens per row."""
         model = self.model
         device = next(model.parameters()).device
-        was_training = model.training
-        model.eval()
         plain = lm_head_is_plain(model)  # probed once per model, then cached
-        # prefix sharing: prefill each distinct prompt once (U rows), then copy its cache to its samples
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
         ids_UP, mask_UP = left_pad([list(k) for k in first], self.pad_token_id, device)
         src_B = torch.tensor(src, device=device)
         B, (U, P) = len(prompt_ids), ids_UP.shape
-        K = P + max_new_tokens  # columns the cache can reach
-        real_BK = torch.ones((B, K), dtype=torch.bool, device=device)  # which cache columns are real
+        real_BK = torch.ones((B, P + steps), dtype=torch.bool, device=device)  # which cache columns are real
         real_BK[:, :P] = mask_UP.bool()[src_B]
         # the decode-step masks are slices of one [B, K] mask: additive (4D) where the model takes that
         additive = takes_additive_mask(model)
@@ -162,44 +158,149 @@ class HFRolloutEngine:
             prefill_mask = additive_mask(see_UPP[:, None], model.dtype)
         else:
             mask_BK, prefill_mask = real_BK.long(), mask_UP
-        out_ids = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
-        out_logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-        out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
         cache = DynamicCache()
         pos_UP = position_ids_from_mask(mask_UP)
         logits_BV = self._last_logits(ids_UP, prefill_mask, pos_UP, cache, plain)
         if U < B:
             cache.reorder_cache(src_B)
             logits_BV = logits_BV[src_B]
-        rows = slice(None)  # original rows of the live batch entries: all, until one finishes
-        pos = pos_UP[src_B, -1:]
+        return _Decode(logits_BV, cache, mask_BK, pos_UP[src_B, -1:], P, additive, plain, device)
+
+    def _draw(
+        self, logits_BV: torch.Tensor, temperature: float, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of each row and its sampler log-prob (after temperature and truncation)."""
+        logits_BV = logits_BV.float()
+        if greedy or temperature == 0:
+            logp_bV = torch.log_softmax(logits_BV, -1)
+            tok_b = logits_BV.argmax(-1)
+        else:
+            z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
+            logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
+            tok_b = _sample(logp_bV, self.generator)
+        return tok_b, logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
+
+    def _advance(self, d: _Decode, tok_b: torch.Tensor, keep: torch.Tensor | None, t: int) -> torch.Tensor:
+        """Feed each live row's token of step ``t`` (``keep``: the rows still live, None: all) ->
+        the next logits."""
+        if keep is not None:  # drop finished rows so later steps spend nothing on them
+            d.cache.reorder_cache(keep)
+            tok_b, d.pos, d.mask_BK = tok_b[keep], d.pos[keep], d.mask_BK[keep]
+        d.pos = d.pos + 1
+        cols = d.P + t + 1  # the cache holds the prompt and t + 1 later tokens after this call
+        step_mask = d.mask_BK[:, None, None, :cols] if d.additive else d.mask_BK[:, :cols]
+        return self._last_logits(tok_b[:, None], step_mask, d.pos, d.cache, d.plain)
+
+    def _generate(
+        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample up to ``max_new_tokens``; a row that emits EOS leaves the batch (and the KV cache)."""
+        was_training = self.model.training
+        self.model.eval()
+        d = self._prefill(prompt_ids, max_new_tokens)
+        B, device = len(prompt_ids), d.device
+        out_ids = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        out_logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
+        logits_BV, rows = d.logits_BV, slice(None)  # original rows of the live batch entries
         n_steps = 0
         for t in range(max_new_tokens):
-            logits_BV = logits_BV.float()
-            if greedy or temperature == 0:
-                logp_bV = torch.log_softmax(logits_BV, -1)
-                tok_b = logits_BV.argmax(-1)
-            else:
-                z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
-                logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
-                tok_b = _sample(logp_bV, self.generator)
-            out_ids[rows, t] = tok_b
-            out_logp[rows, t] = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
-            out_mask[rows, t] = 1
+            tok_b, logp_b = self._draw(logits_BV, temperature, greedy)
+            out_ids[rows, t], out_logp[rows, t], out_mask[rows, t] = tok_b, logp_b, 1
             n_steps = t + 1
             live = tok_b != self.eos_token_id
             n_live = int(live.sum())  # the one host sync per step
             if t + 1 == max_new_tokens or n_live == 0:
                 break
-            if n_live < len(tok_b):  # drop finished rows so later steps spend nothing on them
-                keep = live.nonzero().squeeze(-1)
-                cache.reorder_cache(keep)
+            keep = live.nonzero().squeeze(-1) if n_live < len(tok_b) else None
+            if keep is not None:
                 rows = (torch.arange(B, device=device) if isinstance(rows, slice) else rows)[keep]
-                tok_b, pos, mask_BK = tok_b[keep], pos[keep], mask_BK[keep]
-            pos = pos + 1
-            cols = P + t + 1  # the cache holds the prompt and t + 1 generated tokens after this call
-            step_mask = mask_BK[:, None, None, :cols] if additive else mask_BK[:, :cols]
-            logits_BV = self._last_logits(tok_b[:, None], step_mask, pos, cache, plain)
-        model.train(was_training)
+            logits_BV = self._advance(d, tok_b, keep, t)
+        self.model.train(was_training)
         T = max(n_steps, 1)
         return out_ids[:, :T], out_mask[:, :T], out_logp[:, :T]
+
+    def play(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        max_tokens: int,
+        turn_end: TurnEnd,
+        temperature: float = 1.0,
+        greedy: bool = False,
+    ) -> None:
+        """Multi-turn trajectories in one decode loop that keeps each one's KV cache across turns.
+
+        Row ``i`` starts after ``contexts[i]`` with a model turn of at most ``budgets[i]`` tokens. When
+        a turn ends (EOS, or its budget) ``turn_end(i, ids, logps)`` gets the turn and answers
+        ``(observation ids, the next turn's budget)`` to go on, or None to end the trajectory. The
+        observation is fed one token per decode step beside the other rows' sampled tokens: nothing
+        is prefilled twice and no turn waits for the slowest row of a batch-wide turn. A trajectory
+        holds at most ``max_tokens`` tokens after its context (``turn_end`` keeps within it).
+        """
+        with torch.inference_mode():
+            for i in range(0, len(contexts), self.max_batch_size):
+                part = slice(i, i + self.max_batch_size)
+                self._play(contexts[part], budgets[part], max_tokens, temperature, greedy,
+                           lambda j, ids, lp, i=i: turn_end(i + j, ids, lp))  # fmt: skip
+
+    def _play(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        max_tokens: int,
+        temperature: float,
+        greedy: bool,
+        turn_end: TurnEnd,
+    ) -> None:
+        was_training = self.model.training
+        self.model.eval()
+        d = self._prefill(contexts, max_tokens)
+        budget, rows = list(budgets), list(range(len(contexts)))  # rows: original row of each live entry
+        queue: list[list[int]] = [[] for _ in rows]  # observation tokens still to feed, per row
+        turn: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
+        logits_BV = d.logits_BV
+        for t in range(max_tokens):
+            tok_b, logp_b = self._draw(logits_BV, temperature, greedy)
+            forced = [k for k, r in enumerate(rows) if queue[r]]
+            if forced:  # an observation's next token, instead of what was drawn
+                tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=d.device)
+            toks, logps, keep = tok_b.tolist(), logp_b.tolist(), []
+            skip = set(forced)
+            for k, r in enumerate(rows):
+                if k not in skip:
+                    ids, lps = turn[r]
+                    ids.append(toks[k])
+                    lps.append(logps[k])
+                    if toks[k] == self.eos_token_id or len(ids) >= budget[r]:
+                        turn[r] = ([], [])
+                        nxt = turn_end(r, ids, lps)
+                        if nxt is None:
+                            continue
+                        queue[r], budget[r] = list(nxt[0]), nxt[1]
+                keep.append(k)
+            if not keep or t + 1 == max_tokens:
+                break
+            keep_t = None if len(keep) == len(rows) else torch.tensor(keep, device=d.device)
+            rows = [rows[k] for k in keep]
+            logits_BV = self._advance(d, tok_b, keep_t, t)
+        self.model.train(was_training)
+
+
+#: (row, the turn's token ids, their sampler log-probs) -> (observation ids, next budget) or None
+TurnEnd = Callable[[int, list[int], list[float]], "tuple[list[int], int] | None"]
+
+
+@dataclass
+class _Decode:
+    """The state of one batched decode loop: the next logits, the KV cache, each row's mask over the
+    cache's columns and position, and how the model is called."""
+
+    logits_BV: torch.Tensor
+    cache: DynamicCache
+    mask_BK: torch.Tensor
+    pos: torch.Tensor
+    P: int  # prompt columns (left-padded)
+    additive: bool  # the masks are 4D additive (takes_additive_mask)
+    plain: bool  # the logits are hidden @ W^T (lm_head_is_plain)
+    device: torch.device
