@@ -107,21 +107,21 @@ class HFRolloutEngine:
     def generate(
         self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, greedy: bool = False
     ) -> SampleBatch:
-        with torch.inference_mode():  # no autograd bookkeeping at all: ~10% off each decode step
-            parts = [
-                self._generate(prompt_ids[i : i + self.max_batch_size], max_new_tokens, temperature, greedy)
-                for i in range(0, len(prompt_ids), self.max_batch_size)
-            ]
-        # plain CPU tensors (the SampleBatch contract), so scoring and the trainer may use them next to
-        # autograd (sampler log-probs as pi_old); the update moves them to its device
-        parts = [tuple(x.to("cpu", copy=True) for x in p) for p in parts]
-        T = max(p[0].shape[1] for p in parts)
-        pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+        """Up to ``max_new_tokens`` per prompt, each row ending at its EOS: :meth:`play` with one turn."""
+        out: list[tuple[list[int], list[float]]] = [([], [])] * len(prompt_ids)
+
+        def done(row: int, ids: list[int], logps: list[float]) -> None:
+            out[row] = (ids, logps)
+
+        budgets = [max_new_tokens] * len(prompt_ids)
+        self.play(prompt_ids, budgets, max_new_tokens, done, temperature, greedy)
+        # plain CPU tensors (the SampleBatch contract): float32 log-probs round-trip Python floats exactly
+        T = max([len(ids) for ids, _ in out] + [1])
         return SampleBatch(
             prompt_ids=[list(p) for p in prompt_ids],
-            response_ids_BT=torch.cat([pad(p[0], self.pad_token_id) for p in parts]),
-            response_mask_BT=torch.cat([pad(p[1], 0) for p in parts]),
-            sampler_logp_BT=torch.cat([pad(p[2], 0.0) for p in parts]),
+            response_ids_BT=torch.tensor([ids + [self.pad_token_id] * (T - len(ids)) for ids, _ in out]),
+            response_mask_BT=torch.tensor([[1] * len(ids) + [0] * (T - len(ids)) for ids, _ in out]),
+            sampler_logp_BT=torch.tensor([lp + [0.0] * (T - len(lp)) for _, lp in out], dtype=torch.float32),
         )
 
     def _last_logits(
@@ -166,60 +166,7 @@ class HFRolloutEngine:
             logits_BV = logits_BV[src_B]
         return _Decode(logits_BV, cache, mask_BK, pos_UP[src_B, -1:], P, additive, plain, device)
 
-    def _draw(
-        self, logits_BV: torch.Tensor, temperature: float, greedy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next token of each row and its sampler log-prob (after temperature and truncation)."""
-        logits_BV = logits_BV.float()
-        if greedy or temperature == 0:
-            logp_bV = torch.log_softmax(logits_BV, -1)
-            tok_b = logits_BV.argmax(-1)
-        else:
-            z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
-            logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
-            tok_b = _sample(logp_bV, self.generator)
-        return tok_b, logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)
-
-    def _advance(self, d: _Decode, tok_b: torch.Tensor, keep: torch.Tensor | None, t: int) -> torch.Tensor:
-        """Feed each live row's token of step ``t`` (``keep``: the rows still live, None: all) ->
-        the next logits."""
-        if keep is not None:  # drop finished rows so later steps spend nothing on them
-            d.cache.reorder_cache(keep)
-            tok_b, d.pos, d.mask_BK = tok_b[keep], d.pos[keep], d.mask_BK[keep]
-        d.pos = d.pos + 1
-        cols = d.P + t + 1  # the cache holds the prompt and t + 1 later tokens after this call
-        step_mask = d.mask_BK[:, None, None, :cols] if d.additive else d.mask_BK[:, :cols]
-        return self._last_logits(tok_b[:, None], step_mask, d.pos, d.cache, d.plain)
-
-    def _generate(
-        self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, greedy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample up to ``max_new_tokens``; a row that emits EOS leaves the batch (and the KV cache)."""
-        was_training = self.model.training
-        self.model.eval()
-        d = self._prefill(prompt_ids, max_new_tokens)
-        B, device = len(prompt_ids), d.device
-        out_ids = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
-        out_logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-        out_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
-        logits_BV, rows = d.logits_BV, slice(None)  # original rows of the live batch entries
-        n_steps = 0
-        for t in range(max_new_tokens):
-            tok_b, logp_b = self._draw(logits_BV, temperature, greedy)
-            out_ids[rows, t], out_logp[rows, t], out_mask[rows, t] = tok_b, logp_b, 1
-            n_steps = t + 1
-            live = tok_b != self.eos_token_id
-            n_live = int(live.sum())  # the one host sync per step
-            if t + 1 == max_new_tokens or n_live == 0:
-                break
-            keep = live.nonzero().squeeze(-1) if n_live < len(tok_b) else None
-            if keep is not None:
-                rows = (torch.arange(B, device=device) if isinstance(rows, slice) else rows)[keep]
-            logits_BV = self._advance(d, tok_b, keep, t)
-        self.model.train(was_training)
-        T = max(n_steps, 1)
-        return out_ids[:, :T], out_mask[:, :T], out_logp[:, :T]
-
+    @torch.inference_mode()  # no autograd bookkeeping at all: ~10% off each decode step
     def play(
         self,
         contexts: list[list[int]],
@@ -229,30 +176,22 @@ class HFRolloutEngine:
         temperature: float = 1.0,
         greedy: bool = False,
     ) -> None:
-        """Multi-turn trajectories in one decode loop that keeps each one's KV cache across turns.
+        """Trajectories in one decode loop that keeps each one's KV cache across its turns.
 
         Row ``i`` starts after ``contexts[i]`` with a model turn of at most ``budgets[i]`` tokens. When
         a turn ends (EOS, or its budget) ``turn_end(i, ids, logps)`` gets the turn and answers
-        ``(observation ids, the next turn's budget)`` to go on, or None to end the trajectory. The
-        observation is fed one token per decode step beside the other rows' sampled tokens: nothing
-        is prefilled twice and no turn waits for the slowest row of a batch-wide turn. A trajectory
-        holds at most ``max_tokens`` tokens after its context (``turn_end`` keeps within it).
-        """
-        with torch.inference_mode():
+        ``(observation ids, the next turn's budget)`` to go on, or None to end the row. An observation
+        is fed one token per step beside the other rows' sampled tokens: nothing is prefilled twice
+        and no turn waits for the slowest row of a batch-wide turn. A row holds at most ``max_tokens``
+        tokens after its context (``turn_end`` keeps within it)."""
+        if len(contexts) > self.max_batch_size:  # a batch at a time
             for i in range(0, len(contexts), self.max_batch_size):
-                part = slice(i, i + self.max_batch_size)
-                self._play(contexts[part], budgets[part], max_tokens, temperature, greedy,
-                           lambda j, ids, lp, i=i: turn_end(i + j, ids, lp))  # fmt: skip
-
-    def _play(
-        self,
-        contexts: list[list[int]],
-        budgets: list[int],
-        max_tokens: int,
-        temperature: float,
-        greedy: bool,
-        turn_end: TurnEnd,
-    ) -> None:
+                part, end = (
+                    slice(i, i + self.max_batch_size),
+                    lambda j, ids, lp, i=i: turn_end(i + j, ids, lp),
+                )
+                self.play(contexts[part], budgets[part], max_tokens, end, temperature, greedy)
+            return
         was_training = self.model.training
         self.model.eval()
         d = self._prefill(contexts, max_tokens)
@@ -261,12 +200,19 @@ class HFRolloutEngine:
         turn: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
         logits_BV = d.logits_BV
         for t in range(max_tokens):
-            tok_b, logp_b = self._draw(logits_BV, temperature, greedy)
+            logits_BV = logits_BV.float()
+            if greedy or temperature == 0:
+                logp_bV = torch.log_softmax(logits_BV, -1)
+                tok_b = logits_BV.argmax(-1)
+            else:
+                z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
+                logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
+                tok_b = _sample(logp_bV, self.generator)
             forced = [k for k, r in enumerate(rows) if queue[r]]
             if forced:  # an observation's next token, instead of what was drawn
                 tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=d.device)
-            toks, logps, keep = tok_b.tolist(), logp_b.tolist(), []
-            skip = set(forced)
+            toks, keep, skip = tok_b.tolist(), [], set(forced)  # the host reads of each step
+            logps = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1).tolist()
             for k, r in enumerate(rows):
                 if k not in skip:
                     ids, lps = turn[r]
@@ -274,16 +220,25 @@ class HFRolloutEngine:
                     lps.append(logps[k])
                     if toks[k] == self.eos_token_id or len(ids) >= budget[r]:
                         turn[r] = ([], [])
-                        nxt = turn_end(r, ids, lps)
-                        if nxt is None:
-                            continue
+                        if (nxt := turn_end(r, ids, lps)) is None:
+                            continue  # the row leaves the batch and the KV cache
                         queue[r], budget[r] = list(nxt[0]), nxt[1]
                 keep.append(k)
             if not keep or t + 1 == max_tokens:
                 break
-            keep_t = None if len(keep) == len(rows) else torch.tensor(keep, device=d.device)
-            rows = [rows[k] for k in keep]
-            logits_BV = self._advance(d, tok_b, keep_t, t)
+            if len(keep) < len(rows):  # finished rows leave: later steps spend nothing on them
+                idx = torch.tensor(keep, device=d.device)
+                d.cache.reorder_cache(idx)
+                tok_b, d.pos, d.mask_BK, rows = (
+                    tok_b[idx],
+                    d.pos[idx],
+                    d.mask_BK[idx],
+                    [rows[k] for k in keep],
+                )
+            d.pos = d.pos + 1
+            cols = d.P + t + 1  # the cache holds the context and t + 1 later tokens after this call
+            step_mask = d.mask_BK[:, None, None, :cols] if d.additive else d.mask_BK[:, :cols]
+            logits_BV = self._last_logits(tok_b[:, None], step_mask, d.pos, d.cache, d.plain)
         self.model.train(was_training)
 
 
