@@ -211,14 +211,15 @@ class HFRolloutEngine:
             forced = [k for k, r in enumerate(rows) if queue[r]]
             if forced:  # an observation's next token, instead of what was drawn
                 tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=d.device)
-            toks, keep, skip = tok_b.tolist(), [], set(forced)  # the host reads of each step
-            logps = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1).tolist()
+            logp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)  # one host read: both exact in float64
+            toks, logps = torch.stack([tok_b.double(), logp_b.double()]).tolist()
+            keep, skip = [], set(forced)
             for k, r in enumerate(rows):
                 if k not in skip:
                     ids, lps = turn[r]
-                    ids.append(toks[k])
+                    ids.append(int(toks[k]))
                     lps.append(logps[k])
-                    if toks[k] == self.eos_token_id or len(ids) >= budget[r]:
+                    if ids[-1] == self.eos_token_id or len(ids) >= budget[r]:
                         turn[r] = ([], [])
                         if (nxt := turn_end(r, ids, lps)) is None:
                             continue  # the row leaves the batch and the KV cache
