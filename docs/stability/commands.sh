@@ -62,6 +62,13 @@ gspo compare --preset confirm-clip-mechanism --workers 2 --out runs/confirm-clip
 mkdir -p docs/stability/confirm-clip-mechanism
 cp runs/confirm-clip-mechanism/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-clip-mechanism/*.png docs/stability/confirm-clip-mechanism/
 
+# What separates GSPO from GRPO at lr 1e-3 (exploratory, no endpoint, seeds 400-411; the clip range and lr
+# calibrated on seeds 0-1 first, see clip-separation/calibration/README.md; committed at ba63f3f), run
+# 2026-12-06 from a frozen worktree of ba63f3f: 46.5 min
+gspo compare --preset clip-separation --workers 2 --threads 1 --out runs/clip-separation
+mkdir -p docs/stability/clip-separation
+cp runs/clip-separation/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/clip-separation/*.png docs/stability/clip-separation/
+
 # The paper's MoE claim as an interaction (family moe-interaction, 1 primary + 3 secondary endpoints,
 # seeds 300-329; lr calibrated on seeds 0-3 first, see confirm-moe-interaction/calibration/README.md;
 # declared at 8915f94), run 2026-12-06 from a frozen worktree of 8915f94: 108.3 min
