@@ -51,7 +51,8 @@ class HFRolloutEngine:
 
     Cost savers, none of which changes what is sampled: each distinct prompt is prefilled once and
     its KV cache copied to all of its samples (the G samples of a GRPO/GSPO group share a prompt);
-    a row that emits EOS leaves the batch and the cache; and where it means the same thing
+    a row that emits EOS leaves the batch and the cache; a multi-turn trajectory keeps its cache
+    across turns (:meth:`play`: one decode loop for single- and multi-turn); and where it means the same thing
     (:func:`~gspo.model.logprobs.takes_additive_mask`), the attention mask is built once per call as a 4D additive
     mask and sliced each step, instead of transformers rebuilding it from the 2D mask every step.
     Where the logits are exactly ``hidden @ W^T`` (:func:`~gspo.model.logprobs.lm_head_is_plain`), the
