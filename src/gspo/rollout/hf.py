@@ -209,18 +209,18 @@ class HFRolloutEngine:
                 z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
                 logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
                 tok_b = _sample(logp_bV, self.generator)
-            forced = [k for k, r in enumerate(rows) if queue[r]]
+            forced = [k for k, r in enumerate(rows) if queue[r]] if any(queue) else []
             if forced:  # an observation's next token, instead of what was drawn
                 tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=d.device)
             logp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)  # one host read: both exact in float64
             toks, logps = torch.stack([tok_b.double(), logp_b.double()]).tolist()
-            keep, skip = [], set(forced)
+            keep, skip, eos = [], set(forced), self.eos_token_id
             for k, r in enumerate(rows):
                 if k not in skip:
                     ids, lps = turn[r]
                     ids.append(int(toks[k]))
                     lps.append(logps[k])
-                    if ids[-1] == self.eos_token_id or len(ids) >= budget[r]:
+                    if ids[-1] == eos or len(ids) >= budget[r]:
                         turn[r] = ([], [])
                         if (nxt := turn_end(r, ids, lps)) is None:
                             continue  # the row leaves the batch and the KV cache
