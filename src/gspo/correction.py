@@ -35,15 +35,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from gspo.loss_inputs import MAX_LOG_RATIO, k3_kl, loss_inputs, ratio_stats, sequence_mean
-
-if TYPE_CHECKING:
-    from gspo.data import TrainBatch
-    from gspo.plans import UpdatePlan
 
 Tensor = torch.Tensor
 
@@ -320,26 +315,6 @@ def with_opsm(
         "opsm_frac_tok": (dropped_B * n_tok_B).sum() / n_tok_B.sum().clamp(min=1),
     }
     return _times_keep(weight, keep_B), metrics
-
-
-def sequence_masks(
-    weight: Tensor | None,
-    metrics: dict[str, Tensor],
-    logp: Tensor,
-    data: TrainBatch,
-    mask: Tensor,
-    plan: UpdatePlan,
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """The update's sequence masks on a micro-batch (``data``: its TrainBatch rows), each multiplying
-    ``weight`` and adding its metrics: OPSM (``plan.opsm_threshold``) and the random drop."""
-    if plan.opsm_threshold is not None:
-        weight, opsm = with_opsm(weight, logp, data.sampler_logp_BT, data.adv_B, mask, plan.opsm_threshold)
-        metrics = metrics | opsm
-    if plan.random_seq_drop:  # an ablation (docs/stability): the global generator's draws
-        u_B = torch.rand(mask.shape[0], device=mask.device)
-        weight, drop = with_random_drop(weight, u_B, mask, plan.random_seq_drop)
-        metrics = metrics | drop
-    return weight, metrics
 
 
 def with_random_drop(

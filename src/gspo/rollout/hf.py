@@ -165,7 +165,7 @@ class HFRolloutEngine:
         if U < B:
             cache.reorder_cache(src_B)
             logits_BV = logits_BV[src_B]
-        return _Decode(logits_BV, cache, mask_BK, pos_UP[src_B, -1:], P, additive, plain, device)
+        return _Decode(logits_BV, cache, mask_BK, pos_UP[src_B, -1:], P, additive, plain)
 
     @torch.inference_mode()  # no autograd bookkeeping at all: ~10% off each decode step
     def play(
@@ -211,7 +211,7 @@ class HFRolloutEngine:
                 tok_b = _sample(logp_bV, self.generator)
             forced = [k for k, r in enumerate(rows) if queue[r]] if any(queue) else []
             if forced:  # an observation's next token, instead of what was drawn
-                tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=d.device)
+                tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=tok_b.device)
             logp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)  # one host read: both exact in float64
             toks, logps = torch.stack([tok_b.double(), logp_b.double()]).tolist()
             keep, skip, eos = [], set(forced), self.eos_token_id
@@ -229,7 +229,7 @@ class HFRolloutEngine:
             if not keep or t + 1 == max_tokens:
                 break
             if len(keep) < len(rows):  # finished rows leave: later steps spend nothing on them
-                idx = torch.tensor(keep, device=d.device)
+                idx = torch.tensor(keep, device=tok_b.device)
                 d.cache.reorder_cache(idx)
                 tok_b, d.pos, d.mask_BK, rows = (
                     tok_b[idx],
@@ -260,4 +260,3 @@ class _Decode:
     P: int  # prompt columns (left-padded)
     additive: bool  # the masks are 4D additive (takes_additive_mask)
     plain: bool  # the logits are hidden @ W^T (lm_head_is_plain)
-    device: torch.device

@@ -228,7 +228,7 @@ def _train_micro_batch(
                 hi=plan.mismatch_high,
             )
         if plan.opsm_threshold is not None or plan.random_seq_drop:  # with this forward's pi_theta
-            weight, corr = C.sequence_masks(weight, corr, f.logp_BT, mb.data, m_BT, plan)
+            weight, corr = _sequence_masks(weight, corr, f.logp_BT, mb.data, m_BT, plan)
         inp = loss_inputs(
             f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
         )
@@ -237,6 +237,28 @@ def _train_micro_batch(
     metrics = {f"loss/{k}": v for k, v in out.metrics.items()} | {f"mismatch/{k}": v for k, v in corr.items()}
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
     return out.loss.detach() * world_size, metrics, f.routing
+
+
+def _sequence_masks(
+    weight: torch.Tensor | None,
+    metrics: dict[str, torch.Tensor],
+    logp_BT: torch.Tensor,
+    data: TrainBatch,
+    mask_BT: torch.Tensor,
+    plan: UpdatePlan,
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The plan's sequence masks on a micro-batch (``data``: its rows), each multiplying the loss's
+    ``weight`` and adding its metrics: OPSM (``plan.opsm_threshold``) and the random drop."""
+    if plan.opsm_threshold is not None:
+        weight, opsm = C.with_opsm(
+            weight, logp_BT, data.sampler_logp_BT, data.adv_B, mask_BT, plan.opsm_threshold
+        )
+        metrics = metrics | opsm
+    if plan.random_seq_drop:  # an ablation (docs/stability): the global generator's draws
+        u_B = torch.rand(mask_BT.shape[0], device=mask_BT.device)
+        weight, drop = C.with_random_drop(weight, u_B, mask_BT, plan.random_seq_drop)
+        metrics = metrics | drop
+    return weight, metrics
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
