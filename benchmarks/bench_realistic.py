@@ -322,9 +322,9 @@ class FloorContender:
         self.layout = choose_layout(self.g.model, self.g.cfg)
 
     def step(self, r: int) -> dict[str, Any]:
+        from gspo import data as BA
         from gspo.data import left_pad
         from gspo.model.logprobs import response_logprobs
-        from gspo.training import batch as BA
 
         g, sh = self.g, self.g.sh
         _, ids = g.inp.batch(r)

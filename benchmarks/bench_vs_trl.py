@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from gspo import data as BA
 from gspo.config import Config
 from gspo.data import left_pad
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
@@ -53,7 +54,6 @@ from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
 from gspo.tasks.prompts import encode_prompts
 from gspo.tasks.synthetic import synthetic_examples
-from gspo.training import batch as BA
 from gspo.training import run as RN
 from gspo.training import scoring as RO
 from gspo.training import update as U

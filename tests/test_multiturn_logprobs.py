@@ -20,9 +20,8 @@ from gspo.resolve import plan_update, score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
 from gspo.training import update as U
-from gspo.training.batch import split_minibatches
 from gspo.training.scoring import score_rollout
-from gspo.training.update import policy_update
+from gspo.training.update import policy_update, split_minibatches
 
 G = 8
 

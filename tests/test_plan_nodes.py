@@ -170,7 +170,7 @@ def _update_forwards(p, n: int) -> int:
     minibatches, as gspo.training.update runs them (record_pi_old, measure_volatility)."""
     count = 0
     for i in range(n):
-        own = p.own_routing(i)
+        own = p.own_routing[i]
         count += int(p.replays_sampler and own) + int(
             i > 0 and (p.trainer_pi_old or (own and not p.replays_sampler))
         )

@@ -225,7 +225,10 @@ def _sampler_side(
         train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
         score=_score(plan.scoring),
     )  # fmt: skip
-    gathers = sampling.engine.spec.in_trainer and module is unwrap(policy, "model")
+    # an HF engine sampling the trainer's own FSDP2-sharded module: its weights gathered around each use
+    gathers = (
+        sampling.engine.spec.in_trainer and module is unwrap(policy, "model") and dist_utils.is_fsdp(policy)
+    )
     # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
     tp = sampling.engine.vllm_tensor_parallel_size if getattr(engine, "tp_group", None) else 1
     return SamplerSide(engine, module, sampler, gathers, tp)

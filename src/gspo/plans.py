@@ -9,7 +9,7 @@ This module imports nothing of gspo: every layer may import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -316,41 +316,38 @@ class UpdatePlan:
     #: temperatures, VESPO's kernel (gspo.losses.LossSpec.params)
     loss_params: tuple[tuple[str, float], ...] = ()
 
-    @property
-    def token_normalizer(self) -> bool:
-        """The loss divides by the minibatch's response tokens (DAPO's token_mean), else its sequences."""
-        return self.aggregation == "token_mean"
+    # the decisions the update tests, derived from the fields above once, when the plan is built
+    # (dataclasses.replace rebuilds them): read as plain attributes in every step
+    token_normalizer: bool = field(
+        init=False
+    )  # the loss divides by tokens (DAPO's token_mean), else sequences
+    sampler_pi_old: bool = field(
+        init=False
+    )  # the loss's pi_old is the sampler's log-probs, else the trainer's
+    replays_sampler: bool = field(init=False)  # R3: the sampler's experts forced in every forward of the rows
+    replays_pi_old: bool = field(
+        init=False
+    )  # R2: pi_old's experts forced in minibatches 1..'s training forwards
+    volatility_free: bool = field(init=False)  # volatility read off its minibatch's training forwards
+    volatility_forward: bool = field(init=False)  # ... or one no-grad forward after the first optimizer step
+    #: per minibatch: it needs pi_old's own choice of experts (R2 forces it in 1..; volatility compares)
+    own_routing: tuple[bool, ...] = field(init=False)
 
-    def own_routing(self, i: int) -> bool:
-        """Whether minibatch ``i`` needs pi_old's own choice of experts (R2 forces it in minibatches
-        1..; volatility compares with it)."""
-        return i == self.volatility_minibatch or (self.replays_pi_old and i > 0)
-
-    # the string fields, each read once here (the update tests these)
-    @property
-    def sampler_pi_old(self) -> bool:
-        """The loss's pi_old is the sampler's log-probs (else the trainer's own)."""
-        return self.pi_old == "rollout"
-
-    @property
-    def replays_sampler(self) -> bool:
-        """R3: the sampler's experts are forced in every forward of the rows."""
-        return self.replay == "R3"
-
-    @property
-    def replays_pi_old(self) -> bool:
-        """R2: pi_old's experts are forced in the training forwards of minibatches 1.."""
-        return self.replay == "R2"
-
-    @property
-    def volatility_free(self) -> bool:
-        """Volatility is read off the training forwards of its minibatch (no extra forward)."""
-        return self.volatility == "free"
-
-    @property
-    def volatility_forward(self) -> bool:
-        """Volatility costs one no-grad forward of its minibatch after the first optimizer step."""
-        return self.volatility == "forward"
+    def __post_init__(self) -> None:
+        r2 = self.replay == "R2"
+        derived = dict(
+            token_normalizer=self.aggregation == "token_mean",
+            sampler_pi_old=self.pi_old == "rollout",
+            replays_sampler=self.replay == "R3",
+            replays_pi_old=r2,
+            volatility_free=self.volatility == "free",
+            volatility_forward=self.volatility == "forward",
+            own_routing=tuple(
+                i == self.volatility_minibatch or (r2 and i > 0) for i in range(self.num_minibatches)
+            ),
+        )
+        for k, v in derived.items():
+            object.__setattr__(self, k, v)  # frozen: set once, here
 
 
 @dataclass(frozen=True)

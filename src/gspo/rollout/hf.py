@@ -82,6 +82,9 @@ class HFRolloutEngine:
         # transformers 5.x renamed ``past_key_values`` to ``cache``; support both
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # how the model is called, probed once per model (cached: the trainer's probes ran at start-up)
+        self.plain = lm_head_is_plain(self.model)  # the logits are hidden @ W^T
+        self.additive = takes_additive_mask(self.model)  # a 4D additive mask means what the 2D one does
 
     @torch.no_grad()
     def sync_weights(self) -> None:
@@ -126,14 +129,13 @@ class HFRolloutEngine:
         )
 
     def _last_logits(
-        self, ids_BL: torch.Tensor, mask: torch.Tensor, pos_BL: torch.Tensor, cache: DynamicCache, plain: bool
+        self, ids_BL: torch.Tensor, mask: torch.Tensor, pos_BL: torch.Tensor, cache: DynamicCache
     ) -> torch.Tensor:
-        """Logits ``[B, V]`` at the last position of ``ids_BL``, appending its keys/values to ``cache``;
-        ``plain``: the logits are ``hidden @ W^T`` (:func:`lm_head_is_plain`)."""
+        """Logits ``[B, V]`` at the last position of ``ids_BL``, appending its keys/values to ``cache``."""
         model = self.model
         kw = dict(input_ids=ids_BL, attention_mask=mask, position_ids=pos_BL, use_cache=True)
         kw[self._cache_kw] = cache
-        if plain:
+        if self.plain:
             hidden = model.base_model(**kw).last_hidden_state
             return torch.nn.functional.linear(hidden[:, -1], model.get_output_embeddings().weight)
         return model(**kw, logits_to_keep=1).logits[:, -1]
@@ -143,7 +145,6 @@ class HFRolloutEngine:
         decode state for up to ``steps`` more tokens per row."""
         model = self.model
         device = next(model.parameters()).device
-        plain = lm_head_is_plain(model)  # probed once per model, then cached
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
         ids_UP, mask_UP = left_pad([list(k) for k in first], self.pad_token_id, device)
@@ -152,8 +153,7 @@ class HFRolloutEngine:
         real_BK = torch.ones((B, P + steps), dtype=torch.bool, device=device)  # which cache columns are real
         real_BK[:, :P] = mask_UP.bool()[src_B]
         # the decode-step masks are slices of one [B, K] mask: additive (4D) where the model takes that
-        additive = takes_additive_mask(model)
-        if additive:
+        if self.additive:
             mask_BK = additive_mask(real_BK, model.dtype)
             see_UPP = torch.ones((P, P), dtype=torch.bool, device=device).tril() & mask_UP.bool()[:, None, :]
             prefill_mask = additive_mask(see_UPP[:, None], model.dtype)
@@ -161,11 +161,11 @@ class HFRolloutEngine:
             mask_BK, prefill_mask = real_BK.long(), mask_UP
         cache = DynamicCache()
         pos_UP = position_ids_from_mask(mask_UP)
-        logits_BV = self._last_logits(ids_UP, prefill_mask, pos_UP, cache, plain)
+        logits_BV = self._last_logits(ids_UP, prefill_mask, pos_UP, cache)
         if U < B:
             cache.reorder_cache(src_B)
             logits_BV = logits_BV[src_B]
-        return _Decode(logits_BV, cache, mask_BK, pos_UP[src_B, -1:], P, additive, plain)
+        return _Decode(logits_BV, cache, mask_BK, pos_UP[src_B, -1:], P)
 
     @torch.inference_mode()  # no autograd bookkeeping at all: ~10% off each decode step
     def play(
@@ -239,8 +239,8 @@ class HFRolloutEngine:
                 )
             d.pos = d.pos + 1
             cols = d.P + t + 1  # the cache holds the context and t + 1 later tokens after this call
-            step_mask = d.mask_BK[:, None, None, :cols] if d.additive else d.mask_BK[:, :cols]
-            logits_BV = self._last_logits(tok_b[:, None], step_mask, d.pos, d.cache, d.plain)
+            step_mask = d.mask_BK[:, None, None, :cols] if self.additive else d.mask_BK[:, :cols]
+            logits_BV = self._last_logits(tok_b[:, None], step_mask, d.pos, d.cache)
         self.model.train(was_training)
 
 
@@ -251,12 +251,10 @@ TurnEnd = Callable[[int, list[int], list[float]], "tuple[list[int], int] | None"
 @dataclass
 class _Decode:
     """The state of one batched decode loop: the next logits, the KV cache, each row's mask over the
-    cache's columns and position, and how the model is called."""
+    cache's columns and position."""
 
     logits_BV: torch.Tensor
     cache: DynamicCache
     mask_BK: torch.Tensor
     pos: torch.Tensor
     P: int  # prompt columns (left-padded)
-    additive: bool  # the masks are 4D additive (takes_additive_mask)
-    plain: bool  # the logits are hidden @ W^T (lm_head_is_plain)

@@ -336,7 +336,7 @@ def savable(run: Run) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
     """What rank 0 writes as the HF folder (collective): the trained module, with the full state
     dict gathered from the shards when distributed (PEFT merges a LoRA model's adapters itself)."""
     hf = run.trainer.hf
-    if is_peft(hf) and run.world > 1 and not dist_utils._is_fsdp(run.trainer.policy):
+    if is_peft(hf) and run.world > 1 and not dist_utils.is_fsdp(run.trainer.policy):
         return hf, None  # DDP: every rank holds the whole PEFT model, which merges a copy
     return hf, dist_utils.full_state_dict(run.trainer.policy, run.dctx)
 

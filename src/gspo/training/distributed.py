@@ -286,7 +286,7 @@ def probe_sharded(policy: nn.Module) -> None:
     no full copy anywhere to probe."""
     from gspo.model.logprobs import probe
 
-    if not _is_fsdp(policy):
+    if not is_fsdp(policy):
         return probe(unwrap(policy, "hf"))
     policy.unshard()
     try:
@@ -355,7 +355,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
             m.set_reshard_after_forward(True, recurse=False)
 
 
-def _is_fsdp(model: Any) -> bool:
+def is_fsdp(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -368,7 +368,7 @@ def full_state_dict(model: Any, ctx: DistContext) -> dict[str, torch.Tensor] | N
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if _is_fsdp(model):
+    if is_fsdp(model):
         reshard(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     # a tied weight once (under its first name), as save_pretrained writes it from the module

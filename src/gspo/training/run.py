@@ -64,7 +64,7 @@ class SamplerSide:
     engine: RolloutEngine
     module: nn.Module
     sampler: Sampler  # each RL step's responses (synchronous, or a process running ahead)
-    gathers: bool  # an HF engine sampling the trainer's own FSDP2 module: its weights are gathered
+    gathers: bool  # an HF engine sampling the trainer's own FSDP2-sharded module: its weights are gathered
     tp: int  # ranks one engine spans (vLLM tensor parallelism; 1 otherwise)
 
     def sampling(self, policy: nn.Module) -> contextlib.AbstractContextManager[None]:

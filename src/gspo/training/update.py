@@ -26,11 +26,10 @@ from gspo.data import TrainBatch
 from gspo.loss_inputs import loss_inputs
 from gspo.losses import LOSSES
 from gspo.model import routing as R
-from gspo.model.logprobs import as_policy
+from gspo.model.logprobs import Layout, as_policy, make_layout
 from gspo.model.unwrap import full_tensor, unwrap
 from gspo.plans import UpdatePlan
 from gspo.training import distributed as dist_utils
-from gspo.training.batch import MicroBatch, split_minibatches
 
 # How each logged metric of a micro-batch combines with the others of the rollout batch:
 # a mean weighted by the micro-batch's response tokens or sequences, a minimum or a maximum.
@@ -84,6 +83,57 @@ _MISMATCH = {
 METRICS.update({f"mismatch/{k}": v for k, v in _MISMATCH.items()})
 
 
+# ------------------------------------------------------------------------------------------------
+# the rollout batch, cut into minibatches of micro-batches
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The rows of one forward/backward and everything the loss needs for them, frozen once
+    ``update.record_pi_old`` has recorded the trainer's pi_old (before any optimizer step)."""
+
+    data: TrainBatch
+    layout: Layout  # model inputs, built once for every forward of these rows
+    old_logp_BT: torch.Tensor | None = None  # trainer's pi_old log-probs [B, T] (None: not recorded)
+    old_routing: R.Routing | None = None  # pi_old's experts per MoE layer (R2 replay, volatility)
+    replay: R.Routing | None = None  # experts forced in the training forward (None: the router chooses)
+    on_policy: bool = False  # no update yet (minibatch 0): its own first training forward is pi_old
+
+    @property
+    def mask_BT(self) -> torch.Tensor:
+        return self.data.response_mask_BT
+
+    @property
+    def n_tokens(self) -> torch.Tensor:
+        return self.mask_BT.sum()
+
+    @property
+    def n_sequences(self) -> torch.Tensor:
+        return (self.mask_BT.sum(-1) > 0).sum()
+
+
+def split_minibatches(
+    data: TrainBatch, n_minibatches: int, micro_size: int, layout: str, mask_dtype: torch.dtype
+) -> list[list[MicroBatch]]:
+    """``n_minibatches`` contiguous slices of ``data`` (the paper's minibatches), each cut into
+    micro-batches of at most ``micro_size`` rows of similar length (length bucketing, so little
+    compute goes to padding), each with its model inputs laid out as ``layout``."""
+    size = len(data) // n_minibatches
+    out = []
+    for i in range(n_minibatches):
+        mb = data.rows(slice(i * size, (i + 1) * size))
+        if micro_size >= size:
+            parts = [mb]
+        else:
+            order = torch.argsort(mb.prompt_mask_BP.sum(-1) + mb.real_mask_BT.sum(-1), stable=True)
+            parts = [mb.rows(order[j : j + micro_size]) for j in range(0, size, micro_size)]
+        out.append([MicroBatch(p, make_layout(
+            p.prompt_ids_BP, p.prompt_mask_BP, p.response_ids_BT, p.response_mask_BT, layout, mask_dtype,
+            p.obs_mask_BT,
+        )) for p in parts])  # fmt: skip
+    return out
+
+
 @dataclass
 class Forward:
     """One forward of a micro-batch under the current policy."""
@@ -132,7 +182,7 @@ def record_pi_old(
 
 
 def _record_pi_old(policy: nn.Module, mb: MicroBatch, plan: UpdatePlan, i: int) -> MicroBatch:
-    own = plan.own_routing(i)
+    own = plan.own_routing[i]
     replay = old_routing = old_logp = None
     if plan.replays_sampler:  # R3: the sampler's experts, forced in every forward of these rows
         L = mb.layout.input_ids_RL.shape[1]
