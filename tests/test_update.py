@@ -365,29 +365,56 @@ def test_attn_implementation_is_read_where_transformers_sets_it():
         (
             {},
             dict(
-                pi_old="rollout", trainer_pi_old=False, replay=None, volatility="free", volatility_minibatch=1
+                pi_old="rollout",
+                trainer_pi_old=False,
+                replay=None,
+                volatility="free",
+                volatility_minibatch=1,
+                # the decisions derived from those, once: the update reads them as plain fields
+                sampler_pi_old=True,
+                replays_sampler=False,
+                replays_pi_old=False,
+                volatility_free=True,
+                volatility_forward=False,
+                own_routing=(False, True, False, False),
             ),
         ),
         (dict(old_logp="recompute"), dict(pi_old="recompute", trainer_pi_old=True)),
         (dict(dtype="bfloat16"), dict(pi_old="recompute", trainer_pi_old=True)),  # auto: numerics differ
         (dict(async_staleness=1), dict(pi_old="rollout")),  # auto: the batch's own policy
         (dict(mismatch_correction="seq_tis"), dict(pi_old="rollout", trainer_pi_old=True)),
-        (dict(routing_replay=True), dict(replay="R2", volatility="forward")),
+        (
+            dict(routing_replay=True),
+            dict(
+                replay="R2", volatility="forward", replays_pi_old=True, own_routing=(False, True, True, True)
+            ),
+        ),
         (dict(num_minibatches=1), dict(volatility="forward", volatility_minibatch=0)),
         (dict(log_volatility=False), dict(volatility=None, volatility_minibatch=None)),
         (
             dict(algo="grpo"),
-            dict(loss_params=(("eps_low", 0.2), ("eps_high", 0.27)), aggregation="seq_mean_token_mean"),
+            dict(
+                loss_kwargs=(("eps_low", 0.2), ("eps_high", 0.27), ("aggregation", "seq_mean_token_mean")),
+                aggregation="seq_mean_token_mean",
+                token_normalizer=False,
+            ),
         ),
         (
             dict(algo="sapo", eps_low=2.0),
-            dict(loss_params=(("tau_neg", 2.0), ("tau_pos", 1.0)), aggregation=None),
+            dict(loss_kwargs=(("tau_neg", 2.0), ("tau_pos", 1.0)), aggregation=None),
         ),
         (
             dict(algo="vespo", vespo_k_neg=1.5),
             dict(
-                loss_params=(("k_pos", 2.0), ("lambda_pos", 3.0), ("k_neg", 1.5), ("lambda_neg", 2.0)),
+                loss_kwargs=(
+                    ("k_pos", 2.0),
+                    ("lambda_pos", 3.0),
+                    ("k_neg", 1.5),
+                    ("lambda_neg", 2.0),
+                    ("aggregation", "token_mean"),
+                ),
                 aggregation="token_mean",
+                token_normalizer=True,
             ),
         ),
     ],

@@ -312,9 +312,10 @@ class UpdatePlan:
     mismatch_cap: float
     opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
     random_seq_drop: float = 0.0  # share of sequences dropped at random (gspo.correction.with_random_drop)
-    #: the loss's own parameters, resolved (its defaults and the config's): a clip range, SAPO's
-    #: temperatures, VESPO's kernel (gspo.losses.LossSpec.params)
-    loss_params: tuple[tuple[str, float], ...] = ()
+    #: every keyword of the loss's function, resolved once (gspo.losses.LossSpec.resolve): its own
+    #: parameters (the config's over the papers' defaults: a clip range, SAPO's temperatures, VESPO's
+    #: kernel) and, for a loss that takes one, the aggregation
+    loss_kwargs: tuple[tuple[str, float | str], ...] = ()
 
     # the decisions the update tests, derived from the fields above once, when the plan is built
     # (dataclasses.replace rebuilds them): read as plain attributes in every step

@@ -182,7 +182,8 @@ def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
 def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
     """Every update's plan as far as the config says it: :func:`for_model` settles the layout, routing
     replay and volatility once the model is loaded (here: as if it were an MoE)."""
-    default_aggregation = LOSSES[cfg.algo].aggregation  # None: the loss takes none
+    spec = LOSSES[cfg.algo]
+    default_aggregation = spec.aggregation  # None: the loss takes none
     aggregation = (cfg.aggregation or default_aggregation) if default_aggregation else None
     replay = None
     if cfg.routing_replay:
@@ -214,7 +215,7 @@ def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
         mismatch_cap=cfg.mismatch_cap,
         opsm_threshold=cfg.opsm_threshold,
         random_seq_drop=cfg.random_seq_drop,
-        loss_params=tuple(loss_params(cfg).items()),
+        loss_kwargs=tuple(spec.resolve(aggregation, **loss_params(cfg)).items()),
     )
 
 

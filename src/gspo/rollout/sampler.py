@@ -90,6 +90,7 @@ class SyncSampler:
     ) -> None:
         self.engine, self.tokenizer, self.task, self.plan = engine, tokenizer, task, plan
         self.score, self.train_ids = score, train_ids
+        self.rank, self.world = rank_world()  # this rank's share of each step's prompts
         self.env = None
         if plan.env is not None:  # resolved now: a bad environment spec fails before any sampling
             from gspo.envs.episodes import encoder, limits_of, spec_of
@@ -103,10 +104,9 @@ class SyncSampler:
         rewards and group advantages. Dynamic sampling draws more rounds of prompts while a rank is
         short of informative groups (``short_anywhere``; it may stop the step between rounds)."""
         assert self.score is not None and self.train_ids is not None, "a trainer's sampler scores"
-        rank, world = rank_world()
 
         def one(pos: int) -> tuple[TrainBatch, dict[str, float]]:
-            idx = share(self.plan, len(self.train_ids), pos, rank, world)
+            idx = share(self.plan, len(self.train_ids), pos, self.rank, self.world)
             examples = [self.task.train[i] for i in idx]
             s = self.sample(step, examples, [self.train_ids[i] for i in idx])
             data, metrics = self.score(s.batch, self.tokenizer, self.task, examples, t_gen=s.gen_s)

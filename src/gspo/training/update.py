@@ -282,7 +282,7 @@ def _train_micro_batch(
         inp = loss_inputs(
             f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
         )
-        out = LOSSES[plan.algo](inp, plan.aggregation, **dict(plan.loss_params))
+        out = LOSSES[plan.algo].fn(inp, **dict(plan.loss_kwargs))
         (out.loss * world_size).backward()
     metrics = {f"loss/{k}": v for k, v in out.metrics.items()} | {f"mismatch/{k}": v for k, v in corr.items()}
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
