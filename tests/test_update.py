@@ -377,6 +377,7 @@ def test_attn_implementation_is_read_where_transformers_sets_it():
                 volatility_free=True,
                 volatility_forward=False,
                 own_routing=(False, True, False, False),
+                plain_head=True,  # the LM head probed once for the loaded model
             ),
         ),
         (dict(old_logp="recompute"), dict(pi_old="recompute", trainer_pi_old=True)),

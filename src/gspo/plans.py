@@ -310,6 +310,9 @@ class UpdatePlan:
     mismatch_low: float
     mismatch_high: float
     mismatch_cap: float
+    #: the logits are exactly hidden @ W^T (gspo.model.logprobs.lm_head_is_plain, probed once for the
+    #: loaded model); None: the trainer's forward asks the probe's cache itself
+    plain_head: bool | None = None
     opsm_threshold: float | None = None  # off-policy sequence masking (gspo.correction.with_opsm)
     random_seq_drop: float = 0.0  # share of sequences dropped at random (gspo.correction.with_random_drop)
     #: every keyword of the loss's function, resolved once (gspo.losses.LossSpec.resolve): its own

@@ -220,10 +220,12 @@ def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
 
 
 def for_model(plan: UpdatePlan, layout: LayoutPlan, policy: nn.Module, is_moe: bool) -> UpdatePlan:
-    """``plan`` settled for the loaded model: its layout probed, and no routing replay or volatility
-    for a dense model (no routers)."""
+    """``plan`` settled for the loaded model: its layout and LM head probed, and no routing replay or
+    volatility for a dense model (no routers)."""
     routing = {} if is_moe else dict(replay=None, volatility=None, volatility_minibatch=None)
-    return dataclasses.replace(plan, layout=_choose_layout(policy, layout), **routing)
+    layout_name = _choose_layout(policy, layout)  # (runs the model's probes, once)
+    plain = lm_head_is_plain(unwrap(policy, "hf"))
+    return dataclasses.replace(plan, layout=layout_name, plain_head=plain, **routing)
 
 
 def layout_plan(cfg: Config) -> LayoutPlan:

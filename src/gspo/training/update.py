@@ -158,7 +158,7 @@ def forward(
     with forcing, R.capture_routing(hf) if capture else nullcontext() as rec:
         out = policy(
             mb.layout, mb.data.response_ids_BT, mb.mask_BT, plan.temperature, plan.logp_chunk_size, entropy,
-            top_k=plan.top_k, top_p=plan.top_p,
+            top_k=plan.top_k, top_p=plan.top_p, plain=plan.plain_head,
         )  # fmt: skip
     logp, ent = out if entropy else (out, None)
     return Forward(logp, ent, R.routing_snapshot(rec) if capture else None)
