@@ -147,3 +147,32 @@ def test_a_copy_in_another_precision_takes_the_trainers_weights_with_each_sync(t
     engine.sync_weights()
     assert matches()
     assert make_engine(plan, model, tok, trainer=policy).trainer is None
+
+
+def test_the_engine_probes_its_model_once_the_weights_are_real():
+    """An async sampler builds its model from the config and loads the trainer's weights later: the
+    engine probes how to call the model (its LM head) at its first prefill, not when it is built. On
+    zero weights a soft-capped head looks plain (every logit 0 either way); sampling from the loaded
+    weights must still use the model's own, soft-capped logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=40, hidden_size=32, intermediate_size=32, num_hidden_layers=2, head_dim=8)
+    small.update(num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    cfg = Gemma2Config(final_logit_softcapping=0.5, **small)
+    trained = Gemma2ForCausalLM(cfg).eval()
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    eng = HFRolloutEngine(model, 1, 0, torch.Generator().manual_seed(0))
+    model.load_state_dict(trained.state_dict())  # the trainer's weights arrive
+    prompts = [[5, 6], [7, 8, 9]]
+    rb = eng.generate(prompts, 4, temperature=1.0)
+    for b, p in enumerate(prompts):  # the model's own logits, the row alone
+        n = int(rb.response_mask_BT[b].sum())
+        seq = torch.tensor([p + rb.response_ids_BT[b, :n].tolist()])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(seq).logits[0].float(), -1)
+        want = ref[len(p) - 1 : len(p) - 1 + n].gather(-1, seq[0, len(p) :, None]).squeeze(-1)
+        torch.testing.assert_close(rb.sampler_logp_BT[b, :n], want, atol=1e-5, rtol=0)

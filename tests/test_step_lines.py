@@ -9,9 +9,9 @@ from pathlib import Path
 
 # the README's Layout section quotes the measured numbers; lower these as the step shrinks
 # 1,431 until the HF engine's one decode loop took multi-turn turns too (kept KV cache): 1,464; then
-# decisions made once instead of each step (the update plan's, the engine's probes, the gathering,
-# the rank, the LM head): 1,357
-MAX_LINES = 1357  # measured 1,357 (from 1,881); issue 45 asks for < 1,100
+# decisions made once instead of each step (the update plan's, the gathering, the rank, the LM head;
+# the HF engine's probes at its first prefill, once its weights are real): 1,359
+MAX_LINES = 1359  # measured 1,359 (from 1,881); issue 45 asks for < 1,100
 MAX_FILES = 21  # measured 21 (from 27); issue 45 asks for <= 14
 
 

@@ -82,9 +82,11 @@ class HFRolloutEngine:
         # transformers 5.x renamed ``past_key_values`` to ``cache``; support both
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # how the model is called, probed once per model (cached: the trainer's probes ran at start-up)
-        self.plain = lm_head_is_plain(self.model)  # the logits are hidden @ W^T
-        self.additive = takes_additive_mask(self.model)  # a 4D additive mask means what the 2D one does
+        # how the model is called: probed at the first prefill, once its weights are real (an async
+        # sampler builds its model from the config and loads the trainer's weights later; a probe on
+        # random weights can miss a soft-capped head), then kept (the probes cache answers per model)
+        self.plain: bool | None = None  # the logits are hidden @ W^T
+        self.additive: bool | None = None  # a 4D additive mask means what the 2D one does
 
     @torch.no_grad()
     def sync_weights(self) -> None:
@@ -145,6 +147,8 @@ class HFRolloutEngine:
         decode state for up to ``steps`` more tokens per row."""
         model = self.model
         device = next(model.parameters()).device
+        if self.plain is None:
+            self.plain, self.additive = lm_head_is_plain(model), takes_additive_mask(model)
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(p), len(first)) for p in prompt_ids]
         ids_UP, mask_UP = left_pad([list(k) for k in first], self.pad_token_id, device)
