@@ -322,18 +322,18 @@ class UpdatePlan:
 
     # the decisions the update tests, derived from the fields above once, when the plan is built
     # (dataclasses.replace rebuilds them): read as plain attributes in every step
-    token_normalizer: bool = field(
-        init=False
-    )  # the loss divides by tokens (DAPO's token_mean), else sequences
-    sampler_pi_old: bool = field(
-        init=False
-    )  # the loss's pi_old is the sampler's log-probs, else the trainer's
-    replays_sampler: bool = field(init=False)  # R3: the sampler's experts forced in every forward of the rows
-    replays_pi_old: bool = field(
-        init=False
-    )  # R2: pi_old's experts forced in minibatches 1..'s training forwards
-    volatility_free: bool = field(init=False)  # volatility read off its minibatch's training forwards
-    volatility_forward: bool = field(init=False)  # ... or one no-grad forward after the first optimizer step
+    #: the loss divides by the minibatch's tokens (DAPO's token_mean), else by its sequences
+    token_normalizer: bool = field(init=False)
+    #: the loss's pi_old is the sampler's log-probs, else the trainer's own
+    sampler_pi_old: bool = field(init=False)
+    #: R3: the sampler's experts forced in every forward of the rows
+    replays_sampler: bool = field(init=False)
+    #: R2: pi_old's experts forced in the training forwards of minibatches 1..
+    replays_pi_old: bool = field(init=False)
+    #: volatility read off its minibatch's training forwards (no extra forward)
+    volatility_free: bool = field(init=False)
+    #: volatility costs one no-grad forward of its minibatch after the first optimizer step
+    volatility_forward: bool = field(init=False)
     #: per minibatch: it needs pi_old's own choice of experts (R2 forces it in 1..; volatility compares)
     own_routing: tuple[bool, ...] = field(init=False)
 
