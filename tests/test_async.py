@@ -119,6 +119,40 @@ def test_sampler_process_dies_with_the_trainer(tmp_path):
     assert not any(os.path.exists(f"/proc/{k}") and "zombie" not in _state(k) for k in kids)
 
 
+SCRIPT = """
+import os, sys, tempfile
+from gspo import Config, train
+if __name__ == "__main__":
+    if sys.argv[1:] == ["remove-yourself"]:
+        os.remove(__file__)  # the sampler process cannot re-run this script now: it dies at start
+    out = tempfile.mkdtemp(dir=".")
+    train(Config(async_staleness=1, steps=2, sft_steps=0, eval_every=0, save_every=0, threads=1,
+                 progress=False, output_dir=out))
+"""
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("stdin", "a script read from <stdin> cannot be re-run: save it to a file, or use python -c"),
+        ("remove-yourself", "the async sampler process died (exit code 1)"),
+    ],
+)
+def test_a_sampler_process_that_cannot_start_stops_the_run_in_one_line(tmp_path, how, says):
+    """A script on standard input (``python - <<EOF``) has no file for the spawned sampler to re-run:
+    refused before the spawn. A sampler that dies at start for any reason (here its script is gone)
+    is reported, and the run ends: before, the trainer blocked for ever writing the sampler's
+    arguments to a child that was dead (CPython writes them to a pipe only the child reads)."""
+    if how == "stdin":
+        cmd, stdin = [sys.executable, "-"], SCRIPT
+    else:
+        (tmp_path / "run.py").write_text(SCRIPT)
+        cmd, stdin = [sys.executable, "run.py", how], None
+    p = subprocess.run(cmd, input=stdin, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith("gspo.errors.GspoError: ") and last.endswith(says), p.stderr
+
+
 def _state(pid: int) -> str:
     try:
         return open(f"/proc/{pid}/status").read().split("State:")[1].split("\n")[0].lower()

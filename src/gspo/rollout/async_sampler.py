@@ -46,6 +46,7 @@ R3 (vLLM's routing replayed): the experts the engine routed each token to cross 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -122,9 +123,16 @@ class AsyncSampler:
         if not devices:
             self._publish(version, start=False)  # every rank: the slots are made from the first stream
         if self.rank == 0:
+            check_spawnable()
             ctx = mp.get_context("spawn")
             self.versions: Any = ctx.Queue()
             self.batches: Any = ctx.Queue()
+            # what the process starts from goes through a queue, not the spawn's own pipe: CPython
+            # writes a process's arguments to a pipe its child reads, and a child that dies before
+            # reading them (e.g. it cannot re-run the main script) would block start() for ever; nor
+            # may the exit wait on the queue's thread still writing them to that dead child
+            self.setup: Any = ctx.Queue()
+            self.setup.cancel_join_thread()
             first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
             weights: Any = self.slots
             if devices:  # the process joins a group with this one and receives every version
@@ -139,10 +147,12 @@ class AsyncSampler:
                 tokenizer,
                 prompt_ids,
                 weights,
-                self.versions,
+                first,
             )
-            self.proc = ctx.Process(target=_sampler_main, args=(*args, self.batches, first), daemon=True)
+            queues = (self.setup, self.versions, self.batches)
+            self.proc = ctx.Process(target=_sampler_main, args=queues, daemon=True)
             self.proc.start()
+            self.setup.put(args)
             if self.sender is None:
                 self.versions.put(version)
             else:
@@ -361,22 +371,25 @@ def _lora_delta(layer: nn.Module) -> torch.Tensor:
 # the sampler process
 
 
-def _sampler_main(
-    plan: SamplePlan,
-    make_engine: Callable[..., Any],
-    score: Callable[..., Any] | None,
-    config: Any,
-    tokenizer: Any,
-    prompt_ids: list[list[int]],
-    weights: list[dict[str, torch.Tensor]] | SamplerLink,
-    versions: Any,
-    batches: Any,
-    first: tuple[int, int],
-) -> None:
+def check_spawnable() -> None:
+    """A spawned process re-runs the parent's main script from its file (multiprocessing's "spawn"
+    start method): a script read from standard input has none, and its process would die at start.
+    ``python -m``, ``-c``, notebooks and the ``gspo`` command have nothing to re-run: they pass."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and isinstance(path, str) and path.startswith("<"):
+        raise GspoError(
+            f"async_staleness > 0 starts the sampler in a new process, which re-runs the main script, "
+            f"and a script read from {path} cannot be re-run: save it to a file, or use python -c"
+        )
+
+
+def _sampler_main(setup: Any, versions: Any, batches: Any) -> None:
     """The sampler process: one engine over its own model, then for step t = first[0], ...: wait
     for version max(t-1-K, 0), load it into the model, sample step t's responses (the synchronous
-    sampler, its generator seeded by t; dynamic sampling: its rounds), send them. ``weights``: the
-    shared-memory slots, or the link to the process group that brings each version (rollout devices)."""
+    sampler, its generator seeded by t; dynamic sampling: its rounds), send them. ``setup`` brings
+    what it starts from (:class:`AsyncSampler`'s ``args``): among them ``weights``, the shared-memory
+    slots, or the link to the process group that brings each version (rollout devices)."""
     import signal
 
     from transformers import AutoModelForCausalLM
@@ -389,6 +402,7 @@ def _sampler_main(
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # torchrun's: this is no rank
         os.environ.pop(k, None)
     try:
+        plan, make_engine, score, config, tokenizer, prompt_ids, weights, first = setup.get()
         link = weights if isinstance(weights, SamplerLink) else None
         if link is not None and link.cuda_visible is not None:  # before CUDA starts: its GPUs are cuda:0..
             os.environ["CUDA_VISIBLE_DEVICES"] = link.cuda_visible
