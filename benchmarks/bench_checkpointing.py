@@ -28,7 +28,7 @@ def one(checkpointing: bool, rows: int, tokens: int) -> dict[str, float]:
     from gspo.config import Config
     from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_small_moe, enable_activation_checkpointing
-    from gspo.resolve import plan_update
+    from gspo.resolve import for_model, layout_plan, update_plan
     from gspo.training.update import policy_update
 
     vocab = len(build_char_tokenizer())
@@ -46,7 +46,7 @@ def one(checkpointing: bool, rows: int, tokens: int) -> dict[str, float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    policy_update(model, opt, sched, data, plan_update(cfg, model, True), 1)
+    policy_update(model, opt, sched, data, for_model(update_plan(cfg), layout_plan(cfg), model, True), 1)
     return {
         "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "before_update_mib": base,

@@ -101,7 +101,7 @@ def worker(out: str, args: list[str]) -> None:
         updates.append(_delta(a, _counters()))
         return out
 
-    def measured(run: Any, plan: Any) -> dict[str, float]:
+    def measured(*step_args: Any) -> dict[str, float]:
         dist.barrier()
         if "idle" not in res:
             res["startup_hwm"] = _vm("VmHWM")  # load and the step-0 eval (phase_peak resets it later)
@@ -110,7 +110,7 @@ def worker(out: str, args: list[str]) -> None:
             dist.barrier()
             res["idle"] = _delta(a, _counters())
         a = _counters()
-        metrics = real(run, plan)
+        metrics = real(*step_args)
         dist.barrier()
         b = _counters()
         phases = {k: v * 2**30 for k, v in metrics.items() if k.startswith("memory/")}

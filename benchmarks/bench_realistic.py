@@ -13,7 +13,7 @@ Contenders (each in its own process, so that each one's peak RSS is its own):
   ``epsilon=3e-4``, ``epsilon_high=4e-4``, ``beta=0``, ``steps_per_generation=4`` (one generation
   per 4 optimizer steps), EOS banned with ``generation_kwargs={"min_new_tokens": T}``; time per
   rollout = ``trainer.train()`` time between every 4th optimizer step.
-- ``gspo``: ``collect_rollout`` + ``policy_update`` + ``engine.sync_weights`` with the default config
+- ``gspo``: ``sample`` + ``score_rollout`` + ``policy_update`` + ``engine.sync_weights`` with the default config
   (``old_logp=auto``, ``prefix_sharing=auto``; ``log_volatility`` off to match TRL's work); the HF
   engine gets ``eos_token_id=-1`` (never sampled).
 - ``gspo-recompute``: the same with ``old_logp=recompute`` (pi_old recomputed, as TRL does).
@@ -261,12 +261,20 @@ def _vllm_ignore_eos():
 
 
 class GspoContender:
-    """gspo's RL step: collect_rollout + policy_update + engine.sync_weights."""
+    """gspo's RL step: sample + score_rollout + policy_update + engine.sync_weights."""
 
     def __init__(self, inp: Inputs, engine: str = "hf", **cfg_kw: Any) -> None:
         import torch
 
-        from gspo.resolve import engine_plan, optim_plan, plan_update, sample_plan, score_plan
+        from gspo.resolve import (
+            engine_plan,
+            for_model,
+            layout_plan,
+            optim_plan,
+            sample_plan,
+            score_plan,
+            update_plan,
+        )
         from gspo.rollout.hf import HFRolloutEngine
         from gspo.rollout.sampler import SyncSampler
         from gspo.training import run as RN
@@ -289,7 +297,7 @@ class GspoContender:
         self.gen = _TimedGenerate(self.engine.generate)
         self.engine.generate = self.gen
         self.sampler = SyncSampler(self.engine, inp.tok, inp.task, sample_plan(self.cfg))
-        self.plan = plan_update(self.cfg, self.model, sh.kind == "moe")
+        self.plan = for_model(update_plan(self.cfg), layout_plan(self.cfg), self.model, sh.kind == "moe")
         self.score = score_plan(self.cfg)
 
     def step(self, r: int) -> dict[str, Any]:
@@ -299,7 +307,8 @@ class GspoContender:
         ex, ids = self.inp.batch(r)
         t0 = _now()
         with _vllm_ignore_eos() if self.vllm else contextlib.nullcontext():
-            data, _ = RO.collect_rollout(self.sampler, self.inp.tok, self.inp.task, ex, ids, self.score)
+            s = self.sampler.sample(1, ex, ids)
+            data, _ = RO.score_rollout(s.batch, self.inp.tok, self.inp.task, ex, self.score, s.gen_s)
         self.engine.sleep()
         U.policy_update(self.model, self.opt, self.sched, data, self.plan, 1)
         self.engine.sync_weights()
@@ -317,9 +326,9 @@ class FloorContender:
 
     def __init__(self, inp: Inputs) -> None:
         self.g = GspoContender(inp)
-        from gspo.resolve import choose_layout
+        from gspo.resolve import choose_layout, layout_plan
 
-        self.layout = choose_layout(self.g.model, self.g.cfg)
+        self.layout = choose_layout(self.g.model, layout_plan(self.g.cfg))
 
     def step(self, r: int) -> dict[str, Any]:
         from gspo import data as BA

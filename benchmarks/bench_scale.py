@@ -35,7 +35,7 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
     from gspo.config import Config
     from gspo.data import TrainBatch
     from gspo.model.logprobs import PolicyLogprobs
-    from gspo.resolve import dist_plan, plan_update
+    from gspo.resolve import dist_plan, for_model, layout_plan, update_plan
     from gspo.training import distributed as D
     from gspo.training.update import policy_update
 
@@ -55,7 +55,9 @@ def worker(shape: str, rows: int, prompt: int, response: int, out: str) -> None:
             source = build(shape, "cpu")
     if world > 1:
         D.share_probes(model, source)
-    plan = plan_update(cfg, PolicyLogprobs(model), bool(SHAPES[shape]["kind"] == "moe"))
+    plan = for_model(
+        update_plan(cfg), layout_plan(cfg), PolicyLogprobs(model), bool(SHAPES[shape]["kind"] == "moe")
+    )
     policy = D.wrap(PolicyLogprobs(model), dist_plan(cfg), ctx, source)
     del source
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True)

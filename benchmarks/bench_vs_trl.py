@@ -48,7 +48,16 @@ from gspo.config import Config
 from gspo.data import left_pad
 from gspo.model.load import build_char_tokenizer, build_tiny_dense, build_tiny_moe
 from gspo.model.logprobs import response_logprobs
-from gspo.resolve import choose_layout, optim_plan, plan_update, prompt_plan, sample_plan, score_plan
+from gspo.resolve import (
+    choose_layout,
+    for_model,
+    layout_plan,
+    optim_plan,
+    prompt_plan,
+    sample_plan,
+    score_plan,
+    update_plan,
+)
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.rollout.sampler import SyncSampler
 from gspo.tasks import build_task
@@ -203,6 +212,12 @@ def _gspo_state(kind: str, su: Setup, cfg: Config) -> tuple[Any, Any, Any, Any]:
     return model, opt, sched, engine
 
 
+def _collect_rollout(sampler, tok, task, ex, ids, plan):  # noqa: ANN001, ANN202
+    """G samples per prompt, their rewards and advantages: the loop's sampling and scoring."""
+    s = sampler.sample(1, ex, ids)
+    return RO.score_rollout(s.batch, tok, task, ex, plan, s.gen_s)
+
+
 def gspo_stepper(kind: str, su: Setup, cfg: Config) -> Stepper:
     """One rollout of gspo's ``collect_rollout`` + ``policy_update`` per call -> {"": (wall, cpu)}."""
     model, opt, sched, engine = _gspo_state(kind, su, cfg)
@@ -210,10 +225,12 @@ def gspo_stepper(kind: str, su: Setup, cfg: Config) -> Stepper:
     def step(r: int) -> dict[str, tuple[float, float]]:
         ex, ids = su.batch(r)
         t0 = _now()
-        data, _ = RO.collect_rollout(
+        data, _ = _collect_rollout(
             SyncSampler(engine, su.tok, su.task, sample_plan(cfg)), su.tok, su.task, ex, ids, score_plan(cfg)
         )
-        U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
+        U.policy_update(
+            model, opt, sched, data, for_model(update_plan(cfg), layout_plan(cfg), model, kind == "moe"), 1
+        )
         return {"": _since(t0)}
 
     return step
@@ -224,7 +241,7 @@ def floor_stepper(kind: str, su: Setup) -> Stepper:
     4 x (``response_logprobs`` in gspo's layout, trivial loss, backward, AdamW step)."""
     cfg = _cfg()
     model, opt, _, engine = _gspo_state(kind, su, cfg)
-    layout = choose_layout(model, cfg)
+    layout = choose_layout(model, layout_plan(cfg))
 
     def step(r: int) -> dict[str, tuple[float, float]]:
         _, ids = su.batch(r)
@@ -362,9 +379,16 @@ def gspo_breakdown(kind: str, su: Setup, n: int, log_volatility: bool) -> dict[s
                 ex, ids = su.batch(r)
                 t0 = time.process_time()
                 sampler = SyncSampler(engine, su.tok, su.task, sample_plan(cfg))
-                data, _ = RO.collect_rollout(sampler, su.tok, su.task, ex, ids, score_plan(cfg))
+                data, _ = _collect_rollout(sampler, su.tok, su.task, ex, ids, score_plan(cfg))
                 t1 = time.process_time()
-                U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
+                U.policy_update(
+                    model,
+                    opt,
+                    sched,
+                    data,
+                    for_model(update_plan(cfg), layout_plan(cfg), model, kind == "moe"),
+                    1,
+                )
                 t2 = time.process_time()
                 totals["collect_rollout"] += t1 - t0
                 totals["policy_update"] += t2 - t1
@@ -389,10 +413,12 @@ def torch_op_profile(kind: str, su: Setup, n: int, rows: int) -> str:
 
     def step(r: int) -> None:
         ex, ids = su.batch(r)
-        data, _ = RO.collect_rollout(
+        data, _ = _collect_rollout(
             SyncSampler(engine, su.tok, su.task, sample_plan(cfg)), su.tok, su.task, ex, ids, score_plan(cfg)
         )
-        U.policy_update(model, opt, sched, data, plan_update(cfg, model, kind == "moe"), 1)
+        U.policy_update(
+            model, opt, sched, data, for_model(update_plan(cfg), layout_plan(cfg), model, kind == "moe"), 1
+        )
 
     step(0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -1,6 +1,6 @@
 """Summarise a `gspo train` run's per-phase memory and speed beside `gspo plan`'s output (gpu_check.sh).
 
-    python benchmarks/gpu_phase_summary.py RUN_DIR plan.txt
+    python benchmarks/gpu_phase_summary.py RUN_DIR plan.txt [--max-over-plan 0.15]
 
 Medians over the RL steps after the first (the first allocates AdamW's state and warms kernels):
 peak memory of the rollout, update and sync phases (GPU: allocated and reserved; CPU: peak RSS),
@@ -75,17 +75,69 @@ def summary(rows: list[dict], n_seq: int, plan: str = "") -> list[str]:
     return out
 
 
+def measured_peaks(rows: list[dict]) -> dict[str, float]:
+    """GiB per phase as the run measured it (allocated): the start-up's from the step-0 row, each other
+    phase's median over the RL steps after the first (absent phases left out)."""
+    steps = [r for r in rows if r.get("step", 0) > 1 and "time/step_s" in r] or [
+        r for r in rows if "time/step_s" in r
+    ]
+    out = {}
+    first = next((r for r in rows if r.get("step") == 0), {})
+    if isinstance(first.get("memory/startup_peak_gib"), int | float):
+        out["start-up"] = float(first["memory/startup_peak_gib"])
+    for phase in ("rollout", "update", "sync"):
+        xs = [
+            r[f"memory/{phase}_peak_gib"]
+            for r in steps
+            if isinstance(r.get(f"memory/{phase}_peak_gib"), int | float)
+        ]
+        if xs:
+            out[phase] = statistics.median(xs)
+    return out
+
+
+def over_plan(rows: list[dict], plan: str, margin: float) -> list[str]:
+    """Each phase whose measured peak exceeds the plan's estimate by more than ``margin`` (a
+    fraction), one line each; a plan or a run that has no phase to compare is a failure too."""
+    planned, measured = plan_peaks(plan), measured_peaks(rows)
+    common = sorted(set(planned) & set(measured))
+    if not common:
+        return [f"no phase to compare (plan: {sorted(planned)}, run: {sorted(measured)})"]
+    return [
+        f"{phase}: measured {measured[phase]:.2f} GiB is {measured[phase] / planned[phase] - 1:+.1%} over the "
+        f"plan's {planned[phase]:.2f} GiB (allowed {margin:.0%})"
+        for phase in common
+        if measured[phase] > planned[phase] * (1 + margin)
+    ]
+
+
 def main() -> None:
+    import argparse
+
     import yaml
 
-    run = Path(sys.argv[1])
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    plan = Path(sys.argv[2]).read_text() if len(sys.argv) > 2 and Path(sys.argv[2]).exists() else ""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("plan", type=Path, nargs="?")
+    ap.add_argument(
+        "--max-over-plan", type=float, default=None,
+        help="exit 1 when a phase's measured peak exceeds the plan's by more than this fraction",
+    )  # fmt: skip
+    a = ap.parse_args()
+    rows = [json.loads(x) for x in (a.run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    cfg = yaml.safe_load((a.run / "config.yaml").read_text())
+    plan = a.plan.read_text() if a.plan is not None and a.plan.exists() else ""
     lines = summary(rows, int(cfg["prompts_per_step"]) * int(cfg["group_size"]), plan)
+    bad = over_plan(rows, plan, a.max_over_plan) if a.max_over_plan is not None else []
+    if a.max_over_plan is not None:
+        lines += ["", f"measured against the plan (allowed {a.max_over_plan:.0%} over it): "
+                  + ("; ".join(bad) if bad else "every phase within")]  # fmt: skip
     if plan:
         lines += ["", "gspo plan for the same config:", "", plan]
     print("\n".join(lines))
+    if bad:
+        print(f"gpu_phase_summary: over the plan: {'; '.join(bad)}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

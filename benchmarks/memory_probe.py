@@ -12,7 +12,8 @@ allocates AdamW's state) and report the memory at rest and the peak of the secon
     python benchmarks/memory_probe.py --shape dense-0.6b --rows 8 --prompt 128 --response 512 [--ac]
     python benchmarks/memory_probe.py --sweep cpu      # the CPU points, each in its own process
 
-Prints one JSON line per measurement.
+Prints one JSON line per measurement; with ``--plan-margin M`` also `gspo plan`'s estimate of the
+same update (``plan_peak``), and exits 1 when the measured peak is more than M (a fraction) above it.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def measure(
     from gspo.data import TrainBatch
     from gspo.model.load import enable_activation_checkpointing
     from gspo.model.routing import is_moe
-    from gspo.resolve import plan_update
+    from gspo.resolve import for_model, layout_plan, update_plan
     from gspo.training.update import policy_update
 
     torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
@@ -117,7 +118,7 @@ def measure(
     ).validate()  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    plan = plan_update(cfg, model, is_moe(model))
+    plan = for_model(update_plan(cfg), layout_plan(cfg), model, is_moe(model))
     out: dict[str, Any] = dict(shape=shape, rows=rows, prompt=prompt, response=response, ac=ac, micro=micro)
     out |= dict(minibatches=minibatches, device=device, params=n_params, layout=plan.layout)
     times = []
@@ -139,6 +140,35 @@ def measure(
     return out
 
 
+def planned_peak(r: dict[str, Any]) -> float:
+    """`gspo plan`'s update peak (bytes) for the update a measurement ran (its shape and settings,
+    one process): what tests/test_capacity.py holds the recorded peaks to."""
+    from gspo.capacity import Shape, estimate
+    from gspo.config import Config
+    from gspo.resolve import capacity_plan
+
+    spec = dict(SHAPES[r["shape"]])
+    spec.pop("kind")
+    spec.setdefault("vocab_size", QWEN3_VOCAB)
+    cfg = Config(
+        prompts_per_step=r["rows"] // 2, group_size=2, num_minibatches=r["minibatches"], micro_batch_size=r["micro"],
+        max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], activation_checkpointing=r["ac"],
+    ).validate()  # fmt: skip
+    return estimate(capacity_plan(cfg), Shape.from_config(spec), 1).update_peak
+
+
+def over_plan(r: dict[str, Any], margin: float) -> str | None:
+    """Why the measured steady-state peak (``peak_1``) fails the plan: above its estimate by more than
+    ``margin`` (a fraction); None when within."""
+    plan = r["plan_peak"]
+    if r["peak_1"] <= plan * (1 + margin):
+        return None
+    return (
+        f"{r['shape']} (ac {r['ac']}): measured peak {r['peak_1'] / 2**30:.2f} GiB is "
+        f"{r['peak_1'] / plan - 1:+.1%} over gspo plan's {plan / 2**30:.2f} GiB (allowed {margin:.0%})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES))
@@ -150,6 +180,11 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sweep", choices=["cpu"], help="run the CPU points, each in a fresh process")
+    ap.add_argument(
+        "--plan-margin", type=float, default=None,
+        help="beside the measurement, gspo plan's estimate (plan_peak); exit 1 when the measured peak "
+        "exceeds it by more than this fraction (gpu_check.sh: 0.15)",
+    )  # fmt: skip
     a = ap.parse_args()
     if a.sweep:
         for p in CPU_SWEEP:
@@ -160,7 +195,14 @@ def main() -> None:
             print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip(), flush=True)
         return
     res = measure(a.shape, a.rows, a.prompt, a.response, a.ac, a.device, a.micro, a.minibatches)
+    why = None
+    if a.plan_margin is not None:
+        res["plan_peak"] = planned_peak(res)
+        why = over_plan(res, a.plan_margin)
     print(json.dumps(res), flush=True)
+    if why:
+        print(f"memory_probe: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def _replayed_topk_equal(model, data) -> bool:
     from gspo.model.logprobs import make_layout
     from gspo.model.unwrap import unwrap
 
-    hf = unwrap(model, "hf")
+    hf = unwrap(model, "transformers")
     lay = make_layout(
         data.prompt_ids_BP, data.prompt_mask_BP, data.response_ids_BT, data.response_mask_BT, "rows"
     )
@@ -74,12 +74,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
+    from step_helpers import plan_update
+
     from gspo.config import Config
     from gspo.data import TrainBatch
     from gspo.model.load import build_char_tokenizer, build_tiny_moe
     from gspo.model.logprobs import PolicyLogprobs
     from gspo.model.unwrap import full_tensor
-    from gspo.resolve import dist_plan, plan_update
+    from gspo.resolve import dist_plan
     from gspo.training import distributed as D
     from gspo.training.update import policy_update
 

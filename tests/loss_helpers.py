@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from gspo.loss_inputs import loss_inputs
+from gspo.loss_prologue import loss_inputs
 from gspo.losses import LOSSES
 
 Tensor = torch.Tensor
@@ -27,9 +27,10 @@ def call(
     **params: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss ``name`` with its defaults for what is not given; ``bounds``: the two parameters the
-    config's eps_low / eps_high set (a clip range; SAPO's temperatures)."""
+    config's eps_low / eps_high set (a clip range), or for a loss without one (SAPO's temperatures)
+    its own parameters in order."""
     spec = LOSSES[name]
-    params |= dict(zip(spec.eps, bounds, strict=True)) if bounds else {}
+    params |= dict(zip(spec.eps or tuple(spec.params), bounds, strict=True)) if bounds else {}
     inp = loss_inputs(logp, old_logp, mask, advantages, normalizer=normalizer, weight=weight)
     out = spec(inp, aggregation, **params)
     return out.loss, out.metrics

@@ -21,6 +21,9 @@ def _ref(rows, scale, eps):
     out = []
     for r in rows:
         m = sum(r) / len(r)
+        if scale == "maxrl":  # the group's mean reward; a mean <= 0 (a negative reward present): A = 0
+            out.append([(x - m) / (m + eps) if m > 0 else 0.0 for x in r])
+            continue
         if scale == "none":
             d = 1.0
         elif scale == "group":

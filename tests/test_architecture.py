@@ -12,8 +12,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gspo"
 
 # low -> high; a module may import its own layer and the ones below (README: "Layout")
 LAYERS = [
-    {"errors", "plans", "data", "procs", "compat", "memory"},  # the ground floor
-    {"advantages", "loss_inputs", "losses", "correction"},  # the algorithm: pure tensor functions
+    {"errors", "plans", "data", "procs", "compat", "memory", "repro"},  # the ground floor
+    # the algorithm: pure tensor functions
+    {"advantages", "loss_prologue", "losses", "losses_trust", "correction"},
     {"model", "tasks"},
     {"capacity", "capacity_comm", "limits"},  # what fits: read by the config's checks and the engines
     {"envs"},
@@ -147,7 +148,7 @@ def test_the_top_package_exports_every_loss():
     # every public name resolves (most on first use, PEP 562) to what its module defines
     for name in gspo.__all__:
         assert getattr(gspo, name) is not None, name
-    assert gspo.loss_inputs.__name__ == "loss_inputs" and gspo.train.__module__ == "gspo.launch"
+    assert gspo.loss_inputs.__module__ == "gspo.loss_prologue" and gspo.train.__module__ == "gspo.launch"
 
 
 def test_a_refused_flag_imports_neither_transformers_nor_the_study_tools(tmp_path):
@@ -169,3 +170,46 @@ def test_a_refused_flag_imports_neither_transformers_nor_the_study_tools(tmp_pat
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "[]", p.stdout
+
+
+def test_the_run_has_no_hub_and_checkpoints_import_no_part_of_it():
+    """Issue 60 item 1: a 13-field ``Run`` held every part of a run, with its own ``evaluate()``; the
+    checkpoint manager imported it and reached into its trainer, state, tokenizer and sampler. Now
+    the manager saves the weights it is given and each part's piece through ``state_dict`` /
+    ``load_state_dict`` (one more piece of state touches the part that owns it), and imports none of
+    the parts; the held-out evaluation is the rollout side's."""
+    tree = ast.parse((SRC / "training" / "checkpoints.py").read_text())
+    parts = {"gspo.training.run", "gspo.training.loop", "gspo.rollout", "gspo.launch"}
+    reached = [m for _, m in _gspo_imports(tree) if any(m == p or m.startswith(p + ".") for p in parts)]
+    assert not reached, reached
+    from gspo.training import run
+    from gspo.training.checkpoints import Stateful
+
+    assert not hasattr(run, "Run")
+    for part in (run.RunState, run.Trainer, run.Rollout):  # each keeps its own piece of a checkpoint
+        assert all(callable(getattr(part, m, None)) for m in ("state_dict", "load_state_dict")), part
+    assert {m for m in dir(Stateful) if not m.startswith("_")} == {"state_dict", "load_state_dict"}
+
+
+def test_diagnostics_attach_from_outside_the_step():
+    """Issue 60 item 2: what only reports on a step (its phases' times and memory, an MoE's expert
+    volatility, the train/rollout mismatch where no correction uses it) is an observer the plan
+    chose, called at named points; the default update adjusts no loss weight or mask (a correction,
+    OPSM, a random drop: each an entry of the plan's ``adjustments``, none by default)."""
+    from gspo.config import Config
+    from gspo.resolve import loop_plan, update_plan
+
+    cfg = Config().validate()
+    plan = update_plan(cfg)
+    assert plan.adjustments == () and plan.observers == ("volatility", "mismatch")
+    assert update_plan(Config(log_volatility=False).validate()).observers == ("mismatch",)
+    assert update_plan(Config(mismatch_correction="seq_tis", opsm_threshold=0.5).validate()).adjustments == (
+        "correction",
+        "opsm",
+    )
+    assert loop_plan(cfg).observers == ("timings", "memory")
+    assert loop_plan(Config(async_staleness=1).validate()).observers == ("timings", "memory", "async_idle")
+    step = ast.parse((SRC / "training" / "loop.py").read_text())
+    rl_step = next(n for n in ast.walk(step) if isinstance(n, ast.FunctionDef) and n.name == "rl_step")
+    body = ast.unparse(rl_step)
+    assert "time.time" not in body and "phase_peak" not in body and "async/" not in body

@@ -275,6 +275,22 @@ def test_async_dynamic_sampling_fills_the_batch_ahead_and_resumes_exactly(tmp_pa
         torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
 
 
+def test_async_batches_are_seeded_by_their_step_not_their_version(tmp_path, monkeypatch):
+    """Issue 57 gap 6: with K = 2 the batches of steps 1-3 are all sampled by version 0; on a dataset
+    of one prompt repeated, the same weights and prompts would give the same responses if their seed
+    were the version's. Seeded by the step, each batch draws its own."""
+    rows = [json.dumps({"prompt": "rev:1234=", "answer": "4321"})] * 40  # 4 held out
+    (tmp_path / "same.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = dict(TINY, steps=3, sft_steps=0, eval_size=4, prompts_per_step=2, group_size=4, save_every=0)
+    with monkeypatch.context() as mp:
+        _, batches = _record_versions_and_batches(mp)
+        train(Config(name="same", output_dir=str(tmp_path), task=str(tmp_path / "same.jsonl"), **cfg))
+    assert sorted(batches) == [1, 2, 3]
+    assert all(b.prompt_ids == batches[1].prompt_ids for b in batches.values())
+    ids = {t: (b.response_ids_BT * b.response_mask_BT).tolist() for t, b in batches.items()}
+    assert ids[1] != ids[2] and ids[2] != ids[3] and ids[1] != ids[3], ids
+
+
 @pytest.mark.parametrize(
     "extra, field",
     [

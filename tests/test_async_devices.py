@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from gspo import Config, train
 from gspo.errors import GspoError
-from gspo.plans import CapacityPlan
+from gspo.resolve import capacity_plan
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs the gloo backend")
 
@@ -195,14 +195,14 @@ def test_plan_prints_the_sampler_side_and_the_trainer_side():
     kw = dict(model="Qwen/Qwen3-8B", dtype="bfloat16", prompts_per_step=32, nproc=4, async_staleness=2)
     cfg = Config(rollout_devices="cuda:7", **kw).validate()
     shape, gpu = shape_of(cfg.model), 139 * 2**30
-    text, _ = report(CapacityPlan.of(cfg), cfg.model, 4, gpu, shape=shape)
+    text, _ = report(capacity_plan(cfg), cfg.model, 4, gpu, shape=shape)
     assert "sampler side (cuda:7" in text and "trainer side" in text
     n = shape.params()
     assert f"received versions       {3 * n * 2 / 2**30:8.1f} GiB" in text  # K+1 = 3 bf16 copies
-    beside = estimate(CapacityPlan.of(Config(**kw).validate()), shape, 4, gpu)
-    apart = estimate(CapacityPlan.of(cfg), shape, 4, gpu)
+    beside = estimate(capacity_plan(Config(**kw).validate()), shape, 4, gpu)
+    apart = estimate(capacity_plan(cfg), shape, 4, gpu)
     assert (
         apart.sampler == 0 and apart.rollout_peak < beside.rollout_peak
     )  # the trainers' GPUs hold no sampler
-    comm = "\n".join(comm_report(CapacityPlan.of(cfg), shape, link_of(1, None, 4, 3600, 400), gpu))
+    comm = "\n".join(comm_report(capacity_plan(cfg), shape, link_of(1, None, 4, 3600, 400), gpu))
     assert f"{'to the sampler':<24}{n * 2 / 1e9:10.2f} GB" in comm

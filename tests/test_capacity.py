@@ -15,7 +15,7 @@ import torch
 from gspo.capacity import KNOWN_MODELS, Shape, estimate, shape_of
 from gspo.cli import main
 from gspo.config import Config
-from gspo.plans import CapacityPlan
+from gspo.resolve import capacity_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -72,19 +72,19 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(r):
         prompts_per_step=r["rows"] // 2, group_size=2, num_minibatches=r["minibatches"], micro_batch_size=r["micro"],
         max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], activation_checkpointing=r["ac"],
     ).validate()  # fmt: skip
-    est = estimate(CapacityPlan.of(cfg), shape, 1).update_peak
+    est = estimate(capacity_plan(cfg), shape, 1).update_peak
     assert abs(est / r["peak_1"] - 1) <= 0.15, (est / 2**30, r["peak_1"] / 2**30)
 
 
 def test_sharding_divides_the_states_and_checkpointing_shrinks_activations():
     shape = shape_of("Qwen/Qwen3-8B")
     base = dict(model="Qwen/Qwen3-8B", prompts_per_step=16, group_size=8, max_new_tokens=2048)
-    one = estimate(CapacityPlan.of(Config(**base).validate()), shape, 1)
-    eight = estimate(CapacityPlan.of(Config(**base, nproc=8, parallel="fsdp").validate()), shape, 8)
+    one = estimate(capacity_plan(Config(**base).validate()), shape, 1)
+    eight = estimate(capacity_plan(Config(**base, nproc=8, parallel="fsdp").validate()), shape, 8)
     assert eight.weights == pytest.approx(one.weights / 8) and eight.optimizer == pytest.approx(
         one.optimizer / 8
     )
-    ac = estimate(CapacityPlan.of(Config(**base, activation_checkpointing=True).validate()), shape, 1)
+    ac = estimate(capacity_plan(Config(**base, activation_checkpointing=True).validate()), shape, 1)
     assert ac.activations < one.activations / 4
 
 
@@ -128,17 +128,17 @@ def test_train_refuses_a_plan_that_does_not_fit_before_loading_weights():
 
     cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=8, group_size=8, max_new_tokens=4096).validate()
     with pytest.raises(GspoError, match="config field 'micro_batch_size': this run needs about"):
-        check_plan_fits(CapacityPlan.of(cfg), 1, 80e9)
-    check_plan_fits(CapacityPlan.of(cfg), 1, None)  # no GPU: nothing to check
+        check_plan_fits(capacity_plan(cfg), 1, 80e9)
+    check_plan_fits(capacity_plan(cfg), 1, None)  # no GPU: nothing to check
     check_plan_fits(
-        CapacityPlan.of(Config(model="someone/unknown").validate()), 1, 80e9
+        capacity_plan(Config(model="someone/unknown").validate()), 1, 80e9
     )  # shape unknown until loaded
     # no margin beyond the GPU (the 15% tolerance let a run start at 115% of it): this config's
     # peak does not depend on the GPU's size (HF engine), so the GPU can be set around it
-    need = estimate(CapacityPlan.of(cfg), shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
-    check_plan_fits(CapacityPlan.of(cfg), 1, need)
+    need = estimate(capacity_plan(cfg), shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
+    check_plan_fits(capacity_plan(cfg), 1, need)
     with pytest.raises(GspoError, match="this run needs about"):
-        check_plan_fits(CapacityPlan.of(cfg), 1, need * 0.999)
+        check_plan_fits(capacity_plan(cfg), 1, need * 0.999)
 
 
 def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
@@ -155,10 +155,7 @@ def test_two_rank_estimate_is_within_15_percent_of_the_measured_per_rank_peak():
             max_new_tokens=r["response"], max_prompt_tokens=r["prompt"], parallel="fsdp",
         ).validate()  # fmt: skip
         assert (
-            abs(
-                estimate(CapacityPlan.of(cfg), Shape.from_config(spec), r["world"]).update_peak / r["peak"]
-                - 1
-            )
+            abs(estimate(capacity_plan(cfg), Shape.from_config(spec), r["world"]).update_peak / r["peak"] - 1)
             <= 0.15
         ), r
     for shape, bound in (("cpu-moe-480m", 0.65), ("cpu-moe-490m-16l", 0.6)):
@@ -193,7 +190,7 @@ def test_gpu_memory_is_read_in_the_unit_given_and_printed_in_gib(capsys):
     assert "8 GPU(s) x 131.3 GiB (--gpu-memory-gb 141)" in capsys.readouterr().out
     _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")
     assert "8 GPU(s) x 139.8 GiB (--gpu-memory-gib 139.8)" in capsys.readouterr().out
-    e = estimate(CapacityPlan.of(_one_node()), shape_of("Qwen/Qwen3-30B-A3B"), 8, H200_GIB * 2**30)
+    e = estimate(capacity_plan(_one_node()), shape_of("Qwen/Qwen3-30B-A3B"), 8, H200_GIB * 2**30)
     assert e.sampler == pytest.approx(0.55 * H200_GIB * 2**30)
     rc = _plan_one_node("--gpus", "8", "--gpu-memory-gb", "141", "--gpu-memory-gib", "139.8")
     err = capsys.readouterr().err.strip().splitlines()
@@ -210,7 +207,7 @@ def test_start_up_is_a_phase_of_its_own():
     from gspo.limits import check_plan_fits
 
     cfg, shape, gpu = _one_node(), shape_of("Qwen/Qwen3-30B-A3B"), H200_GIB * 2**30
-    e = estimate(CapacityPlan.of(cfg), shape, 8, gpu)
+    e = estimate(capacity_plan(cfg), shape, 8, gpu)
     assert e.load == 2 * 128 * 1536 * 2048 * 4
     root = shape.vocab * shape.hidden * 2 * 2  # untied embedding and LM head, bf16
     check = root + 4 * shape.layer_params() * 2 + 24 * shape.vocab * 8
@@ -222,13 +219,13 @@ def test_start_up_is_a_phase_of_its_own():
     free = 1 - cfg.vllm_gpu_memory_utilization
     low = max((e.rollout_peak - e.sampler) / free, e.update_peak, e.sync_peak)
     between = (low + (e.startup_peak - e.sampler) / free) / 2
-    b = estimate(CapacityPlan.of(cfg), shape, 8, between)
+    b = estimate(capacity_plan(cfg), shape, 8, between)
     assert b.startup_peak > between >= max(b.update_peak, b.rollout_peak, b.sync_peak)
     with pytest.raises(GspoError, match=r"per GPU \(start-up\)"):
-        check_plan_fits(CapacityPlan.of(cfg), 8, between)
+        check_plan_fits(capacity_plan(cfg), 8, between)
     # one process: the weights are loaded whole (no broadcast), the HF engine samples from them
     one = estimate(
-        CapacityPlan.of(Config(model="Qwen/Qwen3-8B").validate()), shape_of("Qwen/Qwen3-8B"), 1, 80e9
+        capacity_plan(Config(model="Qwen/Qwen3-8B").validate()), shape_of("Qwen/Qwen3-8B"), 1, 80e9
     )
     assert one.load == 0 and one.startup_peak == pytest.approx(one.weights + one.optimizer)
 
@@ -238,8 +235,8 @@ def test_the_hf_engines_copy_is_counted_once_where_it_lives():
     trainer's (no gathered trainer weights then), and that copy stays on the GPU through the update."""
     shape = shape_of("Qwen/Qwen3-8B")
     base = dict(model="Qwen/Qwen3-8B", nproc=8, parallel="fsdp", prompts_per_step=8, group_size=8)
-    own = estimate(CapacityPlan.of(Config(**base).validate()), shape, 8, 141e9)
-    copied = estimate(CapacityPlan.of(Config(**base, rollout_dtype="bfloat16").validate()), shape, 8, 141e9)
+    own = estimate(capacity_plan(Config(**base).validate()), shape, 8, 141e9)
+    copied = estimate(capacity_plan(Config(**base, rollout_dtype="bfloat16").validate()), shape, 8, 141e9)
     copy, gathered = shape.params() * 2, shape.params() * 4  # bf16 copy; float32 gathered groups
     cfg = Config(**base).validate()
     kv_f32 = 8 * (cfg.max_prompt_tokens + cfg.max_new_tokens) * 2 * shape.layers * shape.kv_dim * 4  # 8 rows
@@ -262,17 +259,17 @@ def test_no_margin_beyond_the_gpu(capsys, ratio):
     from gspo.limits import check_plan_fits
 
     cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=8, group_size=8, max_new_tokens=4096).validate()
-    need = estimate(CapacityPlan.of(cfg), shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
+    need = estimate(capacity_plan(cfg), shape_of("Qwen/Qwen3-8B"), 1, 1e12).peak
     gpu = need / ratio
     rc = main(_plan_8b_hf(gpu / 2**30))
     captured = capsys.readouterr()
     if ratio > 1:
         with pytest.raises(GspoError, match="this run needs about"):
-            check_plan_fits(CapacityPlan.of(cfg), 1, gpu)
+            check_plan_fits(capacity_plan(cfg), 1, gpu)
         err = captured.err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and "does not fit in" in err[0] and "does NOT fit" in captured.out
     else:
-        check_plan_fits(CapacityPlan.of(cfg), 1, gpu)
+        check_plan_fits(capacity_plan(cfg), 1, gpu)
         assert rc == 0 and ": fits" in captured.out
 
 
@@ -282,7 +279,7 @@ def test_fresh_and_resumed_start_ups_are_two_lines_and_the_kv_cache_is_weighed(c
     vLLM's KV cache (its share less its weights) in tokens beside what a step asks, with one warning
     line when the batch asks more (preemption: slower, not a refusal)."""
     cfg, shape = _one_node(), shape_of("Qwen/Qwen3-30B-A3B")
-    e = estimate(CapacityPlan.of(cfg), shape, 8, H200_GIB * 2**30)
+    e = estimate(capacity_plan(cfg), shape, 8, H200_GIB * 2**30)
     assert e.fresh_startup_peak == pytest.approx(e.weights + e.start_engine)
     assert e.startup_peak == pytest.approx(e.fresh_startup_peak + e.optimizer)
     rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8")
@@ -292,7 +289,8 @@ def test_fresh_and_resumed_start_ups_are_two_lines_and_the_kv_cache_is_weighed(c
         r"start-up peak, resume +125\.4 GiB", out
     )
     per_token = 2 * 48 * 4 * 128 * 2  # keys and values, 48 layers, 4 KV heads of 128, bf16: 96 KiB
-    kv = 0.55 * H200_GIB * 2**30 - shape.params() * 2
+    # the share less the weights, the CUDA context and vLLM's memory outside the cache (2 GiB)
+    kv = 0.55 * H200_GIB * 2**30 - shape.params() * 2 - 2 * 2**30
     assert f"{kv / per_token / 1e3:,.0f}k tokens at 96 KiB per token" in out
     assert "a step asks up to 655k (128 rows x 1024+4096 tokens)" in out
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
@@ -301,3 +299,27 @@ def test_fresh_and_resumed_start_ups_are_two_lines_and_the_kv_cache_is_weighed(c
     rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8", "--max-new-tokens", "512")
     out = capsys.readouterr().out
     assert rc == 0 and "KV cache per rank" in out and "warning:" not in out
+
+
+def test_the_kv_cache_leaves_room_for_the_cuda_context_and_vllms_own_memory(capsys):
+    """vLLM sizes its KV cache as its share less everything else it holds (its weights, memory outside
+    PyTorch, its profile run's activations, CUDA graphs) and the process's CUDA context lies outside
+    every allocator: the plan takes CUDA_CONTEXT_GIB + VLLM_NON_KV_GIB (2 GiB) off the cache, says so,
+    and a share that holds the weights but not that is refused."""
+    from gspo import capacity as cap
+    from gspo.resolve import capacity_plan
+
+    assert cap.CUDA_CONTEXT_GIB + cap.VLLM_NON_KV_GIB == 2.0
+    cfg, shape = _one_node(), shape_of("Qwen/Qwen3-30B-A3B")
+    plan = capacity_plan(cfg)
+    line = cap.kv_lines(plan, shape, 8, 10 * 2**30)[0]
+    per_token = cap.kv_bytes_per_token(plan, shape)
+    assert "at most 8.0 GiB (its share less its weights and 2 GiB of CUDA context" in line
+    assert f"{8 * 2**30 / per_token / 1e3:,.0f}k tokens" in line
+    assert "at most 0.0 GiB" in cap.kv_lines(plan, shape, 8, 1.5 * 2**30)[0]  # none left: 0 tokens
+    # a share 1 GiB above vLLM's weights (bf16, over its tensor-parallel ranks): no room for a cache
+    need_gib = shape.params() * 2 / plan.vllm_tensor_parallel_size / 2**30
+    util = f"{(need_gib + 1.0) / H200_GIB:.4f}"
+    rc = _plan_one_node("--gpus", "8", "--gpu-memory-gib", "139.8", "--vllm-gpu-memory-utilization", util)
+    out = capsys.readouterr().out
+    assert rc != 0 and "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights" in out

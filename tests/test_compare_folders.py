@@ -8,11 +8,15 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+import torch
 from cli_helpers import gspo
+from safetensors.torch import save_file
 from test_study_report import TINY, _runs
 
 from gspo.cli import main
 from gspo.config import Config, make_config, save_yaml
+from gspo.errors import GspoError
 from gspo.study import write_report
 from gspo.study.folders import claim_folder
 from gspo.study.runner import plan_run
@@ -82,14 +86,22 @@ def test_a_run_whose_final_folder_lacks_its_weights_is_not_reused(tmp_path):
     assert plan_run(cfg) is not None and plan_run(cfg).overwrite
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (final / "model.safetensors.index.json").write_text(json.dumps(index))
-    (final / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    save_file({"a": torch.ones(3)}, final / "model-00001-of-00002.safetensors")
     assert not final_complete(run) and plan_run(cfg) is not None  # a shard missing
-    (final / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    save_file({"b": torch.ones(3)}, final / "model-00002-of-00002.safetensors")
     assert final_complete(run) and plan_run(cfg) is None
     for f in final.glob("model*"):
         f.unlink()
-    (final / "model.safetensors").write_bytes(b"x")
+    save_file({"a": torch.ones(3)}, final / "model.safetensors")
     assert final_complete(run) and plan_run(cfg) is None
+    # cut short (a copy or a disk that lost its tail): refused in one line, or with overwrite redone
+    whole = (final / "model.safetensors").read_bytes()
+    (final / "model.safetensors").write_bytes(whole[:-4])
+    with pytest.raises(
+        GspoError, match=r"is a finished run whose final model is damaged \(model.safetensors: "
+    ):
+        plan_run(cfg)
+    assert plan_run(cfg, overwrite=True).overwrite
 
 
 def test_empty_preset_and_a_locked_run_folder_are_one_line(tmp_path, capsys):
@@ -114,3 +126,36 @@ def test_empty_preset_and_a_locked_run_folder_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "in use by another gspo process" in err, err
     assert "pass another --out" in err and "--name" not in err
+
+
+def test_a_dangling_report_symlink_is_refused_not_written_through(tmp_path, capsys):
+    """Issue 57 gap 9: ``--out`` holding a ``report.md`` symlink to a file that does not exist (yet):
+    refused in one line before any run like any report file compare did not write; nothing is created
+    where the link points, outside ``--out``."""
+    out, outside = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    outside.mkdir()
+    (out / "report.md").symlink_to(outside / "report.md")
+    with pytest.raises(GspoError, match="holds report.md"):
+        claim_folder(out, "compare")
+    rc = main(["compare", *FAST, "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "report.md" in err and "did not write" in err, err
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == ["report.md"]
+
+
+def test_a_users_summary_with_one_of_compares_keys_is_not_taken_for_compares(tmp_path, capsys):
+    """Issue 57 gap 9: a folder from before the marker is recognised by a summary.json holding every
+    key of compare's; a user's summary.json with only one of them (``per_seed``) is the user's: their
+    report.md is refused, byte for byte kept, no marker written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"per_seed": [1, 2], "mine": True}))
+    (out / "report.md").write_text("my report\n")
+    before = _md5s(out)
+    with pytest.raises(GspoError, match="holds report.md, summary.json"):
+        claim_folder(out, "compare")
+    rc = main(["compare", *FAST, "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "report.md" in err and "did not write" in err, err
+    assert _md5s(out) == before and not (out / ".gspo-compare").exists()

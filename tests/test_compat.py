@@ -232,6 +232,7 @@ FOREIGN_PRIVATE = {
     '"_processes"': "process_pool",  # quoted or as an attribute (num_processes is no match)
     "._processes": "process_pool",
     "_thread._count": "cpython_threads",
+    "mkl_serv_cbwr_get": "mkl_cbwr",  # a C symbol of torch's MKL (tests/test_repro.py reads it)
 }
 # the sandbox's harness runs where gspo cannot be imported: it names the counter itself, and
 # compat/cpython_threads.py declares and guards it (programs.compile_tests checks applies())

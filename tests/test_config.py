@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from gspo.cli import build_parser, main
-from gspo.config import GROUPS, Config, coerce, field_docs, load_yaml, make_config, save_yaml
+from gspo.config import GROUPS, Config, coerce, field_docs, field_type, load_yaml, make_config, save_yaml
 from gspo.config.algorithm import loss_params
 from gspo.errors import GspoError
 
@@ -35,8 +35,7 @@ def test_groups_compose_one_flat_config():
 
 def _other_value(f: dataclasses.Field):
     """A value of the field's type other than its default (not necessarily a valid config)."""
-    float_or_none = ("eps_low", "eps_high", "mismatch_high", "opsm_threshold")
-    if f.name in float_or_none or f.name.startswith("vespo_"):  # float | None
+    if field_type(f.name) is float and f.default is None:  # float | None
         return 0.25
     if isinstance(f.default, bool):
         return not f.default
@@ -66,7 +65,21 @@ def test_paper_defaults():
     assert cfg.num_minibatches == 4
     assert loss_params(Config(algo="grpo")) == {"eps_low": 0.2, "eps_high": 0.27}
     assert loss_params(Config(algo="grpo", eps_low=0.1)) == {"eps_low": 0.1, "eps_high": 0.27}
-    assert loss_params(Config(algo="sapo", eps_high=0.5)) == {"tau_neg": 1.05, "tau_pos": 0.5}
+    assert loss_params(Config(algo="sapo", sapo_tau_pos=0.5)) == {"tau_neg": 1.05, "tau_pos": 0.5}
+
+
+def test_sapo_temperatures_are_fields_of_their_own():
+    """SAPO's soft gate has temperatures, not a clip range: ``sapo_tau_neg`` / ``sapo_tau_pos`` set
+    them (``eps_low`` / ``eps_high`` did, one word for two things), the clip range is refused."""
+    assert loss_params(Config(algo="sapo_token", sapo_tau_neg=1.2).validate())["tau_neg"] == 1.2
+    with pytest.raises(GspoError, match="^config field 'eps_low': sapo has no clip range .*sapo_tau_neg"):
+        Config(algo="sapo", eps_low=0.5).validate()
+    with pytest.raises(
+        GspoError, match="^config field 'sapo_tau_pos': applies to algo sapo / sapo_token only"
+    ):
+        Config(sapo_tau_pos=0.5).validate()
+    with pytest.raises(GspoError, match="^config field 'sapo_tau_neg': "):
+        Config(algo="sapo", sapo_tau_neg=0.0).validate()
 
 
 def test_yaml_then_cli_override(tmp_path):

@@ -8,15 +8,8 @@ import pytest
 import torch
 from loss_helpers import call, tensor_loss
 
-from gspo.correction import (
-    CORRECTIONS,
-    icepop_weights,
-    mismatch_metrics,
-    sequence_mask,
-    sequence_tis_weights,
-    token_mask,
-    token_tis_weights,
-)
+from gspo.correction import CORRECTIONS, mismatch_metrics, sequence_mask, sequence_tis_weights, token_mask
+from gspo.loss_prologue import loss_inputs
 from gspo.losses import LOSSES
 
 F64 = torch.float64
@@ -35,6 +28,29 @@ SAMPLER = torch.tensor(
     dtype=F64,
 )
 OLD = torch.where(MASK.bool(), SAMPLER + torch.nan_to_num(D), D)  # garbage at padding in old too
+
+
+def _d_BT(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """old_logp - sampler_logp per response token, detached, 0 on padding (the losses' prologue)."""
+    return loss_inputs(old_logp.detach(), sampler_logp.detach(), mask.detach()).log_r_BT
+
+
+def icepop_weights(old_logp, sampler_logp, mask, lo: float = 0.5, hi: float = 5.0) -> torch.Tensor:
+    """IcePop's M(k) = k if lo <= k <= hi else 0, per token, 0 on padding, detached: the masked-and-
+    reweighted form of the Ring-1T objective, ``grpo_loss(..., weight=M)`` (no config setting uses
+    it: ``mismatch_correction token_mask`` is its mask alone; kept here to pin the loss's weight)."""
+    d_BT = _d_BT(old_logp, sampler_logp, mask)
+    keep_BT = token_mask(old_logp, sampler_logp, mask, lo, hi).bool()
+    return torch.where(keep_BT, torch.exp(d_BT), torch.zeros_like(d_BT))
+
+
+def token_tis_weights(old_logp, sampler_logp, mask, cap: float = 2.0) -> torch.Tensor:
+    """Token-level truncated importance sampling, min(k_it, cap), 0 on padding, detached (cap = 2:
+    Yao et al., 2025); for the token-aggregating losses' ``weight`` (no config setting uses it)."""
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}")
+    d_BT = _d_BT(old_logp, sampler_logp, mask)
+    return torch.where(mask.detach().bool(), torch.exp(d_BT).clamp(max=cap), torch.zeros_like(d_BT))
 
 
 def _sampler_with_garbage():
@@ -316,6 +332,8 @@ def test_tis_weight_multiplies_the_gradient_of_its_sequence_exactly(name):
     g = torch.autograd.grad(loss, logp)[0]
     for i in range(4):
         assert torch.allclose(g[i], w[i] * g0[i], atol=ATOL, rtol=0)
+    if name in ("clip_cov", "kl_cov"):  # a row alone is another call, with its own token selection
+        return
     rows = [
         fn(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], normalizer=n)[0]
         for i in range(4)

@@ -52,6 +52,23 @@ def test_group_filter_keeps_informative_groups_and_fills_with_dropped():
     }
 
 
+def test_group_filter_with_more_informative_groups_than_wanted_fills_none():
+    """Issue 57 gap 11: a round can bring more informative groups than the batch takes; the batch is
+    the first ``want`` of them and no group is filled (0, not a negative count)."""
+    from gspo.rollout.sampler import GroupFilter
+
+    f = GroupFilter(want=2, G=2, max_rounds=2)
+    f.add(torch.tensor([1.0, 0.0, 0.0, 0.0]), ["a", "b"])  # "a" informative
+    f.add(torch.tensor([0.0, 1.0, 2.0, 1.0, 3.0, 3.0]), ["c", "d", "e"])  # "c", "d" informative
+    assert not f.short and f.done(lambda short: short)
+    assert f.chosen() == ["a", "c"]
+    assert f.metrics() == {
+        "rollout/filtered_groups": 2.0,
+        "rollout/filled_groups": 0.0,
+        "rollout/sampling_rounds": 2.0,
+    }
+
+
 TINY = dict(
     steps=3, sft_steps=40, eval_size=8, prompts_per_step=4, group_size=4, max_new_tokens=10, eval_every=0,
     threads=1, progress=False,
@@ -82,15 +99,50 @@ def test_dynamic_sampling_drops_uninformative_groups_and_resumes_exactly(tmp_pat
         torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
 
 
+def test_sync_dynamic_sampling_rounds_draw_the_next_prompts(tiny_moe):
+    """Issue 57 gap 5: the synchronous sampler's extra rounds draw the prompts after the ones already
+    drawn, and the step's data position moves past all of them. The untrained model solves no
+    ``reverse`` prompt, so every group is uninformative and all 1 + 2 rounds are drawn: 3 x 2 prompts
+    from position 5, each round's own (the ones ``prompt_order`` puts there)."""
+    from gspo.launch import _score
+    from gspo.resolve import prompt_plan, sample_plan, score_plan
+    from gspo.rollout.hf import HFRolloutEngine
+    from gspo.rollout.sampler import SyncSampler
+    from gspo.tasks import build_task
+    from gspo.tasks.prompts import encode_prompts, prompt_order
+
+    model, tok = tiny_moe
+    cfg = Config(
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=4,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=2,
+    ).validate()
+    task = build_task("reverse", "exact_match", 0, 8)
+    train_ids = encode_prompts(tok, task.train, prompt_plan(cfg))
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    seen: list[list[int]] = []
+    generate = eng.generate
+    eng.generate = lambda ids, *a, **k: seen.append(ids[::2]) or generate(ids, *a, **k)  # G = 2
+    sampler = SyncSampler(eng, tok, task, sample_plan(cfg), _score(score_plan(cfg)), train_ids)
+    b = sampler.next_batch(step=3, data_pos=5)
+    assert b.metrics["rollout/sampling_rounds"] == 3 and b.metrics["rollout/filtered_groups"] == 6
+    assert b.data_end == 5 + 3 * 2
+    order = prompt_order(len(train_ids), 5, 6, cfg.seed)
+    assert seen == [[train_ids[i] for i in order[r * 2 : r * 2 + 2]] for r in range(3)]
+
+
 def test_overlong_penalty_and_filter_through_collect_rollout(tiny_moe):
     """The soft penalty enters the rewards (so cut-off responses get advantages of their own), and the
     filter then gives every cut-off response (no EOS) advantage 0 while the others keep theirs."""
+    from step_helpers import collect_rollout
+
     from gspo.resolve import prompt_plan, sample_plan, score_plan
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
     from gspo.tasks.prompts import encode_prompts
-    from gspo.training.scoring import collect_rollout
 
     model, tok = tiny_moe
     task = build_task("reverse", "exact_match", 0, 8)

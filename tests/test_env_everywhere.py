@@ -15,6 +15,7 @@ import pytest
 import torch
 from cli_helpers import gspo_at_once, rank_env, wait_proc
 from fixture_observe_env import Observer
+from step_helpers import plan_update
 
 from gspo.config import Config
 from gspo.data import TrainBatch
@@ -22,7 +23,7 @@ from gspo.envs.base import Limits, Step
 from gspo.envs.episodes import run_episodes
 from gspo.envs.load import EnvSpec
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
-from gspo.resolve import plan_update, score_plan
+from gspo.resolve import score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
 from gspo.training import update as U

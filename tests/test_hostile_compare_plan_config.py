@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from gspo.capacity import KNOWN_MODELS, Shape, estimate, largest_micro_batch, shape_of
 from gspo.cli import main
 from gspo.config import Config, load_yaml, make_config, save_yaml
 from gspo.config.parse import read_yaml
 from gspo.errors import GspoError
-from gspo.plans import CapacityPlan
+from gspo.resolve import capacity_plan
 from gspo.study.presets import load_preset
 from gspo.study.runner import plan_run, run_compare
 
@@ -103,11 +104,14 @@ def test_plan_run_decides_without_deleting(tmp_path):
     assert plan_run(changed, overwrite=True).overwrite
     (run / "final").mkdir()
     (run / "final" / "config.json").write_text("{}")
-    (run / "final" / "model.safetensors").write_bytes(b"w")  # finished: final/ holds its weights
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, run / "final" / "model.safetensors")  # finished: final/ holds its weights
+    weights = (run / "final" / "model.safetensors").read_bytes()
     assert plan_run(cfg) is None  # finished with the same settings: reused
     with pytest.raises(GspoError, match="is a finished run made with other settings"):
         plan_run(changed)
-    assert _snapshot(run) == {**before, "final/config.json": b"{}", "final/model.safetensors": b"w"}
+    assert _snapshot(run) == {**before, "final/config.json": b"{}", "final/model.safetensors": weights}
 
 
 def test_interrupted_compare_run_is_resumed_or_refused_never_wiped(tmp_path, capsys):
@@ -118,7 +122,7 @@ def test_interrupted_compare_run_is_resumed_or_refused_never_wiped(tmp_path, cap
 
     out = tmp_path / "out"
     tiny = dict(steps=2, save_every=1, eval_size=4, prompts_per_step=2, group_size=2, max_new_tokens=4)
-    tiny |= dict(eval_every=0, threads=1, progress=False)
+    tiny |= dict(eval_every=0, threads=1, progress=False, reproducible=False)  # in this process: not pinned
     cfg = _run_cfg(out, **tiny)
     train(cfg)
     run = cfg.run_dir
@@ -229,7 +233,7 @@ def _linear_search(cfg: Config, shape: Shape, world: int, gpu: float) -> int:
     per = max(1, cfg.prompts_per_step * cfg.group_size // world // cfg.num_minibatches)
     for m in range(1, per + 1):
         if (
-            estimate(CapacityPlan.of(dataclasses.replace(cfg, micro_batch_size=m)), shape, world, gpu).peak
+            estimate(capacity_plan(dataclasses.replace(cfg, micro_batch_size=m)), shape, world, gpu).peak
             <= gpu
         ):
             best = m
@@ -246,13 +250,13 @@ def test_largest_micro_batch_equals_the_exhaustive_search(model, minibatches):
     shape = Shape.from_config(BASE) if model == "tiny" else shape_of(model)
     cfg = Config(prompts_per_step=8, group_size=8, num_minibatches=minibatches, max_new_tokens=512).validate()
     peaks = {
-        estimate(CapacityPlan.of(dataclasses.replace(cfg, micro_batch_size=m)), shape, 1).peak
+        estimate(capacity_plan(dataclasses.replace(cfg, micro_batch_size=m)), shape, 1).peak
         for m in range(1, 65)
     }
     for gpu in sorted(peaks | {p * (1 - 1e-9) for p in peaks}):
-        assert largest_micro_batch(CapacityPlan.of(cfg), shape, 1, gpu) == _linear_search(
-            cfg, shape, 1, gpu
-        ), gpu
+        assert largest_micro_batch(capacity_plan(cfg), shape, 1, gpu) == _linear_search(cfg, shape, 1, gpu), (
+            gpu
+        )
 
 
 def test_plan_answers_at_once_for_a_million_sequences(capsys):
@@ -261,7 +265,7 @@ def test_plan_answers_at_once_for_a_million_sequences(capsys):
     cfg = Config(model="Qwen/Qwen3-8B", prompts_per_step=1000, group_size=1000).validate()
     shape = shape_of("Qwen/Qwen3-8B")
     t0 = time.process_time()
-    best = largest_micro_batch(CapacityPlan.of(cfg), shape, 1, 141e9)
+    best = largest_micro_batch(capacity_plan(cfg), shape, 1, 141e9)
     assert time.process_time() - t0 < 2.0
     assert 0 < best <= 10**6
     t0 = time.process_time()
@@ -284,19 +288,19 @@ def test_multi_turn_runs_are_planned_by_their_trajectory_length(capsys):
 
     shape = shape_of("Qwen/Qwen3-1.7B")
     base = dict(model="Qwen/Qwen3-1.7B", prompts_per_step=8, group_size=8, max_new_tokens=256)
-    single = estimate(CapacityPlan.of(Config(**base, max_trajectory_tokens=8192).validate()), shape, 1)
+    single = estimate(capacity_plan(Config(**base, max_trajectory_tokens=8192).validate()), shape, 1)
     short = estimate(
-        CapacityPlan.of(Config(**base, env="tools", max_trajectory_tokens=256).validate()), shape, 1
+        capacity_plan(Config(**base, env="tools", max_trajectory_tokens=256).validate()), shape, 1
     )
     long = estimate(
-        CapacityPlan.of(Config(**base, env="tools", max_trajectory_tokens=8192).validate()), shape, 1
+        capacity_plan(Config(**base, env="tools", max_trajectory_tokens=8192).validate()), shape, 1
     )
     assert short.activations == pytest.approx(single.activations)  # one turn's budget = the trajectory's
     assert long.activations > 8 * short.activations and long.sampler > 8 * short.sampler
     fits = Config(**base, max_trajectory_tokens=8192).validate()
-    check_plan_fits(CapacityPlan.of(fits), 1, 141e9)  # single-turn: the trajectory budget does not apply
+    check_plan_fits(capacity_plan(fits), 1, 141e9)  # single-turn: the trajectory budget does not apply
     with pytest.raises(GspoError, match="config field 'micro_batch_size': this run needs about"):
-        check_plan_fits(CapacityPlan.of(dataclasses.replace(fits, env="tools")), 1, 141e9)
+        check_plan_fits(capacity_plan(dataclasses.replace(fits, env="tools")), 1, 141e9)
     main(_plan_8b("--env", "tools", "--max-trajectory-tokens", "4096"))
     assert "up to 256+4096 tokens" in capsys.readouterr().out
 

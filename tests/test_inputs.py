@@ -16,7 +16,7 @@ from cli_helpers import one_line
 
 from gspo.cli import main
 from gspo.errors import GspoError
-from gspo.plans import CapacityPlan
+from gspo.resolve import capacity_plan
 
 FAST = [
     "--sft-steps", "0", "--steps", "1", "--eval-size", "2", "--prompts-per-step", "2", "--group-size", "2",
@@ -133,9 +133,9 @@ def test_lora_rank_past_the_hidden_size(tmp_path, capsys):
     from gspo.model.load import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("embedded:tiny-moe")
-    check_resources(CapacityPlan.of(Config(lora_rank=64)), model)
+    check_resources(capacity_plan(Config(lora_rank=64)), model)
     with pytest.raises(GspoError, match="config field 'lora_rank': must be <= the model's hidden size 64"):
-        check_resources(CapacityPlan.of(Config(lora_rank=65)), model)
+        check_resources(capacity_plan(Config(lora_rank=65)), model)
 
 
 def test_model_aware_check_counts_the_async_weight_copies_and_their_files(monkeypatch):
@@ -144,23 +144,23 @@ def test_model_aware_check_counts_the_async_weight_copies_and_their_files(monkey
     from gspo.model.load import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer("embedded:tiny-moe")
-    check_resources(CapacityPlan.of(Config(async_staleness=4)), model)  # fits
+    check_resources(capacity_plan(Config(async_staleness=4)), model)  # fits
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
     with pytest.raises(
         GspoError, match=r"config field 'async_staleness': needs about \d+ open files.*ulimit -n"
     ):
-        check_resources(CapacityPlan.of(Config(async_staleness=64)), model)
+        check_resources(capacity_plan(Config(async_staleness=64)), model)
     # over a process group (--rollout-devices) no shared-memory descriptor is opened
-    check_resources(CapacityPlan.of(Config(async_staleness=64, rollout_devices="cpu")), model)
+    check_resources(capacity_plan(Config(async_staleness=64, rollout_devices="cpu")), model)
     monkeypatch.setattr("gspo.memory.available_memory", lambda: 4 << 20)  # 9 copies of 0.9 MB do not fit
     small = dict(
         prompts_per_step=2, group_size=2, num_minibatches=1, eval_size=2, max_prompt_tokens=16, sft_steps=0
     )
-    check_resources(CapacityPlan.of(Config(**small, async_staleness=1)), model)
+    check_resources(capacity_plan(Config(**small, async_staleness=1)), model)
     with pytest.raises(GspoError, match="config field 'async_staleness': needs about 7.8 MiB of memory"):
-        check_resources(CapacityPlan.of(Config(**small, async_staleness=8)), model)
+        check_resources(capacity_plan(Config(**small, async_staleness=8)), model)
     with pytest.raises(GspoError, match="needs about 7.8 MiB"):  # a CPU sampler holds them here too
-        check_resources(CapacityPlan.of(Config(**small, async_staleness=8, rollout_devices="cpu")), model)
+        check_resources(capacity_plan(Config(**small, async_staleness=8, rollout_devices="cpu")), model)
 
 
 @pytest.mark.parametrize("value", ["1" + "0" * 50, "1.0e+50"])

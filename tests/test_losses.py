@@ -4,8 +4,9 @@ Here: the fixtures and :data:`VARIANTS` (every registered loss, each aggregation
 GSPO, GSPO-token and GRPO against independent plain-Python references, and the properties every loss
 shares (invariances, normalizer, empty rows, numerics, metric keys, gradcheck, registry), parametrized
 over all of them. SAPO, CISPO, GMPO closed forms and the ``weight`` argument:
-tests/test_losses_sapo_cispo_gmpo.py; LUSPO and VESPO: tests/test_losses_luspo_vespo.py. The losses
-are called on plain tensors through :func:`loss_helpers.call`.
+tests/test_losses_sapo_cispo_gmpo.py; LUSPO and VESPO: tests/test_losses_luspo_vespo.py; DPPO, Clip-Cov
+and KL-Cov: tests/test_losses_trust.py. The losses are called on plain tensors through
+:func:`loss_helpers.call`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from gspo.losses import (
     LOSSES,
     MAX_LOG_RATIO,
     cispo_loss,
+    clip_cov_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
     gmpo_loss,
     grpo_loss,
     grpo_seq_mask_loss,
     gspo_loss,
     gspo_token_loss,
+    kl_cov_loss,
     luspo_loss,
     sapo_loss,
     sapo_token_loss,
@@ -173,6 +178,15 @@ VARIANTS = {
     "luspo": tensor_loss("luspo"),
     "vespo": tensor_loss("vespo"),  # token_mean by default
     "vespo_smtm": tensor_loss("vespo", aggregation="seq_mean_token_mean"),
+    # tests/test_losses_trust.py; all four token_mean by default
+    "dppo_tv": tensor_loss("dppo_tv"),
+    "dppo_tv_smtm": tensor_loss("dppo_tv", aggregation="seq_mean_token_mean"),
+    "dppo_kl": tensor_loss("dppo_kl"),
+    "dppo_kl_smtm": tensor_loss("dppo_kl", aggregation="seq_mean_token_mean"),
+    "clip_cov": tensor_loss("clip_cov"),
+    "clip_cov_smtm": tensor_loss("clip_cov", aggregation="seq_mean_token_mean"),
+    "kl_cov": tensor_loss("kl_cov"),
+    "kl_cov_smtm": tensor_loss("kl_cov", aggregation="seq_mean_token_mean"),
 }
 TOKEN_NORMALIZED = {
     "grpo_tm",
@@ -180,7 +194,15 @@ TOKEN_NORMALIZED = {
     "sapo_token_tm",
     "cispo",
     "vespo",
+    "dppo_tv",
+    "dppo_kl",
+    "clip_cov",
+    "kl_cov",
 }  # the normalizer counts tokens
+# the losses whose selection is of the tokens of one call (a micro-batch on one rank, as verl's):
+# a call's loss is not the sum of its rows' (or halves') losses, so the properties that split a
+# batch hold for them only with the selection fixed (tests/test_losses_trust.py::test_selection_is_per_call)
+PER_CALL = {"clip_cov", "clip_cov_smtm", "kl_cov", "kl_cov_smtm"}
 SEQUENCE_LEVEL = {"gspo", "sapo", "gmpo", "luspo"}  # advantages and weight are [B]
 SEQUENCE_ADVANTAGES = SEQUENCE_LEVEL | {
     "vespo",
@@ -198,6 +220,11 @@ TOKEN_RATIO = {
     "cispo",
     "cispo_smtm",
     "gmpo",
+    "dppo_tv",
+    "dppo_tv_smtm",
+    "dppo_kl",
+    "dppo_kl_smtm",
+    *PER_CALL,
 }
 
 
@@ -296,6 +323,22 @@ def test_grpo_seq_mask_without_a_range_is_grpo_without_a_clip():
         b, _ = call("grpo", logp, old, adv, mask, 1.0, 1e9, aggregation=agg)
         assert abs(a.item() - b.item()) < ATOL
         torch.testing.assert_close(_grad(a, logp), _grad(b, logp), atol=1e-12, rtol=0)
+
+
+def test_grpo_seq_mask_takes_each_bound_on_its_own_side():
+    """Issue 57 gap 4: with eps_low 0.1 and eps_high 0.3, a sequence ratio of 0.8 (between 1 - 0.3
+    and 1 - 0.1) with A < 0 is dropped, and 1.2 (between 1 + 0.1 and 1 + 0.3) with A > 0 is kept;
+    with the bounds swapped it would be the other way round. Rows 2 and 3 sit on the side their
+    advantage does not push to (kept), row 4 inside the range."""
+    ratios = [math.log(0.8), math.log(1.2), math.log(0.8), math.log(1.2), 0.0]
+    logp, old, adv, mask = _batch(ratios, [-1.0, 1.0, 1.0, -1.0, 0.5], spread=0.2)
+    for agg in ("seq_mean_token_mean", "token_mean"):
+        loss, m = call("grpo_seq_mask", logp, old, adv, mask, 0.1, 0.3, aggregation=agg)
+        ref = ref_grpo_seq_mask(logp, old, adv, mask, el=0.1, eh=0.3, aggregation=agg)
+        assert abs(loss.item() - ref) < ATOL
+        g = _grad(loss, logp)
+        assert (g[0] == 0).all() and (g[1:] != 0).any(-1).all(), g
+        assert abs(m["clip_frac_seq"].item() - 1 / 5) < ATOL
 
 
 def test_grpo_token_mean_divides_by_total_tokens():
@@ -663,9 +706,10 @@ def test_padding_invariance_with_garbage(name, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", sorted(set(VARIANTS) - PER_CALL))
 def test_normalizer_gradient_accumulation_equivalence(name, kind):
-    """Two half-batches with the global normalizer sum to the full-batch loss and gradient."""
+    """Two half-batches with the global normalizer sum to the full-batch loss and gradient (not for
+    the per-call selections, :data:`PER_CALL`)."""
     fn = VARIANTS[name]
     logp, old, adv, mask = _case(kind, seed=19)
     full, _ = fn(logp, old, adv, mask)
@@ -738,8 +782,10 @@ def test_float32_log_ratio_overflow_stays_finite(name):
     g = _grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
     assert all(torch.isfinite(v) for v in m.values())
-    if not name.startswith(("cispo", "vespo")):  # REINFORCE forms: every token keeps its gradient
-        assert torch.all(g[0, :2] == 0)
+    if not name.startswith(("cispo", "vespo", "dppo")):  # REINFORCE forms: every token keeps its gradient
+        assert torch.all(g[0, :2] == 0)  # (DPPO: token 1's probability fell to 0 with A > 0, kept)
+    if name in PER_CALL:  # the other row alone is another call, with its own selection
+        return
     n = 8 if name in TOKEN_NORMALIZED else 2
     x1 = logp.detach()[1:].clone().requires_grad_(True)
     l1, _ = fn(x1, old[1:], adv[1:], mask[1:], normalizer=n)
@@ -794,6 +840,7 @@ RATIO_KEYS = {"ratio_mean", "ratio_min", "ratio_max", "approx_kl"}
 SEQ_RATIO_KEYS = {"seq_ratio_mean", "seq_ratio_min", "seq_ratio_max"}
 GATE_KEYS = {"gate_seq_mean", "gate_tok_mean", "gate_min"}
 UNUSED_TOKEN_RATIO_KEYS = {"tok_ratio_min", "tok_ratio_max"}
+COV_KEYS = {"cov_frac_tok", "cov_threshold"}
 EXPECTED_KEYS = {
     "gspo": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
     "gspo_token": CLIP_KEYS | RATIO_KEYS | UNUSED_TOKEN_RATIO_KEYS,
@@ -806,6 +853,12 @@ EXPECTED_KEYS = {
         for n in ("grpo", "grpo_tm", "grpo_seq_mask", "grpo_seq_mask_tm", "cispo", "cispo_smtm", "gmpo")
     },
     **{n: GATE_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS for n in ("sapo_token", "sapo_token_tm")},
+    **{
+        n: CLIP_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS
+        for n in ("dppo_tv", "dppo_tv_smtm", "dppo_kl", "dppo_kl_smtm")
+    },
+    **{n: CLIP_KEYS | RATIO_KEYS | SEQ_RATIO_KEYS | COV_KEYS for n in ("clip_cov", "clip_cov_smtm")},
+    **{n: RATIO_KEYS | SEQ_RATIO_KEYS | COV_KEYS for n in ("kl_cov", "kl_cov_smtm")},
 }
 
 
@@ -885,8 +938,20 @@ def _gradcheck_case(name):
     return logp, lambda x: VARIANTS[name](x, old, adv, mask)[0]
 
 
-# CISPO's and VESPO's stop-gradient surrogates are by design not the derivative of their value
-@pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"cispo", "cispo_smtm", "vespo", "vespo_smtm"}))
+# CISPO's, VESPO's and DPPO's stop-gradient surrogates are by design not the derivative of their value
+SURROGATES = {
+    "cispo",
+    "cispo_smtm",
+    "vespo",
+    "vespo_smtm",
+    "dppo_tv",
+    "dppo_tv_smtm",
+    "dppo_kl",
+    "dppo_kl_smtm",
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(VARIANTS) - SURROGATES))
 def test_gradcheck(name):
     """torch.autograd.gradcheck passes in float64 away from clip boundaries."""
     logp, f = _gradcheck_case(name)
@@ -903,7 +968,7 @@ def test_losses_registry_entries_and_default_eps():
     VESPO: its kernel, no clip range), its default aggregation and the kind of its own ratio."""
     assert list(LOSSES) == [
         "gspo", "gspo_token", "grpo", "grpo_seq_mask", "sapo", "sapo_token", "cispo", "gmpo", "luspo",
-        "vespo",
+        "vespo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov",
     ]  # fmt: skip
     want = {
         "gspo": (gspo_loss, {"eps_low": 3e-4, "eps_high": 4e-4}, None, False),
@@ -926,6 +991,25 @@ def test_losses_registry_entries_and_default_eps():
             "token_mean",
             False,
         ),
+        "dppo_tv": (
+            dppo_tv_loss,
+            {"delta_low": 0.15, "delta_high": 0.15, "max_weight": 20.0},
+            "token_mean",
+            True,
+        ),
+        "dppo_kl": (
+            dppo_kl_loss,
+            {"delta_low": 0.05, "delta_high": 0.05, "max_weight": 20.0},
+            "token_mean",
+            True,
+        ),
+        "clip_cov": (
+            clip_cov_loss,
+            {"eps_low": 0.2, "eps_high": 0.2, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+            "token_mean",
+            True,
+        ),
+        "kl_cov": (kl_cov_loss, {"kl_cov_ratio": 2e-4, "kl_cov_coef": 0.1}, "token_mean", True),
     }
     for name, (fn, params, aggregation, token_ratio) in want.items():
         spec = LOSSES[name]
@@ -939,8 +1023,9 @@ def test_losses_registry_entries_and_default_eps():
         sig = inspect.signature(fn).parameters
         assert list(sig)[0] == "inp" and set(list(sig)[1:]) == set(spec.resolve())
         assert all(p.default is inspect.Parameter.empty for p in sig.values())
-    assert LOSSES["sapo"].eps == LOSSES["sapo_token"].eps == ("tau_neg", "tau_pos")  # the config's eps_*
-    assert LOSSES["vespo"].eps == ()  # no clip range
+    assert LOSSES["sapo"].eps == LOSSES["sapo_token"].eps == ()  # temperatures: the config's sapo_tau_*
+    assert LOSSES["vespo"].eps == LOSSES["kl_cov"].eps == ()  # no clip range
+    assert LOSSES["dppo_tv"].eps == LOSSES["dppo_kl"].eps == ("delta_low", "delta_high")  # DPPO's thresholds
     with pytest.raises(ValueError, match="takes no aggregation"):
         LOSSES["gspo"].resolve("token_mean")
     with pytest.raises(TypeError, match="takes no parameter"):

@@ -2,23 +2,28 @@
 tokens only, budgets, bad environments, and a task the tiny model learns with the calculator."""
 
 import copy
+import itertools
 import json
+import random
 import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
 
 from gspo.config import Config
 from gspo.data import SampleBatch
+from gspo.envs import tools as T
 from gspo.envs.base import Limits, Step
 from gspo.envs.episodes import run_episodes
 from gspo.envs.load import EnvSpec, env_spec
-from gspo.envs.tools import ToolEnv, calculator, parse_tool_call, run_tool_call
+from gspo.envs.tools import ToolEnv, calculator, parse_tool_call
 from gspo.errors import GspoError
-from gspo.loss_inputs import loss_inputs
+from gspo.loss_prologue import loss_inputs
 from gspo.losses import LOSSES, gspo_loss
 from gspo.tasks.datasets import Example
 
@@ -31,6 +36,11 @@ TINY = dict(
 
 # ------------------------------------------------------------------------------------------------
 # tools
+
+
+def run_tool_call(call: T.ToolCall | str, tools: tuple[str, ...]) -> str:
+    """The observation text a tool environment answers a parsed call with."""
+    return T._wrap(call, T.tool_output(call, tools))
 
 
 def test_calculator_values_and_refusals():
@@ -275,24 +285,40 @@ class _Answers:
         return Step(" ok=", 0.5)
 
 
-@pytest.mark.parametrize("turn_tokens, max_tokens", [(6, 40), (3, 17), (8, 9), (1, 5)])
-def test_kept_kv_cache_plays_the_turns_of_one_generate_per_turn(tiny_moe, turn_tokens, max_tokens):
-    """The HF engine's ``play`` (one decode loop, each trajectory's KV cache kept across turns, the
-    observations fed beside the other rows' tokens) makes exactly the greedy trajectories of one
-    ``generate`` call per turn: ids, masks, turns, rewards, truncation; log-probs to float32 noise."""
-    from gspo.rollout.hf import HFRolloutEngine
-
+def _eos_likely(tiny_moe, bias: float):
+    """A copy of the tiny MoE whose LM head favours EOS by ``bias`` (turns that end at EOS)."""
     model, tok = tiny_moe
-    model = copy.deepcopy(model)  # EOS the greedy choice at some positions, not all
+    model = copy.deepcopy(model)
     head = model.get_output_embeddings()
     head.bias = torch.nn.Parameter(torch.zeros(head.weight.shape[0]), requires_grad=False)
-    head.bias.data[tok.eos_token_id] = 1.2
+    head.bias.data[tok.eos_token_id] = bias
+    return model
+
+
+@pytest.mark.parametrize("turn_tokens, max_tokens", [(6, 40), (3, 17), (8, 9), (1, 5)])
+@pytest.mark.parametrize("workers, tick", [(0, 1), (4, 1), (4, 3)])
+def test_kept_kv_cache_plays_the_turns_of_one_generate_per_turn(
+    tiny_moe, turn_tokens, max_tokens, workers, tick
+):
+    """The HF engine's ``play`` (one decode loop, each trajectory's KV cache kept across turns)
+    makes exactly the greedy trajectories of one ``generate`` call per turn: ids, masks, turns,
+    rewards, truncation; log-probs to float32 noise. Both ways: the steps in the loop, each
+    observation fed one token per step beside the other rows' tokens; and the steps in a pool
+    (``workers``), each trajectory going on at the next tick (every ``tick`` steps: waiting rows hold
+    masked columns) with its observation fed in one forward (the step's other rows left-padded)."""
+    from gspo.rollout.hf import HFRolloutEngine
+
+    _, tok = tiny_moe
+    model = _eos_likely(tiny_moe, 1.2)  # EOS the greedy choice at some positions, not all
     eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
     ex = [Example(f"rev:{n}=", "") for n in [12, 345, 6789, 1, 12, 90, 4321]]
     ids = [tok(e.prompt).input_ids for e in ex]
     lim = Limits(max_turns=3, max_turn_tokens=turn_tokens, max_tokens=max_tokens)
-    spec = EnvSpec(_Answers, "answers", None)
+    spec = EnvSpec(_Answers, "answers", None, workers=workers, tick_steps=tick)
+    prefills, real = [], eng._prefill
+    eng._prefill = lambda *a: prefills.append(1) or real(*a)  # the engine's own, counted
     a = run_episodes(eng, tok, spec, ex, ids, lim, 1.0, greedy=True)
+    assert len(prefills) == 1  # one play call: each trajectory's cache kept across its turns
     b = run_episodes(_PerTurn(eng), tok, spec, ex, ids, lim, 1.0, greedy=True)
     for f in ("response_ids_BT", "response_mask_BT", "obs_mask_BT", "turns_B", "reward_B", "truncated_B"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
@@ -301,22 +327,239 @@ def test_kept_kv_cache_plays_the_turns_of_one_generate_per_turn(tiny_moe, turn_t
         assert (a.turns_B > 1).any() and a.obs_mask_BT.sum() > 0 and len(set(a.turns_B.tolist())) > 1
 
 
+INSTANT_ENV = """
+import threading
+
+from gspo.envs.base import Step
+
+THREADS = []
+
+
+class Env:
+    instant = {flag}
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, model_turn):
+        THREADS.append(threading.current_thread().name)
+        return Step(" ok=", 0.5)
+"""
+
+
+@pytest.mark.parametrize("flag, in_loop", [("True", True), ("False", False), ("1", False)])
+def test_an_environment_declared_instant_steps_in_the_loop(tiny_moe, tmp_path, flag, in_loop):
+    """An environment whose class says ``instant = True`` runs its steps inside the HF engine's decode
+    loop, on the caller's thread (a pool's ticks would only leave its finished turns idle: ~10-15%
+    slower with an instant tool, benchmarks/RESULTS.md); undeclared, or a value that is not ``True``:
+    in the pool. (vLLM keeps the pool either way: tests/test_vllm_multiturn.py.)"""
+    import importlib
+    import sys
+
+    from gspo.envs.episodes import spec_of
+    from gspo.resolve import env_plan
+    from gspo.rollout.hf import HFRolloutEngine
+
+    (tmp_path / f"instant_{flag}.py").write_text(INSTANT_ENV.format(flag=flag))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = importlib.import_module(f"instant_{flag}")
+        task = type("Task", (), {"reward": None, "reward_name": "exact_match"})()
+        spec = spec_of(env_plan(Config(env=f"instant_{flag}:Env", max_turns=3)), task)
+        assert spec.instant is in_loop and spec.workers == Config().tool_concurrency
+        _, tok = tiny_moe
+        eng = HFRolloutEngine(
+            _eos_likely(tiny_moe, 1.2), tok.eos_token_id, tok.pad_token_id, torch.Generator()
+        )
+        ex = [Example(f"rev:{n}=", "") for n in [12, 345, 6789]]
+        run_episodes(eng, tok, spec, ex, [tok(e.prompt).input_ids for e in ex], Limits(3, 6, 40), 1.0, True)
+        assert mod.THREADS and all((t == threading.current_thread().name) is in_loop for t in mod.THREADS)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "env, reward, in_loop",
+    [("tools:calc", "exact_match", True), ("tools:calc", "format:^a", True), ("tools:calc", "x.py:f", False),
+     ("task", "x.py:f", True)],
+)  # fmt: skip
+def test_the_calculator_with_a_built_in_reward_is_instant(env, reward, in_loop):
+    """gspo's calculator answers in microseconds, as the built-in rewards score the answer: instant
+    (its steps in the HF engine's loop); a user's reward (it may call out, or run code) keeps them in
+    the pool. (``task`` is one step: always in the loop.)"""
+    from gspo.envs.episodes import spec_of
+    from gspo.resolve import env_plan
+
+    task = type("Task", (), {"reward": None, "reward_name": reward})()
+    spec = spec_of(env_plan(Config(env=env)), task)
+    assert (spec.workers == 0) is (env == "task") and spec.instant is (env != "task" and in_loop)
+
+
+class _Latent:
+    """Answers every turn (an empty observation every third), after a latency drawn from its own
+    generator, seeded by (``seed``, the trajectory's index, the turn): the order in which steps
+    finish follows the seed. ``log`` gets (trajectory, turn) as each step finishes."""
+
+    def __init__(self, index: int, seed: int, log: list, scale: float = 0.02) -> None:
+        self.index, self.seed, self.log, self.scale, self.turn = index, seed, log, scale, 0
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, model_turn):
+        self.turn += 1
+        time.sleep(random.Random(f"{self.seed}/{self.index}/{self.turn}").random() * self.scale)
+        self.log.append((self.index, self.turn))
+        return Step("" if self.turn % 3 == 0 else " ok=", 0.25 * self.turn)
+
+
+def _latent(seed: int, log: list, workers: int, tick: int, scale: float = 0.02) -> EnvSpec:
+    index = itertools.count()  # environments are made in trajectory order, before the first turn
+    return EnvSpec(
+        lambda: _Latent(next(index), seed, log, scale), "latent", None, workers=workers, tick_steps=tick
+    )
+
+
+TRAJ_FIELDS = ("response_ids_BT", "response_mask_BT", "obs_mask_BT", "sampler_logp_BT", "reward_B", "turns_B",
+               "truncated_B")  # fmt: skip
+
+
+@pytest.mark.parametrize("tick", [1, 4])
+def test_tool_latencies_never_change_the_trajectories(tiny_moe, tick):
+    """Environment steps in a pool beside the decoding: with every tool latency re-drawn (a seed of
+    its own) and with 8 or 1 workers, the sampled trajectories (ids, masks, log-probs, rewards,
+    turns) are bit-identical, though the steps finished in another order."""
+    from gspo.rollout.hf import HFRolloutEngine
+
+    _, tok = tiny_moe
+    eng = HFRolloutEngine(_eos_likely(tiny_moe, 2.5), tok.eos_token_id, tok.pad_token_id, torch.Generator())
+    ex = [Example(f"rev:{n}=", "") for n in [12, 345, 6789, 1]] * 4
+    ids = [tok(e.prompt).input_ids for e in ex]
+    runs, logs = [], []
+    for workers, lat_seed in ((8, 1), (8, 2), (1, 3)):
+        eng.reseed(7)
+        logs.append([])
+        runs.append(
+            run_episodes(eng, tok, _latent(lat_seed, logs[-1], workers, tick), ex, ids, Limits(4, 6, 40), 1.0)
+        )
+    assert logs[0] != logs[1] and sorted(logs[0]) == sorted(logs[1])  # the same steps, in another order
+    for f in TRAJ_FIELDS:
+        for other in runs[1:]:
+            assert torch.equal(getattr(runs[0], f), getattr(other, f)), f
+    eb = runs[0]
+    assert (eb.turns_B >= 3).sum() >= 2 and eb.obs_mask_BT.sum() > 0  # an empty observation went by, too
+
+
+@pytest.mark.parametrize("tick", [1, 4])
+def test_pooled_trajectories_logprobs_equal_the_trainers(tiny_moe, tick):
+    """Sampled trajectories of the pooled path (observations fed in one forward, waiting rows holding
+    masked columns): the trainer's log-probs of the model's tokens, in a forward over each whole
+    trajectory, equal the sampler's."""
+    from gspo.data import left_pad
+    from gspo.model.logprobs import make_layout, response_logprobs
+    from gspo.rollout.hf import HFRolloutEngine
+
+    _, tok = tiny_moe
+    model = _eos_likely(tiny_moe, 2.5)
+    eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(3))
+    ex = [Example(f"rev:{n}=", "") for n in [12, 345, 6789, 1]] * 4
+    ids = [tok(e.prompt).input_ids for e in ex]
+    eb = run_episodes(eng, tok, _latent(0, [], 4, tick, 0.005), ex, ids, Limits(4, 6, 40), 1.0)
+    m, o = eb.response_mask_BT, eb.obs_mask_BT
+    assert (eb.turns_B >= 3).any() and o.sum() > 0
+    p_ids, p_mask = left_pad(eb.prompt_ids, tok.pad_token_id)
+    lay = make_layout(p_ids, p_mask, eb.response_ids_BT, m, "rows", torch.float32, obs_mask_BT=o)
+    with torch.no_grad():
+        logp = response_logprobs(model.eval(), p_ids, p_mask, eb.response_ids_BT, m, layout=lay)
+    torch.testing.assert_close(logp[m.bool()], eb.sampler_logp_BT[m.bool()], atol=1e-5, rtol=0)
+
+
+def test_tools_run_beside_the_decoding(tiny_moe):
+    """A step that has started waits (up to 20 s) for the engine's next two forwards: they come, so
+    the other trajectories decode while it runs; and steps run side by side."""
+    from gspo.rollout.hf import HFRolloutEngine
+
+    _, tok = tiny_moe
+    eng = HFRolloutEngine(_eos_likely(tiny_moe, 2.5), tok.eos_token_id, tok.pad_token_id, torch.Generator())
+    forwards, running, seen = [0], [0], {"during": 0, "side_by_side": 0}  # "first": a step has started
+    lock, real = threading.Lock(), eng._last_logits
+
+    def counted(*a, **k):  # the engine's own forward, counted
+        forwards[0] += 1
+        return real(*a, **k)
+
+    eng._last_logits = counted
+
+    class Watch(_EchoEnv):
+        def step(self, model_turn):
+            with lock:
+                running[0] += 1
+                seen["side_by_side"] = max(seen["side_by_side"], running[0])
+                first, seen["first"] = "first" not in seen, True
+            start, t0 = forwards[0], time.monotonic()
+            while first and forwards[0] < start + 2 and time.monotonic() - t0 < 20:  # the first step waits
+                time.sleep(0.001)
+            if first:
+                seen["during"] = forwards[0] - start
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+            return super().step(model_turn)
+
+    ex = [Example(f"rev:{n}=", "") for n in [12, 345, 6789, 1]] * 4
+    ids = [tok(e.prompt).input_ids for e in ex]
+    eng.reseed(0)
+    run_episodes(
+        eng, tok, EnvSpec(Watch, "watch", None, workers=8, tick_steps=8), ex, ids, Limits(3, 12, 40), 1.0
+    )
+    assert seen["during"] >= 2 and seen["side_by_side"] >= 2, seen  # the steps' pool: 8 threads
+
+
+def test_ticks_are_a_function_of_the_turns_end():
+    from gspo.rollout.turns import Ticks
+
+    class Ready:
+        def __init__(self, v):
+            self.v = v
+
+        def result(self):
+            return self.v
+
+    t = Ticks(4)
+    for row, step in ((2, 0), (0, 3), (1, 4), (3, 5)):
+        t.park(row, step, Ready(([row], 9)))
+    assert t.next_due() == 4 and t.due(3) == []
+    assert t.due(4) == [
+        (0, ([0], 9)),
+        (2, ([2], 9)),
+    ]  # ended in steps 0-3, due at the tick of step 4, in row order
+    assert t.next_due() == 8 and t.due(100) == [(1, ([1], 9)), (3, ([3], 9))] and not t.parked
+    with pytest.raises(ValueError):
+        Ticks(0)
+
+
 def test_single_turn_task_is_the_one_step_case(tiny_moe):
-    """env='task' (the task as a one-step environment) makes exactly the rollout data of the plain
-    single-turn path from the same generator state."""
+    """env='task' (the task as a one-step environment) on the engine-wide generator path
+    (``tool_concurrency=0``) makes exactly the rollout data of the plain single-turn path from the
+    same generator state (env='task' always plays in the decode loop; on the pooled path a finished row
+    waits for its tick, so its draws follow another schedule)."""
+    from step_helpers import collect_rollout
+
     from gspo.resolve import prompt_plan, sample_plan, score_plan
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.rollout.sampler import SyncSampler
     from gspo.tasks import build_task
     from gspo.tasks.prompts import encode_prompts
-    from gspo.training.scoring import collect_rollout
 
     model, tok = tiny_moe
     task = build_task("reverse", "exact_match", 0, 8)
     ex = task.train[:6]
     out = []
     for env in (None, "task"):
-        cfg = Config(env=env, max_new_tokens=8, max_trajectory_tokens=8, group_size=4, overlong_filter=True)
+        cfg = Config(
+            env=env, max_new_tokens=8, max_trajectory_tokens=8, group_size=4, overlong_filter=True,
+            tool_concurrency=0,
+        )  # fmt: skip
         eng = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, torch.Generator().manual_seed(3))
         sampler = SyncSampler(eng, tok, task, sample_plan(cfg))
         ids = encode_prompts(tok, ex, prompt_plan(cfg.validate()))
@@ -351,8 +594,11 @@ BAD_ENVS = {
 }
 
 
+@pytest.mark.parametrize("workers", [0, 4])
 @pytest.mark.parametrize("kind", list(BAD_ENVS))
-def test_bad_environment_is_one_line_naming_it(tmp_path, tiny_moe, kind):
+def test_bad_environment_is_one_line_naming_it(tmp_path, tiny_moe, kind, workers):
+    """The same one line whether the step runs in the decode loop or in the pool (raised in the
+    loop when its trajectory is due; a hang still stops at reward_timeout_s)."""
     from gspo.rollout.hf import HFRolloutEngine
 
     body, msg = BAD_ENVS[kind]
@@ -364,11 +610,13 @@ def test_bad_environment_is_one_line_naming_it(tmp_path, tiny_moe, kind):
     ex = [Example("rev:12=", "21")] * 2
     ids = [tok("rev:12=", add_special_tokens=False).input_ids] * 2
     spec = env_spec(spec_s, lambda *a: [0.0], 0.5, "error")
+    spec.workers, spec.tick_steps = workers, 2
     with pytest.raises(GspoError, match=re.escape(msg)) as e:
         run_episodes(eng, tok, spec, ex, ids, Limits(2, 4, 16), 1.0)
     assert "\n" not in str(e.value) and spec_s in str(e.value)
     if kind != "hangs":  # reward_on_error zero: the trajectory scores 0; a batch where all fail stops
         spec0 = env_spec(spec_s, lambda *a: [0.0], 0.5, "zero")
+        spec0.workers, spec0.tick_steps = workers, 2
         with pytest.raises(GspoError, match="failed on all 2 trajectories"):
             run_episodes(eng, tok, spec0, ex, ids, Limits(2, 4, 16), 1.0)
 
@@ -395,6 +643,10 @@ def test_unknown_env_and_config_checks():
         env_spec("tools:abacus", lambda *a: [0.0], None, "error")
     with pytest.raises(GspoError, match="max_turns"):
         Config(env="tools", max_turns=0).validate()
+    with pytest.raises(GspoError, match="tool_concurrency"):
+        Config(env="tools", tool_concurrency=-1).validate()
+    with pytest.raises(GspoError, match="tool_tick_steps"):
+        Config(env="tools", tool_tick_steps=0).validate()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,6 +676,67 @@ def test_train_with_tools_dynamic_sampling_overlong_and_exact_resume(tmp_path):
     resumed = train(Config(name="part", resume=True, **cfg))
     for (k, v), w in zip(full.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+
+
+SLOW_CALC = """
+import random, time
+
+from gspo.envs.tools import ToolEnv
+from gspo.tasks.rewards import load_reward
+
+
+class SlowCalc(ToolEnv):
+    \"\"\"tools:calc whose steps take 0-50 ms, unseeded: each run's steps finish in their own order.\"\"\"
+
+    def __init__(self):
+        super().__init__(load_reward("exact_match"), ("calc",))
+
+    def step(self, model_turn):
+        time.sleep(random.random() * 0.05)
+        return super().step(model_turn)
+"""
+
+
+@pytest.mark.slow  # the slow tier (three end-to-end runs, ~65 CPU-seconds here): CI runs it
+def test_kill_9_while_slow_tools_run_and_resume_is_exact(tmp_path):
+    """``gspo train`` with the tool's steps in a pool and of random (unseeded) latency, killed with -9
+    during a step after its checkpoint and resumed, ends with the uninterrupted run's weights bit for
+    bit (its own tools finished in another order); the tool was called."""
+    import os
+    import signal
+
+    env_file = tmp_path / "slow_calc.py"
+    env_file.write_text(SLOW_CALC)
+    args = ["train", "--model", "embedded:tiny-dense", "--task", "add_long", "--env", f"{env_file}:SlowCalc",
+            "--max-new-tokens", "20", "--max-turns", "2", "--max-trajectory-tokens", "40", "--sft-steps", "80",
+            "--sft-batch-size", "16", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
+            "--eval-size", "8", "--eval-every", "0", "--threads", "1", "--no-progress", "--save-every", "1",
+            "--tool-tick-steps", "3", "--output-dir", str(tmp_path)]  # fmt: skip
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "gspo", *a], capture_output=True, text=True, timeout=600)
+
+    assert (r := run(*args, "--name", "full")).returncode == 0, r.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "gspo", *args, "--name", "killed"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest", time.time() + 600
+    while proc.poll() is None and time.time() < deadline:
+        if latest.exists() and latest.read_text().strip() >= "step-000002":
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "final").exists()
+    assert (r := run(*args, "--name", "killed", "--resume")).returncode == 0, r.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    a, b = (
+        AutoModelForCausalLM.from_pretrained(tmp_path / n / "final").state_dict() for n in ("full", "killed")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = _rows(tmp_path / "full")
+    assert max(r["env/multi_turn_frac"] for r in rows[1:]) > 0 and max(r["env/obs_len"] for r in rows[1:]) > 0
 
 
 @pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it

@@ -10,13 +10,14 @@ import copy
 import pytest
 import torch
 from fixture_observe_env import Observer
+from step_helpers import plan_update
 
 from gspo.config import Config
 from gspo.data import SampleBatch, SamplerOutput
 from gspo.envs.base import Limits, Step
 from gspo.envs.episodes import EnvSampleBatch, run_episodes
 from gspo.envs.load import EnvSpec
-from gspo.resolve import plan_update, score_plan
+from gspo.resolve import score_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.tasks.datasets import Example
 from gspo.training import update as U

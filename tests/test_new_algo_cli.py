@@ -1,5 +1,6 @@
 """Bad input to issue 35's options through the command line (``gspo train``): OPSM's threshold, VESPO's
-kernel options on other losses and a clip range on VESPO, the sampler's top-k / top-p. Each is one
+kernel options on other losses and a clip range on VESPO, the sampler's top-k / top-p; issue 58's:
+DPPO's thresholds, Clip-Cov's / KL-Cov's fractions, band and penalty, MaxRL with a negative penalty. Each is one
 line on stderr naming the config field, exit 2, no traceback, and nothing written (no run folder)."""
 
 from __future__ import annotations
@@ -28,6 +29,24 @@ CASES = [
     (["--top-p", "nan"], "top_p"),
     (["--top-k", "-1"], "top_k"),
     (["--top-k", "1.5"], "top_k"),
+    # issue 58: DPPO's thresholds, Clip-Cov's / KL-Cov's fractions and band, MaxRL's rewards
+    (["--algo", "dppo_tv", "--eps-low", "0"], "eps_low"),
+    (["--algo", "dppo_kl", "--eps-high", "0"], "eps_high"),
+    (["--algo", "dppo_tv", "--eps-high", "-0.1"], "eps_high"),
+    (["--algo", "clip_cov", "--clip-cov-ratio", "0"], "clip_cov_ratio"),
+    (["--algo", "clip_cov", "--clip-cov-ratio", "1"], "clip_cov_ratio"),
+    (["--algo", "clip_cov", "--clip-cov-ratio", "-0.5"], "clip_cov_ratio"),
+    (["--algo", "kl_cov", "--kl-cov-ratio", "1.5"], "kl_cov_ratio"),
+    (["--algo", "kl_cov", "--kl-cov-ratio", "nan"], "kl_cov_ratio"),
+    (["--algo", "kl_cov", "--kl-cov-coef", "-1"], "kl_cov_coef"),
+    (["--algo", "clip_cov", "--clip-cov-lb", "5"], "clip_cov_lb"),
+    (["--algo", "clip_cov", "--clip-cov-ub", "0.5"], "clip_cov_ub"),
+    (["--algo", "clip_cov", "--eps-low", "1.5"], "eps_low"),
+    (["--algo", "kl_cov", "--eps-low", "0.1"], "eps_low"),
+    (["--algo", "grpo", "--clip-cov-ratio", "0.1"], "clip_cov_ratio"),
+    (["--algo", "clip_cov", "--kl-cov-ratio", "0.1"], "kl_cov_ratio"),
+    (["--adv-scale", "maxrl", "--overlong-buffer", "4"], "adv_scale"),
+    (["--adv-scale", "max_rl"], "adv_scale"),
 ]
 
 

@@ -129,16 +129,49 @@ def test_the_plan_is_whole_and_frozen():
         assert dataclasses.is_dataclass(getattr(plan, f.name)), f.name
     # shared sub-plans are one object, built once
     assert plan.sampling.task is plan.load.task
-    assert plan.sampling.engine.spec is plan.capacity.engine
+    assert plan.sampling.engine.spec is plan.capacity.engine_spec
     assert plan.update.pi_old == plan.capacity.pi_old
 
 
-def test_a_bad_value_on_the_plan_names_its_config_field():
+def test_a_bad_value_names_its_config_field():
+    """The hard bounds read the config's own values, by field name, before any plan is built."""
     import pytest
 
     from gspo.errors import GspoError
     from gspo.limits import check_config
 
-    plan = dataclasses.replace(CapacityPlan.of(Config().validate()), prompts_per_step=10**7)
+    values = {**dataclasses.asdict(Config().validate()), "prompts_per_step": 10**7}
     with pytest.raises(GspoError, match="^config field 'prompts_per_step': "):
-        check_config(plan)
+        check_config(values)
+
+
+def test_the_capacity_plan_is_copied_from_the_sections_by_name():
+    """Issue 60: ``CapacityPlan.of(source: Any)`` copied a Config into a mirror by duck typing (twice
+    per ``gspo.train``); now resolve copies each field by name from the plan's typed sections, and no
+    plan is filled by ``getattr``."""
+    tree = ast.parse((SRC / "resolve.py").read_text())
+    getattrs = [
+        n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "getattr"
+    ]
+    assert not getattrs, getattrs
+    assert not hasattr(CapacityPlan, "of")
+    from gspo.resolve import capacity_plan, resolve
+
+    cfg = Config(rollout_devices="cpu", async_staleness=1).validate()
+    assert capacity_plan(cfg) == resolve(cfg).capacity
+    assert capacity_plan(cfg).rollout_devices == resolve(cfg).sampling.rollout_devices == ("cpu",)
+
+
+def test_the_config_is_validated_once(monkeypatch):
+    """The CLI validates the config it built; ``gspo.train`` then finds it validated as it stands.
+    A changed value is checked again."""
+    from gspo.config import schema
+
+    calls = []
+    real = schema.check_types
+    monkeypatch.setattr(schema, "check_types", lambda cfg: (calls.append(1), real(cfg))[1])
+    cfg = Config(steps=3).validate()
+    assert cfg.validate() is cfg and len(calls) == 1
+    cfg.steps = 4
+    cfg.validate()
+    assert len(calls) == 2 and Config(steps=4).validate() == cfg

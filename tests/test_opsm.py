@@ -84,8 +84,9 @@ def test_threshold_out_of_range(bad):
 
 def _update(model, tok, sampler_shift_B, adv_B, **kw):
     """One policy_update of 8 sampled rows (SGD, lr 0.1) -> (the updated copy, its metrics)."""
+    from step_helpers import plan_update
+
     from gspo.data import TrainBatch, left_pad
-    from gspo.resolve import plan_update
     from gspo.rollout.hf import HFRolloutEngine
     from gspo.training.update import policy_update
 
@@ -121,6 +122,26 @@ def test_update_with_opsm_equals_the_update_without_the_masked_rows(tiny_moe):
     assert abs(met["mismatch/opsm_frac_seq"] - dropped.sum().item() / 8) < 1e-9
     assert _same(m1, m2)
     m3, _ = _update(model, tok, shifted, adv, old_logp="recompute")  # without OPSM the rows move it
+    assert not _same(m1, m3)
+
+
+def test_opsm_under_the_default_old_logp_compares_the_sampler_with_this_forward(tiny_moe):
+    """Issue 57 gap 3: under ``old_logp=rollout`` (the default) pi_old *is* the sampler's log-probs,
+    so OPSM fed pi_old instead of this forward's log-probs would never mask. GSPO with a range no
+    ratio here leaves (eps_low 0.99): the update with OPSM is exactly the update with the masked
+    rows' advantages set to 0, and ``mismatch/opsm_frac_seq`` / ``_tok`` are logged."""
+    model, tok = tiny_moe
+    shifted = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.bool)
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, -0.5, 0.5, -2.0, 2.0])
+    dropped = shifted & (adv < 0)
+    wide = dict(old_logp="rollout", eps_low=0.99, eps_high=100.0)
+    m1, met = _update(model, tok, shifted, adv, opsm_threshold=0.5, **wide)
+    assert "mismatch/opsm_frac_seq" in met and "mismatch/opsm_frac_tok" in met, sorted(met)
+    assert abs(met["mismatch/opsm_frac_seq"] - dropped.sum().item() / 8) < 1e-9
+    assert 0 < met["mismatch/opsm_frac_tok"] < 1
+    m2, _ = _update(model, tok, shifted, torch.where(dropped, 0.0, adv), **wide)
+    assert _same(m1, m2)
+    m3, _ = _update(model, tok, shifted, adv, **wide)  # without OPSM the rows move it
     assert not _same(m1, m3)
 
 

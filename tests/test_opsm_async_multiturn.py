@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_helpers import plan_update
 from test_multiturn import TINY as MULTI_TURN
 from test_multiturn_logprobs import G, trajectories  # noqa: F401  (a fixture: HF-engine trajectories)
 
 from gspo import Config, train
-from gspo.resolve import plan_update, score_plan
+from gspo.resolve import score_plan
 from gspo.training import update as U
 from gspo.training.scoring import score_rollout
 from gspo.training.update import policy_update

@@ -17,7 +17,7 @@ import torch
 from gspo import Config, train
 from gspo.data import left_pad
 from gspo.errors import GspoError
-from gspo.loss_inputs import loss_inputs
+from gspo.loss_prologue import loss_inputs
 from gspo.losses import gspo_loss
 from gspo.model.load import build_char_tokenizer, build_tiny_moe
 from gspo.model.logprobs import response_logprobs

@@ -20,7 +20,7 @@ from loss_helpers import tensor_loss
 from test_losses import ATOL, F64, GSPO_LR, _batch, _grad, _token_batch, ref_gspo
 from test_losses_luspo_vespo import ref_luspo
 
-from gspo.loss_inputs import loss_inputs, sequence_mean
+from gspo.loss_prologue import loss_inputs, sequence_mean
 
 
 def _seq_objective(logp, old, adv, mask, el, eh):

@@ -27,7 +27,7 @@ from gspo.capacity_comm import (
 from gspo.cli import main
 from gspo.config import Config
 from gspo.errors import GspoError
-from gspo.plans import CapacityPlan
+from gspo.resolve import capacity_plan
 
 # a tiny MoE: q 2x4 = 8 and kv 1x4 = 4 wide; per layer attention h*q + 2h*kv + q*h + 2h norms + 2
 # head-dim norms = 64 + 64 + 64 + 16 + 8 = 216, experts 4 x 3 x 8 x 3 = 288, router 4 x 8 = 32: 536;
@@ -121,26 +121,26 @@ def test_a_step_is_its_micro_batches_and_one_sync():
     whole model for the HF sampler (3/4 x 2680 x 2 = 4020). With the sampler's pi_old the volatility
     still needs minibatch 1's routing; without volatility nothing."""
     shape = Shape.from_config(TINY)
-    t = traffic(CapacityPlan.of(_cfg(old_logp="recompute")), shape, LINK)
+    t = traffic(capacity_plan(_cfg(old_logp="recompute")), shape, LINK)
     assert (t.ep, t.update_batches, t.forward_batches) == (1, 4, 2)
     assert t.step() == pytest.approx((4 * 13668 + 2 * 4020 + 4020, (4 * 13668 + 2 * 4020 + 4020) / 1e9))
-    assert traffic(CapacityPlan.of(_cfg(old_logp="rollout")), shape, LINK).forward_batches == 2
+    assert traffic(capacity_plan(_cfg(old_logp="rollout")), shape, LINK).forward_batches == 2
     assert (
-        traffic(CapacityPlan.of(_cfg(old_logp="rollout", log_volatility=False)), shape, LINK).forward_batches
+        traffic(capacity_plan(_cfg(old_logp="rollout", log_volatility=False)), shape, LINK).forward_batches
         == 0
     )
     ddp = traffic(
-        CapacityPlan.of(_cfg(parallel="ddp", mixed_precision="none")), shape, LINK
+        capacity_plan(_cfg(parallel="ddp", mixed_precision="none")), shape, LINK
     )  # float32 all-reduce
     assert [m.nbytes for m in ddp.update] == [2 * 3 / 4 * 2680 * 4] and ddp.sync == ()
-    one = traffic(CapacityPlan.of(_cfg(nproc=1, mixed_precision="none")), shape, Link(1, 1, 8e9, 1e9))
+    one = traffic(capacity_plan(_cfg(nproc=1, mixed_precision="none")), shape, Link(1, 1, 8e9, 1e9))
     assert one.step() == (0, 0)
 
 
 def test_ep_in_the_step_uses_the_micro_batch_tokens():
     """EP 2: tokens of a micro-batch = 1 row x (3 + 2) = 5; the all-to-all scales with them."""
     shape = Shape.from_config(TINY)
-    t = traffic(CapacityPlan.of(_cfg(expert_parallel_size=2)), shape, LINK)
+    t = traffic(capacity_plan(_cfg(expert_parallel_size=2)), shape, LINK)
     a2a = {m.what: m.nbytes for m in t.update}["tokens all-to-all"]
     assert t.ep == 2 and a2a == 6 * 2 * 1 / 2 * 5 * 2 * 8 * 2
 
@@ -154,7 +154,7 @@ def test_gloo_reduce_scatters_send_as_an_all_reduce():
         {
             m.what: m.nbytes
             for m in traffic(
-                CapacityPlan.of(_cfg(expert_parallel_size=2, mixed_precision="none", device=d)), shape, LINK
+                capacity_plan(_cfg(expert_parallel_size=2, mixed_precision="none", device=d)), shape, LINK
             ).update
         }
         for d in ("cuda", "cpu")
@@ -180,11 +180,11 @@ def _update_forwards(p, n: int) -> int:
 def test_forward_only_rule_matches_the_update_plan():
     """forward_only_batches restates the update's forward-only passes from the config; the plan
     gspo.resolve builds (on a real tiny MoE) gives the same count in every combination."""
+    from step_helpers import plan_update
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from gspo.capacity_comm import forward_only_batches
     from gspo.model.logprobs import PolicyLogprobs
-    from gspo.resolve import plan_update
 
     # (experts 4 wide: grouped_mm wants 16-byte strides; the count depends on nothing but MoE or not)
     policy = PolicyLogprobs(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, "moe_intermediate_size": 4})))
@@ -199,7 +199,7 @@ def test_forward_only_rule_matches_the_update_plan():
     ):
         cfg = _cfg(num_minibatches=n, log_volatility=vol, old_logp=old, mismatch_correction=corr, **replay)
         p = plan_update(cfg, policy, True)
-        assert forward_only_batches(CapacityPlan.of(cfg), shape, 3) == 3 * _update_forwards(p, n), (
+        assert forward_only_batches(capacity_plan(cfg), shape, 3) == 3 * _update_forwards(p, n), (
             n,
             replay,
             vol,
@@ -208,7 +208,7 @@ def test_forward_only_rule_matches_the_update_plan():
         )
     dense = _cfg(num_minibatches=2, routing_replay=False)
     assert (
-        forward_only_batches(CapacityPlan.of(dense), dataclasses.replace(shape, experts=0), 1) == 0
+        forward_only_batches(capacity_plan(dense), dataclasses.replace(shape, experts=0), 1) == 0
     )  # no routing to record
 
 
@@ -227,7 +227,7 @@ def test_pi_old_rule_matches_the_trainers():
             ).validate()
         except GspoError:
             continue
-        assert recomputes_pi_old(CapacityPlan.of(cfg)) == (pi_old_source(cfg) == "recompute"), cfg
+        assert recomputes_pi_old(capacity_plan(cfg)) == (pi_old_source(cfg) == "recompute"), cfg
         checked += 1
     assert checked >= 20
 
@@ -237,7 +237,7 @@ def test_ep_shrinks_the_gathered_layer_by_the_experts_it_leaves_out():
     288 / 2 parameters x (4 x 2 + 2 x 4) bytes per layer gathered, and gains the all-to-all
     buffers (2 x 5 tokens x top-2 x 8 x 2 bytes); the states stay sharded over every rank."""
     shape = Shape.from_config(TINY)
-    one, two = (estimate(CapacityPlan.of(_cfg(expert_parallel_size=e)), shape, 4) for e in (1, 2))
+    one, two = (estimate(capacity_plan(_cfg(expert_parallel_size=e)), shape, 4) for e in (1, 2))
     assert two.fsdp_unsharded - one.fsdp_unsharded == pytest.approx(-144 * 16 + 2 * 5 * 2 * 8 * 2)
     assert (two.weights, two.optimizer) == (one.weights, one.optimizer)
 
@@ -248,7 +248,7 @@ def test_hf_sampling_under_ep_counts_this_ranks_unsharded_experts_beside_the_who
     x 2 bytes (bf16 compute) more than without EP; nothing else in the rollout changes."""
     shape = Shape.from_config(TINY)
     one, two = (
-        estimate(CapacityPlan.of(_cfg(expert_parallel_size=e, rollout_engine="hf")), shape, 4) for e in (1, 2)
+        estimate(capacity_plan(_cfg(expert_parallel_size=e, rollout_engine="hf")), shape, 4) for e in (1, 2)
     )
     assert two.sampler - one.sampler == pytest.approx(2 * 288 / 2 * 2)
     assert two.rollout_peak - one.rollout_peak == pytest.approx(2 * 288 / 2 * 2)
@@ -470,6 +470,20 @@ def test_the_printed_launch_carries_every_override_and_plans_the_same(capsys, ar
     rc, again, err = _plan(capsys, *words[2:], *layout)
     assert rc == 0, err
     assert again == out
+
+
+def test_the_launch_line_quotes_each_word_for_the_shell():
+    """Issue 57: each flag and the config path are quoted for the shell (a space, a quote, a ``$``),
+    on one node and in the torchrun line of several; the words come back as given."""
+    from gspo.capacity_comm import launch_lines
+
+    flags = ("--system-prompt", "it's $HOME", "--model", "my model", "--lr", "3e-4")
+    want = "gspo train --config 'a b.yaml' --system-prompt 'it'\"'\"'s $HOME' --model 'my model' --lr 3e-4"
+    assert launch_lines(Link(1, 1, 450e9, 50e9), "a b.yaml", flags) == [f"launch: {want}"]
+    assert launch_lines(Link(1, 4, 450e9, 50e9), "a b.yaml", flags) == [f"launch: {want} --nproc 4"]
+    many = launch_lines(Link(2, 8, 450e9, 50e9), "a b.yaml", flags)
+    assert many[1].endswith(f" -m {want}")
+    assert shlex.split(want) == ["gspo", "train", "--config", "a b.yaml", *flags]
 
 
 def test_refuses_a_bandwidth_no_link_has(capsys):

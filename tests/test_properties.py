@@ -162,8 +162,12 @@ def reward_batches(draw):
     return torch.tensor(r, dtype=dtype).view(N, G)
 
 
+# the scales that divide by a spread (or nothing); maxrl divides by the mean: its own property below
+SPREAD_SCALES = [s for s in SCALES if s != "maxrl"]
+
+
 @SETTINGS
-@given(reward_batches(), st.sampled_from(SCALES), st.sampled_from([1e-6, 0.0]))
+@given(reward_batches(), st.sampled_from(SPREAD_SCALES), st.sampled_from([1e-6, 0.0]))
 def test_advantages_finite_zero_sum_and_equal_groups_zero(r, scale, eps):
     """Advantages are finite, sum to ~0 per group, and are exactly 0 for all-equal groups."""
     out = group_advantages(r, scale, eps)
@@ -183,6 +187,24 @@ def test_advantages_finite_zero_sum_and_equal_groups_zero(r, scale, eps):
     assert (out_f.sum(dim=1).abs() <= rel * r.shape[1] * mag).all()
     equal = (r == r[:, :1]).all(dim=1)
     assert torch.all(out[equal] == 0)
+
+
+@SETTINGS
+@given(reward_batches(), st.sampled_from([1e-6, 0.0]))
+def test_maxrl_advantages_bounded_zero_sum_and_zero_without_success(r, eps):
+    """MaxRL on rewards >= 0 over the whole float range: finite, A_ij = r_ij / m_i - 1 in [-1, G - 1],
+    sum ~0 per group, exactly 0 for equal groups and for all-zero groups (mean 0)."""
+    r = r.abs()
+    out = group_advantages(r, "maxrl", eps)
+    N, G = r.shape
+    assert out.shape == r.shape and out.dtype == r.dtype and torch.isfinite(out).all()
+    assert (out >= -1 - 1e-6).all() and (out <= (G - 1) * (1 + 1e-6)).all()
+    rel = 1e-12 if r.dtype == F64 else 1e-5
+    out_f = out.double()
+    mag = out_f.abs().amax(dim=1).clamp(min=1.0)
+    assert (out_f.sum(dim=1).abs() <= rel * G * mag).all()
+    zero_or_equal = (r == r[:, :1]).all(dim=1)
+    assert torch.all(out[zero_or_equal] == 0)
 
 
 @st.composite

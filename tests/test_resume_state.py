@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from gspo import Config, train
 from gspo.errors import GspoError
 from gspo.training.checkpoints import CheckpointManager
-from gspo.training.run import Run
+from gspo.training.run import RunState, Trainer
 
 REWARD = f"{Path(__file__).parent / 'fixture_rewards.py'}:noisy"
 BASE = dict(
@@ -80,23 +80,25 @@ def _forget(piece: str) -> Callable[..., None]:
     """``CheckpointManager.restore`` that leaves ``piece`` as a fresh (not resumed) run has it."""
     restore = CheckpointManager.restore
 
-    def mutant(manager: CheckpointManager, self: Run, state: dict, *args, **kw) -> None:
+    def mutant(manager: CheckpointManager, state: dict, *args, **kw) -> None:
+        trainer = next(p for p in manager.parts if isinstance(p, Trainer))
+        run_state = next(p for p in manager.parts if isinstance(p, RunState))
         fresh = {
-            "sample_gen": self.state.sample_gen.get_state(),
-            "scheduler": copy.deepcopy(self.trainer.scheduler.state_dict()),
+            "sample_gen": run_state.sample_gen.get_state(),
+            "scheduler": copy.deepcopy(trainer.scheduler.state_dict()),
             "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
             "torch_rng": torch.get_rng_state(),
         }
-        restore(manager, self, state, *args, **kw)
+        restore(manager, state, *args, **kw)
         if piece == "optimizer":
-            self.trainer.optimizer.state.clear()  # AdamW's moments, as a fresh optimizer has them
+            manager.optimizer.state.clear()  # AdamW's moments, as a fresh optimizer has them
         elif piece == "scheduler":
-            self.trainer.scheduler.load_state_dict(fresh["scheduler"])
+            trainer.scheduler.load_state_dict(fresh["scheduler"])
         elif piece == "sample_gen":
-            self.state.sample_gen.set_state(fresh["sample_gen"])
+            run_state.sample_gen.set_state(fresh["sample_gen"])
         elif piece == "data_pos":
-            self.state.data_pos = 0
+            run_state.data_pos = 0
         elif piece == "python_rng":
             random.setstate(fresh["python_rng"])
         elif piece == "numpy_rng":

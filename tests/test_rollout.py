@@ -77,6 +77,29 @@ def test_repeated_prompts_share_the_prefill_and_match_lone_greedy(tiny_moe):
             )
 
 
+def test_a_batch_past_max_batch_size_is_played_in_parts_each_row_kept(tiny_moe):
+    """Issue 57 gap 1: a batch larger than the engine's ``max_batch_size`` (default 256: the default
+    batch is exactly that) is played a part at a time; every row of every part gets its own prompt's
+    greedy output, as in one batch, and sampled rows the log-probs of their tokens."""
+    model, tok = tiny_moe
+    prompts = [tok(p).input_ids for p in ["rev:1=", "rev:12=", "add:3+4=", "sort:987=", "rev:9=", "add:1+1="]]
+    prompts = prompts + prompts[:1]  # 7 rows: parts of 3, 3 and 1
+    whole = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, 8, greedy=True)
+    split = HFRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch_size=3)
+    parts = split.generate(prompts, 8, greedy=True)
+    assert parts.response_mask_BT.sum(-1).min() > 0
+    assert torch.equal(parts.response_mask_BT, whole.response_mask_BT)
+    assert torch.equal(parts.response_ids_BT, whole.response_ids_BT)
+    torch.testing.assert_close(parts.sampler_logp_BT, whole.sampler_logp_BT, atol=1e-5, rtol=0)
+    split.reseed(0)
+    rb = split.generate(prompts, 8, temperature=1.0)  # sampled: each row's log-probs its own tokens'
+    ids, mask = left_pad(rb.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        lp = response_logprobs(model, ids, mask, rb.response_ids_BT, rb.response_mask_BT)
+    assert rb.response_mask_BT.sum(-1).min() > 0
+    torch.testing.assert_close(lp, rb.sampler_logp_BT, atol=1e-5, rtol=0)
+
+
 def test_left_pad_closed_form():
     ids, mask = left_pad([[3], [4, 5, 6], []], pad_id=0)
     assert ids.tolist() == [[0, 0, 3], [4, 5, 6], [0, 0, 0]]

@@ -492,9 +492,9 @@ def test_base_model_call_and_multi_forward_concatenation():
             base(input_ids=ids[1:], attention_mask=mask[1:], position_ids=pos[1:], use_cache=False)
     assert len(rec.calls["layer0"]) == 2
     assert _same(R.routing_snapshot(rec), full) and _same(dict(rec), full)
-    parts = [R.slice_routing(full, slice(0, 1)), R.slice_routing(full, slice(1, None))]
+    parts = [{k: v[:1] for k, v in full.items()}, {k: v[1:] for k, v in full.items()}]
     assert parts[0]["layer0"].shape == (1, L, 2)
-    assert _same(R.cat_routing(parts), full)
+    assert _same({k: torch.cat([p[k] for p in parts]) for k in full}, full)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from study_binding_helpers import commit, record_runs
+from study_binding_helpers import commit, declare, record_runs
 from test_study_report import TINY, _runs
 
 from gspo.config import Config
@@ -28,6 +28,7 @@ def _study(tmp: Path) -> tuple[Path, Path]:
     _runs(out, {"gspo": [0.7 + 0.01 * s for s in range(6)], "grpo": [0.5 + 0.01 * s for s in range(6)]})
     preset = repo / "p.yaml"
     preset.write_text(PRESET)
+    declare(preset)
     return out, preset
 
 
@@ -87,7 +88,7 @@ def test_runs_without_a_record_or_an_uncommitted_preset_are_not_preregistered(tm
     (out / "grpo-s3" / RUN_RECORD).write_text("[not a record")
     _refuses(*_report(out, preset), "grpo-s3 have no")
     record_runs(out, preset)
-    preset.write_text(PRESET + "# a comment, not committed\n")
+    preset.write_text(preset.read_text() + "# a comment, not committed\n")
     record_runs(out, preset)  # the runs even record the uncommitted bytes
     _refuses(*_report(out, preset), "uncommitted changes")
 
@@ -99,7 +100,7 @@ def test_compare_records_the_declaration_before_a_run_trains(tmp_path):
     import dataclasses
     import hashlib
 
-    from gspo.study.presets import run_record
+    from gspo.study.binding import run_record
     from gspo.study.runner import Jobs, plan_run
 
     repo = tmp_path / "repo"

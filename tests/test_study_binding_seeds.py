@@ -1,9 +1,11 @@
-"""A pre-registration that binds (issue 46 item 1, issue 49 item 2, issue 44 gap 5): the analysed seeds
-are the declared ones, no setting changed from the declaration, the declaring commit precedes the
-*first* run's start (by the earlier of author and committer date) and is an ancestor of the checkout
-each run ran from; one interim look only when declared with its O'Brien-Fleming-type spending."""
+"""A pre-registration that binds (issue 46 item 1, issue 49 item 2, issue 44 gap 5, issue 59 step 5):
+the analysed seeds are the declared ones, no setting changed from the declaration, the declaring
+commit precedes the *first* run's start (by the later of author and committer date) and is an
+ancestor of the checkout each run ran from; one interim look only when declared with its
+O'Brien-Fleming-type spending."""
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy import stats
-from study_binding_helpers import commit, record_runs
+from study_binding_helpers import commit, declare, record_runs
 from test_study_binding import PRESET, _refuses
 from test_study_report import TINY, _runs
 
@@ -27,6 +29,7 @@ def _study(tmp: Path, n: int, preset_text: str = PRESET) -> tuple[Path, Path]:
     _runs(out, {"gspo": [0.7 + 0.01 * s for s in range(n)], "grpo": [0.5 + 0.01 * s for s in range(n)]})
     preset = repo / "p.yaml"
     preset.write_text(preset_text)
+    declare(preset)
     return out, preset
 
 
@@ -112,16 +115,118 @@ def test_the_declaring_commit_must_be_an_ancestor_of_each_runs_checkout(tmp_path
     assert _report(out, preset, list(range(6)))[1]["preregistered"] is True
 
 
-def test_the_earlier_of_author_and_committer_date_is_the_declarations(tmp_path):
-    """A declaration authored before the runs whose committer date a rebase moved past their start
-    still binds (the committer date alone, %ct, refused it); its ancestry holds."""
+def test_the_later_of_author_and_committer_date_is_the_declarations(tmp_path):
+    """Issue 59 step 5: either date can be set to any past time (``git commit --date``, an amend,
+    GIT_COMMITTER_DATE), so the declaration is dated by the later one. Authored before the runs but
+    committed after their start (a rebase, or a backdated author date): not pre-registered; committed
+    before them with a backdated committer date but authored after: not either; both before: bound."""
     out, preset = _study(tmp_path, 6)
     now = time.time()
     commit(preset.parent, preset, now - 3600, committed=now + 3600)
     record_runs(out, preset, started=now)
     text, pre = _report(out, preset, list(range(6)))
+    _refuses(text, pre, "the declaration was committed (")
+    assert pre["commit_time"] == int(now + 3600)
+    preset.write_text(preset.read_text() + "# again\n")
+    commit(preset.parent, preset, now + 3600, committed=now - 3600)
+    record_runs(out, preset, started=now)
+    _refuses(*_report(out, preset, list(range(6))), "the declaration was committed (")
+    preset.write_text(preset.read_text() + "# and again\n")
+    commit(preset.parent, preset, now - 7200, committed=now - 3600)
+    record_runs(out, preset, started=now)
+    text, pre = _report(out, preset, list(range(6)))
+    assert pre["preregistered"] is True and pre["commit_time"] == int(now - 3600), pre.get("why_not")
+
+
+def _add_run(out: Path, variant: str, seed: int) -> None:
+    """One more finished run, ``<variant>-s<seed>``, under ``out``."""
+    _runs(out / "more", {variant: [0.7] * (seed + 1)})
+    (out / "more" / f"{variant}-s{seed}").rename(out / f"{variant}-s{seed}")
+    shutil.rmtree(out / "more")
+
+
+def test_one_arm_on_undeclared_seeds_is_not_preregistered(tmp_path):
+    """Issue 57 gap 8: GSPO ran the declared seeds 0-5 and an undeclared 6, GRPO only 0-5: the seeds
+    both arms share are the declared ones, but what is analysed is not (seed 6 is named)."""
+    out, preset = _study(tmp_path, 6)
+    _add_run(out, "gspo", 6)
+    commit(preset.parent, preset, time.time() - 3600)
+    record_runs(out, preset)
+    _refuses(*_report(out, preset, list(range(7))), "not declared 6")
+
+
+SECONDARY = PRESET.replace("variants: [gspo, grpo]", "variants: [gspo, grpo, sapo]") + (
+    "secondary:\n  - {metric: acc_final, contrast: sapo - grpo, direction: greater}\n"
+)
+
+
+def test_a_secondary_endpoints_arm_is_seed_checked_too(tmp_path):
+    """Issue 57 gap 8: a secondary endpoint's arm (sapo) with a seed missing: not pre-registered, the
+    seed named, though the primary endpoint's arms have every declared seed."""
+    out, preset = _study(tmp_path, 6, SECONDARY)
+    _runs(out, {"sapo": [0.6] * 5})  # seeds 0-4
+    commit(preset.parent, preset, time.time() - 3600)
+    record_runs(out, preset)
+    text = write_report(
+        out, ["gspo", "grpo", "sapo"], list(range(6)), Config(**TINY), preset=load_preset(str(preset))
+    ).read_text()
+    pre = json.loads((out / "summary.json").read_text())["preregistration"]
+    _refuses(text, pre, "missing 5")
+    _add_run(out, "sapo", 5)
+    record_runs(out, preset)
+    text = write_report(
+        out, ["gspo", "grpo", "sapo"], list(range(6)), Config(**TINY), preset=load_preset(str(preset))
+    ).read_text()
+    assert json.loads((out / "summary.json").read_text())["preregistration"]["preregistered"] is True
+
+
+def test_the_familys_own_alpha_is_the_level(tmp_path):
+    """Issue 57 gap 8: a family declared at alpha 0.01: the final look's level is 0.01, and the six
+    seeds' exact p = 2/64 = 0.031 (significant at 0.05) is inconclusive there."""
+    out, preset = _study(tmp_path, 6, PRESET.replace("size: 1}", "size: 1, alpha: 0.01}"))
+    commit(preset.parent, preset, time.time() - 3600)
+    record_runs(out, preset)
+    _, pre = _report(out, preset, list(range(6)))
+    assert pre["preregistered"] is True and pre["level"] == pytest.approx(0.01)
+    assert pre["results"][0]["p_adj"] == pytest.approx(2 / 64)
+    assert pre["results"][0]["verdict"] == "inconclusive"
+
+
+def test_a_declaration_committed_in_the_same_second_as_the_first_start_is_not_before_it(tmp_path):
+    """Issue 57 gap 8: commit and first start in the same second (git keeps whole seconds): the
+    declaration does not precede the runs; one second earlier it does."""
+    out, preset = _study(tmp_path, 6)
+    when = int(time.time()) - 3600
+    commit(preset.parent, preset, when)
+    record_runs(out, preset, started=float(when))
+    _refuses(*_report(out, preset, list(range(6))), "the declaration was committed (")
+    record_runs(out, preset, started=float(when + 1))
+    assert _report(out, preset, list(range(6)))[1]["preregistered"] is True
+
+
+def test_declared_at_compares_the_seeds_too(tmp_path):
+    """Issue 57 gap 8: ``declared_at`` names the commit the declaration was made at; the report says
+    whether the file there declares the same thing: not when only its seeds differ."""
+    out, preset = _study(tmp_path, 6)
+    repo = preset.parent
+    preset.write_text(PRESET.replace("[0, 1, 2, 3, 4, 5]", "[0, 1, 2, 3, 4, 5, 6]"))
+    commit(repo, preset, time.time() - 7200)
+    first = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    preset.write_text(PRESET + f"declared_at: {first.stdout.strip()}\n")
+    declare(preset)
+    commit(repo, preset, time.time() - 3600)
+    record_runs(out, preset)
+    text, pre = _report(out, preset, list(range(6)))
     assert pre["preregistered"] is True, pre.get("why_not")
-    assert pre["commit_time"] == int(now - 3600)
+    assert "(same declaration there: False)" in text
+    preset.write_text(PRESET + "# a comment\n")  # the same declaration, other bytes
+    commit(repo, preset, time.time() - 7000)
+    second = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    preset.write_text(PRESET + f"declared_at: {second.stdout.strip()}\n")
+    declare(preset)
+    commit(repo, preset, time.time() - 3600)
+    record_runs(out, preset)
+    assert "(same declaration there: True)" in _report(out, preset, list(range(6)))[0]
 
 
 INTERIM = PRESET.replace("family:", "interim: {seeds: 3, spending: obrien-fleming}\nfamily:")

@@ -55,6 +55,7 @@ def test_interaction_and_secondary_endpoints_are_tested_and_adjusted(tmp_path):
     text, pre = report()  # not bound yet: numbers, no verdicts
     assert pre["preregistered"] is False and all(r["verdict"] is None for r in pre["secondary_results"])
     bind(out, preset)
+    p = load_preset(str(preset))  # as declared: its resolved config added by bind
     text, pre = report()
     inter = [
         (FINALS["gspo"][s] - FINALS["grpo"][s]) - (FINALS["gspo_dense"][s] - FINALS["grpo_dense"][s])
@@ -75,6 +76,10 @@ def test_interaction_and_secondary_endpoints_are_tested_and_adjusted(tmp_path):
     assert [r["p_adj"] for r in sec] == pytest.approx(holm(raw, 3))
     assert sec[0]["p_perm"] == pytest.approx(2 / 64) and sec[0]["p_adj"] == pytest.approx(3 * 2 / 64)
     assert [r["verdict"] for r in sec] == ["inconclusive"] * 3  # bound: verdicts, from Holm over 3
+    # the claims table names a secondary endpoint's verdict as such, and says why it may carry one
+    row = next(ln for ln in text.splitlines() if ln.startswith("| GSPO ends with higher held-out accuracy"))
+    assert "pre-registered secondary: **inconclusive**" in row
+    assert "as a primary endpoint (above)" not in text and "(primary, or secondary in its own" in text
     assert pre["secondary_family"]["size"] == 3
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from gspo.errors import GspoError
-from gspo.study.presets import declaration, list_presets, load_preset
+from gspo.study.binding import declaration
+from gspo.study.presets import list_presets, load_preset
 
 DECLARED = """
 description: d
@@ -79,6 +80,7 @@ def test_old_presets_are_exploratory_and_new_ones_declared():
     assert families == {
         "clip-mechanism": ["confirm-clip-mechanism"],
         "moe-interaction": ["confirm-moe-interaction"],
+        "routing-replay-control": ["confirm-routing-replay-control"],
     }
     moe = load_preset("confirm-moe-interaction")  # declared, not yet run (issue 46 item 3)
     assert moe.primary[0].contrast == "(gspo - grpo) - (gspo_dense - grpo_dense)" and moe.family.size == 1

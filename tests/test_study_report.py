@@ -49,8 +49,9 @@ def test_study_adjusts_a_family_over_every_folder(tmp_path):
     for k, gap in enumerate([0.2, 0.1]):
         d = tmp_path / f"r{k}"
         _runs(d, {"gspo": [0.5 + gap + 0.01 * s for s in seeds], "grpo": [0.5 + 0.01 * s for s in seeds]})
-        bind(d, Path(_preset(tmp_path, f"r{k}")))  # committed before the runs, which record it
-        preset = load_preset(_preset(tmp_path, f"r{k}"))
+        path = Path(_preset(tmp_path, f"r{k}"))
+        bind(d, path)  # committed before the runs, which record it
+        preset = load_preset(str(path))
         text = write_report(d, ["gspo", "grpo"], list(seeds), Config(**TINY), preset=preset).read_text()
         assert "| acc_final: gspo - grpo > 0 | 6 |" in text and "0.094 | **inconclusive** |" in text
         dirs.append(str(d))
@@ -147,8 +148,9 @@ def test_a_preset_report_adjusts_over_the_declared_family_never_what_is_on_disk(
     for k, gaps in enumerate([[0.1] * 6, [0.1] * 5 + [0.0]]):
         d = tmp_path / f"r{k}"
         _runs(d, {"gspo": [0.5 + g for g in gaps], "grpo": [0.5] * 6})
-        bind(d, Path(_preset(tmp_path, f"r{k}")))
-        preset = load_preset(_preset(tmp_path, f"r{k}"))
+        path = Path(_preset(tmp_path, f"r{k}"))
+        bind(d, path)
+        preset = load_preset(str(path))
         texts.append(write_report(d, ["gspo", "grpo"], seeds, Config(**TINY), preset=preset).read_text())
     pre = json.loads((tmp_path / "r1" / "summary.json").read_text())["preregistration"]
     assert pre["results"][0]["p_perm"] == pytest.approx(4 / 64)
@@ -162,7 +164,11 @@ def test_a_preset_report_adjusts_over_the_declared_family_never_what_is_on_disk(
 
     shutil.rmtree(tmp_path / "r0")  # the sibling gone: r1's report is the same
     again = write_report(
-        tmp_path / "r1", ["gspo", "grpo"], seeds, Config(**TINY), preset=load_preset(_preset(tmp_path, "r1"))
+        tmp_path / "r1",
+        ["gspo", "grpo"],
+        seeds,
+        Config(**TINY),
+        preset=load_preset(str(tmp_path / "r1.yaml")),
     )
     assert (
         json.loads((tmp_path / "r1" / "summary.json").read_text())["preregistration"]["results"]

@@ -224,5 +224,54 @@ def test_a_failing_tracker_is_dropped_with_one_line(tmp_path, capsys, monkeypatc
     assert [t.name for t in logger.trackers] == ["tensorboard"]
     logger.close()
     err = capsys.readouterr().err
-    assert err == "gspo: report_to wandb: tracker server gone (details); no longer logging to it\n"
+    assert err == "gspo: report_to wandb: tracker server gone; no longer logging to it\n"
     assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_tensorboard_on_resume_purges_only_the_steps_after_the_checkpoint(tmp_path):
+    """Issue 57 gap 10: a run logged steps 0-3 and resumes from the checkpoint of step 2: TensorBoard
+    drops the lost step 3 (logged again by the resumed run) and keeps step 2's points, which the
+    resumed run does not log again."""
+    from gspo.training.trackers import TensorBoard
+
+    (tmp_path / "r").mkdir()
+    tb = TensorBoard(tmp_path / "r", {"lr": 1e-3}, None)
+    for step in range(4):
+        tb.log(step, {"a": float(step)})
+    tb.close()
+    tb = TensorBoard(tmp_path / "r", {"lr": 1e-3}, 2)
+    tb.log(3, {"a": 30.0})
+    tb.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "r" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("a")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_trackers_started_before_one_that_fails_to_start_are_closed(tmp_path, monkeypatch):
+    """Issue 57 gap 10: ``report_to: tensorboard,wandb`` where W&B cannot start (here: raises in its
+    constructor): one line naming it, and TensorBoard, already started, is closed (its writer
+    flushed and its thread stopped), not left open."""
+    from gspo.errors import GspoError
+    from gspo.training import trackers
+
+    closed = []
+
+    class Closing(trackers.TensorBoard):
+        def close(self):
+            closed.append(self.name)
+            super().close()
+
+    class FailsToStart(trackers.TensorBoard):
+        name = "wandb"
+
+        def __init__(self, run_dir, config, resume_step):
+            raise ConnectionError("no server")
+
+    monkeypatch.setitem(trackers.TRACKERS, "tensorboard", Closing)
+    monkeypatch.setitem(trackers.TRACKERS, "wandb", FailsToStart)
+    (tmp_path / "r").mkdir()
+    with pytest.raises(GspoError, match="^report_to wandb: cannot start: no server$"):
+        trackers.open_trackers(["tensorboard", "wandb"], tmp_path / "r", {"lr": 1e-3}, None)
+    assert closed == ["tensorboard"]

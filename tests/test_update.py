@@ -4,11 +4,11 @@ import copy
 
 import pytest
 import torch
+from step_helpers import plan_update
 
 from gspo.config import Config
 from gspo.data import TrainBatch, left_pad
 from gspo.model.logprobs import response_logprobs
-from gspo.resolve import plan_update
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.training.update import policy_update
 
@@ -250,14 +250,14 @@ def test_prefix_sharing_on_needs_a_model_that_takes_4d_masks():
     error naming the field; ``auto`` falls back to per-row sequences."""
     from gspo.errors import GspoError
     from gspo.model.load import load_model_and_tokenizer
-    from gspo.resolve import choose_layout as _layout
+    from gspo.resolve import choose_layout, layout_plan
 
     model, _ = load_model_and_tokenizer("embedded:tiny-dense")
-    assert _layout(model, Config(prefix_sharing="auto").validate()) == "shared_prefix"
+    assert choose_layout(model, layout_plan(Config(prefix_sharing="auto").validate())) == "shared_prefix"
     model.config._attn_implementation_internal = "flex_attention"
-    assert _layout(model, Config(prefix_sharing="auto").validate()) == "rows"
+    assert choose_layout(model, layout_plan(Config(prefix_sharing="auto").validate())) == "rows"
     with pytest.raises(GspoError, match="config field 'prefix_sharing': 'on' needs a model"):
-        _layout(model, Config(prefix_sharing="on").validate())
+        choose_layout(model, layout_plan(Config(prefix_sharing="on").validate()))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bloom"])
@@ -268,7 +268,7 @@ def test_other_architectures_get_a_layout_that_is_exact(arch):
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from gspo.model.logprobs import shared_prefix_is_exact, takes_additive_mask
-    from gspo.resolve import choose_layout as _layout
+    from gspo.resolve import choose_layout, layout_plan
 
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -278,7 +278,7 @@ def test_other_architectures_get_a_layout_that_is_exact(arch):
     else:
         model = BloomForCausalLM(BloomConfig(vocab_size=40, hidden_size=32, n_layer=2, n_head=4))
     model.eval()  # GPT-2 has dropout
-    layout = _layout(model, Config().validate())
+    layout = choose_layout(model, layout_plan(Config().validate()))
     assert layout == ("shared_prefix" if arch == "gpt2" else "rows")
     assert takes_additive_mask(model) == shared_prefix_is_exact(model) == (arch == "gpt2")
     p_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
@@ -401,7 +401,7 @@ def test_attn_implementation_is_read_where_transformers_sets_it():
             ),
         ),
         (
-            dict(algo="sapo", eps_low=2.0),
+            dict(algo="sapo", sapo_tau_neg=2.0),
             dict(loss_kwargs=(("tau_neg", 2.0), ("tau_pos", 1.0)), aggregation=None),
         ),
         (

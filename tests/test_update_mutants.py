@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_helpers import plan_update
 
 from gspo.config import Config
 from gspo.data import TrainBatch, left_pad
 from gspo.model.logprobs import response_logprobs
-from gspo.plans import CapacityPlan
-from gspo.resolve import dist_plan, plan_update
+from gspo.resolve import capacity_plan, dist_plan
 from gspo.rollout.hf import HFRolloutEngine
 from gspo.training import update as U
 from gspo.training.update import policy_update
@@ -238,7 +238,7 @@ def test_weight_sync_estimate_is_twice_the_largest_piece_and_covers_the_measured
             model = build(*size)
         layer = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers) * 4
         embed = model.get_input_embeddings().weight.numel() * 4
-        sync = estimate(CapacityPlan.of(cfg), Shape.from_config(model.config.to_dict()), 1).sync
+        sync = estimate(capacity_plan(cfg), Shape.from_config(model.config.to_dict()), 1).sync
         assert sync == 2 * max(layer, embed), (
             f"{name}: sync {sync} B, not 2 x max(layer {layer}, embedding {embed})"
         )

@@ -117,6 +117,8 @@ def test_colocation_uses_the_external_launcher_under_torchrun(torchrun, monkeypa
     assert vc.colocation(plan, config, "m") == {
         "distributed_executor_backend": "external_launcher",
         "tensor_parallel_size": 2,
+        "distributed_timeout_seconds": 120 * 60,  # every group vLLM makes waits dist_timeout_min
+        "cpu_distributed_timeout_seconds": 120 * 60,
     }
     monkeypatch.delenv("LOCAL_RANK")
     assert "LOCAL_RANK" in _one_line_error("torchrun", vc.colocation, plan, config, "m")

@@ -17,7 +17,11 @@ import pytest  # noqa: E402
 
 vllm = pytest.importorskip("vllm")
 
+import functools  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -67,6 +71,94 @@ def test_vllm_trajectories_masks_and_logprobs_equal_the_trainers(layout):
     assert ((m + o).sum(-1) <= 40).all() and (eb.sampler_logp_BT[~m.bool()] == 0).all()
     p_ids, p_mask = left_pad(eb.prompt_ids, tok.pad_token_id)
     lay = make_layout(p_ids, p_mask, eb.response_ids_BT, m, layout, torch.float32, obs_mask_BT=o)
+    with torch.no_grad():
+        logp = response_logprobs(model, p_ids, p_mask, eb.response_ids_BT, m, layout=lay)
+    assert (logp - eb.sampler_logp_BT).abs().max() < TOL
+
+
+class _Latent:
+    """Answers every turn after a latency drawn from its own generator, seeded by (``seed``, the
+    trajectory's index, the turn); ``log`` gets (trajectory, turn) as each step finishes."""
+
+    def __init__(self, index, seed, log):
+        self.index, self.seed, self.log, self.turn = index, seed, log, 0
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, model_turn):
+        self.turn += 1
+        time.sleep(random.Random(f"{self.seed}/{self.index}/{self.turn}").random() * 0.03)
+        self.log.append((self.index, self.turn))
+        return Step("=12 ", 0.5)
+
+
+@torch.no_grad()
+def _likely_eos(model, tok, logit):
+    """EOS's (tied) embedding row along the hidden states' mean direction: turns end at EOS."""
+    ids = torch.randint(3, len(tok), (16, 16), generator=torch.Generator().manual_seed(1))
+    h = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
+    model.get_output_embeddings().weight[tok.eos_token_id] = logit * h / h.norm() ** 2
+
+
+class _Submissions:
+    """vLLM's own LLMEngine, noting at each ``add_request`` whether other requests were running."""
+
+    def __init__(self, engine):
+        self.engine, self.while_running, self.real = engine, [], engine.add_request
+
+    def __enter__(self):
+        def add_request(*a, **k):
+            self.while_running.append(self.engine.has_unfinished_requests())
+            return self.real(*a, **k)
+
+        self.engine.add_request = add_request
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.add_request
+
+
+@pytest.mark.parametrize("tick", [1, 4])
+def test_vllm_turns_are_requests_and_tool_latencies_never_change_them(tick):
+    """With the environment's steps in a pool, each turn is a request of its own to vLLM's engine,
+    submitted while other trajectories' requests decode; with every tool latency re-drawn and with
+    8 or 1 workers, the trajectories (ids, masks, log-probs, rewards, turns) are bit-identical though
+    the steps finished in another order; the sampler's log-probs equal the trainer's."""
+    model, tok = load_model_and_tokenizer("embedded:tiny-dense-h32", seed=0)
+    model.eval()
+    _likely_eos(model, tok, 2.5)
+    plan = engine_plan(
+        Config(rollout_engine="vllm", model="embedded:tiny-dense-h32", dtype="float32", seed=0,
+               max_prompt_tokens=16, max_new_tokens=12, env="x", max_trajectory_tokens=40)
+    )  # fmt: skip
+    eng = VLLMRolloutEngine.from_trainer(plan, model, tok, block_size=32)
+    ex = [Example(p, "") for p in ["rev:123=", "rev:4567=", "rev:89="] for _ in range(6)]
+    ids = [tok(e.prompt, add_special_tokens=False).input_ids for e in ex]
+    runs, logs = [], []
+    try:
+        with _Submissions(eng.llm.llm_engine) as subs:
+            for workers, lat_seed in ((8, 1), (8, 2), (1, 3)):
+                eng.reseed(5)
+                logs.append([])
+                make = functools.partial(_Latent, seed=lat_seed, log=logs[-1])
+                index = itertools.count()
+                spec = EnvSpec(
+                    lambda m=make, i=index: m(next(i)), "latent", None, workers=workers, tick_steps=tick
+                )
+                runs.append(run_episodes(eng, tok, spec, ex, ids, Limits(4, 12, 40), 1.0))
+    finally:
+        eng.close()
+    assert logs[0] != logs[1] and sorted(logs[0]) == sorted(logs[1])  # the same steps, in another order
+    for f in ("response_ids_BT", "response_mask_BT", "obs_mask_BT", "sampler_logp_BT", "reward_B", "turns_B"):
+        assert all(torch.equal(getattr(runs[0], f), getattr(r, f)) for r in runs[1:]), f
+    eb = runs[0]
+    m, o = eb.response_mask_BT, eb.obs_mask_BT
+    assert (eb.turns_B >= 3).sum() >= 3 and o.sum() > 0
+    assert len(subs.while_running) == 3 * (len(ex) + int(eb.turns_B.sum()) - len(ex))  # a request per turn
+    assert sum(subs.while_running) >= 3 * 5  # later turns joined requests still decoding
+    p_ids, p_mask = left_pad(eb.prompt_ids, tok.pad_token_id)
+    lay = make_layout(p_ids, p_mask, eb.response_ids_BT, m, "rows", torch.float32, obs_mask_BT=o)
     with torch.no_grad():
         logp = response_logprobs(model, p_ids, p_mask, eb.response_ids_BT, m, layout=lay)
     assert (logp - eb.sampler_logp_BT).abs().max() < TOL

@@ -75,3 +75,33 @@ cp runs/clip-separation/{report.md,summary.json,per_seed.csv,timing.json,warm_st
 gspo compare --preset confirm-moe-interaction --workers 2 --threads 1 --out runs/confirm-moe-interaction
 mkdir -p docs/stability/confirm-moe-interaction
 cp runs/confirm-moe-interaction/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-moe-interaction/*.png docs/stability/confirm-moe-interaction/
+
+# Expert volatility calibration (issue 59 step 1; seeds 9000-9001, outside every study), 2026-12-07,
+# one run at a time: benchmarks/volatility_calibration.{json,png}
+python benchmarks/volatility_calibration.py --phase all --seeds 9000 --work runs/volatility-calibration
+python benchmarks/volatility_calibration.py --phase choice --seeds 9000,9001 --work runs/volatility-calibration
+python benchmarks/volatility_calibration.py --write --work runs/volatility-calibration
+
+# The positive control (issue 59 step 2; family routing-replay-control, 2 primary endpoints, seeds
+# 600-615; declared at 1997abd), run 2026-12-07 from a frozen worktree of ae95b71 in batches of two
+# seeds (a stop leaves complete pairs; the next batch resumes); partial: 600-609 so far
+for b in 600,601 602,603 604,605 606,607 608,609 610,611 612,613 614,615; do
+  gspo compare --preset confirm-routing-replay-control --seeds $b --workers 2 --threads 1 --out runs/confirm-routing-replay-control
+done
+gspo compare --preset confirm-routing-replay-control --workers 2 --threads 1 --out runs/confirm-routing-replay-control
+mkdir -p docs/stability/confirm-routing-replay-control
+cp runs/confirm-routing-replay-control/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-routing-replay-control/*.png docs/stability/confirm-routing-replay-control/
+
+# The trust-region family beside GSPO and GRPO (issue 58 item 3; exploratory, no endpoint, seeds 0-7),
+# run 2026-12-07 from a frozen worktree of d11d7d1: 104.6 min (the first ~35 min beside the test suite);
+# its twin at lr 1e-3 on seeds 0-3 (the warm starts shared), the same day and worktree; the presets'
+# pairs (each new arm - gspo and - grpo) added after the runs, the reports re-written by the same
+# commands (every run reused); lr 1e-3's seeds 4-7 the next session from a worktree of 4f67c96 (its
+# src/gspo is d11d7d1's but for those pairs), the same command without --seeds (seeds 0-3 reused)
+gspo compare --preset trust-region --workers 2 --out runs/compare-trust-region
+gspo compare --preset trust-region-lr-1e-3 --seeds 0,1,2,3 --workers 2 --out runs/compare-trust-region-lr-1e-3
+gspo compare --preset trust-region-lr-1e-3 --workers 2 --out runs/compare-trust-region-lr-1e-3
+for p in trust-region trust-region-lr-1e-3; do
+  mkdir -p docs/stability/$p
+  cp runs/compare-$p/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/compare-$p/*.png docs/stability/$p/
+done

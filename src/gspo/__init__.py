@@ -12,10 +12,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# imported now: the function shares its module's name, and a later import of the module
-# would otherwise leave ``gspo.loss_inputs`` naming the module
-from gspo.loss_inputs import LossInputs, loss_inputs
-
 __all__ = [
     "LOSSES",
     "Config",
@@ -23,12 +19,16 @@ __all__ = [
     "LossOutput",
     "LossSpec",
     "cispo_loss",
+    "clip_cov_loss",
+    "dppo_kl_loss",
+    "dppo_tv_loss",
     "gmpo_loss",
     "group_advantages",
     "grpo_loss",
     "grpo_seq_mask_loss",
     "gspo_loss",
     "gspo_token_loss",
+    "kl_cov_loss",
     "loss_inputs",
     "luspo_loss",
     "sapo_loss",
@@ -37,9 +37,10 @@ __all__ = [
     "vespo_loss",
 ]
 __version__ = "0.1.0"
-# each name imported on first use -> its module: these three, and the rest of ``__all__`` (but the two
-# imported above) from gspo.losses
-_EXPORTS = {n: "gspo.losses" for n in __all__ if n not in ("LossInputs", "loss_inputs")} | {
+# each name imported on first use -> its module: these five, and the rest of ``__all__`` from gspo.losses
+_EXPORTS = {n: "gspo.losses" for n in __all__} | {
+    "LossInputs": "gspo.loss_prologue",
+    "loss_inputs": "gspo.loss_prologue",
     "Config": "gspo.config",
     "train": "gspo.launch",
     "group_advantages": "gspo.advantages",
@@ -49,16 +50,21 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from gspo.advantages import group_advantages
     from gspo.config import Config
     from gspo.launch import train
+    from gspo.loss_prologue import LossInputs, loss_inputs
     from gspo.losses import (
         LOSSES,
         LossOutput,
         LossSpec,
         cispo_loss,
+        clip_cov_loss,
+        dppo_kl_loss,
+        dppo_tv_loss,
         gmpo_loss,
         grpo_loss,
         grpo_seq_mask_loss,
         gspo_loss,
         gspo_token_loss,
+        kl_cov_loss,
         luspo_loss,
         sapo_loss,
         sapo_token_loss,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.plans import CapacityPlan
 
 # what a decoder layer keeps per token, relative to the per-projection count (fitted: see module doc)
@@ -48,6 +48,15 @@ ATTN_TRANSIENT = 3
 LM_HEAD_BUFFERS = 2  # [chunk, V] float32 buffers of the chunked LM head
 HF_GENERATION_CHUNK = 256  # rows the HF engine samples at once (gspo.rollout.hf)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# what vLLM's share holds besides its weights and KV cache, taken off the cache's capacity (GiB):
+# vLLM (0.32) sizes the cache as its share less all its instance consumed once made: its weights,
+# memory outside PyTorch (cuBLAS and NCCL workspaces), its profile run's peak (the activations of
+# max_num_batched_tokens tokens, the sampler's logits for max_num_seqs rows) and, measured or not,
+# its CUDA graphs; and a process's CUDA context (about 0.5 GiB) lies outside every allocator. An
+# allowance for vLLM's defaults, not measured by gspo (no GPU here): benchmarks/gpu_check.sh's vLLM
+# step prints vLLM's own "Available KV cache memory" beside the plan's
+CUDA_CONTEXT_GIB = 0.5
+VLLM_NON_KV_GIB = 1.5
 MAX_MODEL_CONFIG_BYTES = 16 << 20  # an HF config.json is a few kB
 MAX_GPU_GB = 1e6  # --gpu-memory-gb: a petabyte per GPU is a typo
 
@@ -195,8 +204,7 @@ def shape_of(spec: str) -> Shape:
                 )
             config = json.loads(path.read_bytes())
         except (OSError, ValueError, RecursionError) as e:
-            msg = " ".join(str(e).split()) or type(e).__name__
-            raise GspoError(f"{where}: cannot read the model's shape ({msg:.200})") from None
+            raise GspoError(f"{where}: cannot read the model's shape ({one_line(e, typed=False)})") from None
         return Shape.from_config(config, where)
     raise GspoError(
         f"config field 'model': {spec!r} is neither an embedded model, a local folder with config.json, "
@@ -206,8 +214,8 @@ def shape_of(spec: str) -> Shape:
 
 def response_tokens(plan: CapacityPlan) -> int:
     """Tokens after the prompt of one sampled sequence: ``max_new_tokens``, or in a multi-turn run
-    (``env``) the whole trajectory's ``max_trajectory_tokens`` (model turns and observations)."""
-    return plan.max_trajectory_tokens if plan.env else plan.max_new_tokens
+    (an environment) the whole trajectory's ``max_trajectory_tokens`` (model turns and observations)."""
+    return plan.max_trajectory_tokens if plan.multi_turn else plan.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -374,7 +382,7 @@ def _sampler(
     section 4)."""
     rb, bw = BYTES[plan.rollout_dtype or plan.dtype], BYTES[plan.dtype]
     sync = 2 * max(shape.layer_params(), shape.vocab * shape.hidden) * bw
-    if plan.engine.gpu_share:
+    if plan.engine_spec.gpu_share:
         own = shape.params() * rb / plan.vllm_tensor_parallel_size  # its weights, inside its share
         share = plan.vllm_gpu_memory_utilization * gpu_bytes if gpu_bytes else shape.params() * rb
         sleeps = _sleeps(gpu_bytes)  # asleep (level 2) in the update; only its weights woken for a sync
@@ -388,7 +396,7 @@ def _sampler(
     rows = min(HF_GENERATION_CHUNK, max(1, plan.prompts_per_step * plan.group_size // world))
     kv = rows * (plan.max_prompt_tokens + response_tokens(plan)) * 2 * shape.layers * shape.kv_dim * rb
     logits = rows * shape.vocab * 4 * 2
-    if plan.engine.copies_weights(
+    if plan.engine_spec.copies_weights(
         plan.dtype, plan.rollout_dtype
     ):  # a whole copy in the sampler's dtype, kept
         copy = shape.params() * rb
@@ -416,7 +424,7 @@ def sampler_side(plan: CapacityPlan, shape: Shape, gpu_bytes: float) -> tuple[li
     rb, K = BYTES[plan.rollout_dtype or plan.dtype], plan.async_staleness
     model = shape.params() * rb
     buffers = (K + 1) * model
-    if plan.engine.gpu_share:
+    if plan.engine_spec.gpu_share:
         engine, what = plan.vllm_gpu_memory_utilization * gpu_bytes, "vLLM's share (its weights inside)"
     else:
         rows = min(HF_GENERATION_CHUNK, max(1, plan.prompts_per_step * plan.group_size))
@@ -424,14 +432,14 @@ def sampler_side(plan: CapacityPlan, shape: Shape, gpu_bytes: float) -> tuple[li
         engine, what = kv + rows * shape.vocab * 4 * 2, "HF engine: KV cache and logits"
     peak = model + buffers + engine
     lines = [
-        f"sampler side ({plan.rollout_devices}, one process, {plan.engine.name} engine, "
+        f"sampler side ({','.join(plan.rollout_devices)}, one process, {plan.engine_spec.name} engine, "
         f"{plan.rollout_dtype or plan.dtype}):",
         f"  model                   {gib(model)}",
         f"  received versions       {gib(buffers)}   (K+1 = {K + 1} buffers a thread fills while it samples)",
         f"  engine                  {gib(engine)}   ({what})",
         f"  sampler peak            {gib(peak)}"
         + (f" of {gpu_bytes / 2**30:.1f} GiB: {'fits' if peak <= gpu_bytes else 'does NOT fit'}"
-           if not str(plan.rollout_devices).startswith("cpu") else " (host memory)"),
+           if not plan.rollout_devices[:1] == ("cpu",) else " (host memory)"),
         "trainer side (the GPUs below): no sampler; a version crosses one tensor at a time"
         f" ({gib(transfer_piece(plan, shape)).strip()} at most, in the weight sync)",
     ]  # fmt: skip
@@ -467,18 +475,21 @@ def kv_bytes_per_token(plan: CapacityPlan, shape: Shape) -> float:
 
 
 def kv_lines(plan: CapacityPlan, shape: Shape, world: int, kv_bytes: float) -> list[str]:
-    """vLLM's KV-cache capacity in tokens (its share less its weights: at most, before its activations
-    and CUDA graphs) beside the tokens one step's rollout asks of each rank (its instance's rows x
+    """vLLM's KV-cache capacity in tokens (its share less its weights, ``kv_bytes``, less the CUDA
+    context and vLLM's memory outside the cache: :data:`VLLM_NON_KV_GIB`; at most) beside the tokens
+    one step's rollout asks of each rank (its instance's rows x
     prompt + response); a warning line when the batch asks more: vLLM then preempts and recomputes
     sequences (slower, not a failure)."""
     per_token = kv_bytes_per_token(plan, shape)
+    kv_bytes -= (CUDA_CONTEXT_GIB + VLLM_NON_KV_GIB) * 2**30  # see the constants
     capacity = max(0.0, kv_bytes) / per_token
     rows = plan.prompts_per_step * plan.group_size // world * plan.vllm_tensor_parallel_size
     asked = rows * (plan.max_prompt_tokens + response_tokens(plan))
     lines = [
-        f"vLLM KV cache per rank at most {kv_bytes / 2**30:.1f} GiB: {capacity / 1e3:,.0f}k tokens at "
-        f"{per_token / 2**10:.0f} KiB per token; a step asks up to {asked / 1e3:,.0f}k ({rows} rows x "
-        f"{plan.max_prompt_tokens}+{response_tokens(plan)} tokens)"
+        f"vLLM KV cache per rank at most {max(0.0, kv_bytes) / 2**30:.1f} GiB (its share less its weights "
+        f"and {CUDA_CONTEXT_GIB + VLLM_NON_KV_GIB:g} GiB of CUDA context, activations and graphs): "
+        f"{capacity / 1e3:,.0f}k tokens at {per_token / 2**10:.0f} KiB per token; a step asks up to "
+        f"{asked / 1e3:,.0f}k ({rows} rows x {plan.max_prompt_tokens}+{response_tokens(plan)} tokens)"
     ]
     if asked > capacity:
         lines.append(
@@ -539,7 +550,7 @@ def report(
     gib = lambda b: f"{b / 2**30:8.1f} GiB"  # noqa: E731
     sharded = plan.parallel == "fsdp" and gpus > 1
     P, T = plan.max_prompt_tokens, response_tokens(plan)
-    vllm = plan.engine.gpu_share
+    vllm = plan.engine_spec.gpu_share
     states = e.weights + e.optimizer
     side = sampler_side(plan, shape, gpu_bytes) if plan.rollout_devices else ([], 0.0)
     lines = [
@@ -568,7 +579,7 @@ def report(
            else f"the HF engine's {plan.rollout_dtype} copy" if e.sampler_kept else "none")
         + ")",
         f"  update peak             {gib(e.update_peak)}",
-        f"per GPU, rollout ({plan.engine.name} engine):",
+        f"per GPU, rollout ({plan.engine_spec.name} engine):",
         f"  weights + AdamW moments {gib(states)}",
         f"  sampler                 {gib(e.sampler)}",
         f"  rollout peak            {gib(e.rollout_peak)}",
@@ -580,7 +591,7 @@ def report(
     ]  # fmt: skip
     lines[1:1] = side[0]  # rollout devices: the sampler's GPU first, then the trainer's
     fits = e.peak <= gpu_bytes  # no margin: every measured estimate was at or below the truth
-    fits = fits and (side[1] <= gpu_bytes or str(plan.rollout_devices).startswith("cpu"))
+    fits = fits and (side[1] <= gpu_bytes or plan.rollout_devices[:1] == ("cpu",))
     worst = max(e.phases().items(), key=lambda kv: kv[1])[0]
     verdict = "fits" if fits else "does NOT fit"
     if vllm:
@@ -588,10 +599,11 @@ def report(
         tp, kv = plan.vllm_tensor_parallel_size, shape.kv_heads
         copies = f"; tensor parallel {tp} over {kv} KV heads: each on {tp // kv} ranks" if tp > kv else ""
         lines.append(f"vLLM weights in its share {gib(need).strip()} of {gib(e.sampler).strip()}{copies}")
-        if need >= e.sampler:
+        if need + (CUDA_CONTEXT_GIB + VLLM_NON_KV_GIB) * 2**30 >= e.sampler:  # no KV cache at all
             fits, verdict = (
                 False,
-                "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights)",
+                "does NOT fit (vllm_gpu_memory_utilization leaves vLLM no room for its weights, "
+                "activations and KV cache)",
             )
         lines += kv_lines(plan, shape, gpus, e.sampler - need)
     lines.append(f"peak {gib(e.peak).strip()} ({worst}) of {gpu_bytes / 2**30:.1f} GiB per GPU: {verdict}")

@@ -99,7 +99,7 @@ def check_layout(plan: CapacityPlan, shape: Shape, link: Link) -> None:
     group is consecutive ranks, which must lie on one node), expert parallelism on a dense model,
     without FSDP2, or not dividing the experts or the world."""
     tp = plan.vllm_tensor_parallel_size
-    if plan.engine.tensor_parallel and link.gpus_per_node % tp:
+    if plan.engine_spec.tensor_parallel and link.gpus_per_node % tp:
         why = "greater than" if tp > link.gpus_per_node else "does not divide"
         raise _bad(
             "vllm_tensor_parallel_size",
@@ -228,17 +228,15 @@ def recomputes_pi_old(plan: CapacityPlan) -> bool:
 def forward_only_batches(plan: CapacityPlan, shape: Shape, per_minibatch: int) -> int:
     """Forward-only micro-batches of one update, ``per_minibatch`` micro-batches to a minibatch
     (:func:`gspo.training.update.record_pi_old` and ``measure_volatility`` restated without a model;
-    tests/test_plan_nodes.py checks it against :func:`gspo.resolve.plan_update`): minibatch 0's
+    tests/test_plan_nodes.py checks it against :func:`gspo.resolve.for_model`'s plan): minibatch 0's
     training forward is pi_old's; minibatches 1.. get one when the trainer's pi_old is needed
     (recomputed, or for the mismatch correction) or pi_old's routing (the volatility minibatch, R2);
     under R3 one without replay wherever pi_old's own routing is needed; volatility measured after
     the first step (one minibatch, or a replay) costs one forward of its minibatch."""
     n, moe = plan.num_minibatches, bool(shape.experts)
-    replay = None
-    if moe and plan.routing_replay:
-        replay = "R3" if plan.routing_replay_source == "rollout" else "R2"
-    vol_i = (1 if n > 1 else 0) if moe and plan.log_volatility else None
-    trainer = recomputes_pi_old(plan) or plan.mismatch_correction != "none"
+    replay = plan.replay if moe else None
+    vol_i = (1 if n > 1 else 0) if moe and plan.volatility else None
+    trainer = plan.trainer_pi_old
     count = 0
     for i in range(n):
         own = i == vol_i or (replay == "R2" and i > 0)
@@ -298,7 +296,7 @@ def traffic(plan: CapacityPlan, shape: Shape, link: Link, ep: int | None = None)
     forward = micro_batch_moves(shape, link, ep, tokens, compute, reduce, False, False, gloo)
     # the sampler needs every weight: vLLM and the HF engine's own copy get them in the trainer's
     # dtype, the HF engine sampling from the trainer's module gathers it in the compute dtype
-    copy = plan.engine.copies_weights(plan.dtype, plan.rollout_dtype)
+    copy = plan.engine_spec.copies_weights(plan.dtype, plan.rollout_dtype)
     sync = ring_bytes(shape.params() * (bw if copy else compute), W)
     return Traffic(
         ep, update, update_batches, forward, forward_batches, (_ring("weight sync", sync, link, across),)
@@ -388,7 +386,7 @@ def comm_report(plan: CapacityPlan, shape: Shape, link: Link, gpu_bytes: float |
         nbytes = shape.params() * BYTES[plan.rollout_dtype or plan.dtype]
         lines.append(
             f"  {'to the sampler':<24}{_cell(nbytes, nbytes / link.intra).rstrip()}   (rank 0 alone, every "
-            f"version: one broadcast per tensor to {plan.rollout_devices} in {plan.rollout_dtype or plan.dtype}, "
+            f"version: one broadcast per tensor to {','.join(plan.rollout_devices)} in {plan.rollout_dtype or plan.dtype}, "
             "NVLink rate)"
         )
     lines.append(

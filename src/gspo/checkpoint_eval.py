@@ -119,6 +119,8 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
             f"{path} is a sharded checkpoint (FSDP2, {DCP_DIR}/): write its HF folder with "
             f"`gspo export {path} --out DIR`, then evaluate DIR"
         )
+    if not (folder / "config.json").is_file():
+        raise GspoError(_not_a_model(folder, path))
     run_yaml = run_config_of(folder.resolve())
     saved = load_yaml(str(run_yaml)) if run_yaml else {}
     values = {k: v for k, v in saved.items() if k in EVAL_FIELDS}
@@ -134,3 +136,23 @@ def evaluate_checkpoint(path: str, overrides: dict[str, Any] | None = None) -> d
     out = evaluate(engine, tokenizer, t, encode_prompts(tokenizer, t.eval, prompt_plan(cfg)), score_plan(cfg))
     settings = str(run_yaml) if run_yaml else "defaults"
     return {"checkpoint": path, "task": cfg.task, "n": len(t.eval), "settings": settings, **out}
+
+
+def _not_a_model(folder: Path, path: str) -> str:
+    """Why ``folder`` (which has no config.json) is not a model folder to evaluate, and what is."""
+    from gspo.training.checkpoint_files import FINAL, final_complete, step_folders
+
+    if (folder / "config.yaml").is_file() and (
+        (folder / "metrics.jsonl").exists() or (folder / FINAL).exists() or (folder / "checkpoints").exists()
+    ):
+        if final_complete(folder):
+            fix = f"evaluate its final model: gspo eval {folder / FINAL}"
+        else:
+            steps = step_folders(folder)
+            fix = (
+                f"it has no final model yet; evaluate a checkpoint: gspo eval {steps[-1]}"
+                if steps
+                else "it has neither a final model nor a checkpoint yet"
+            )
+        return f"{path} is a run folder, not a model folder: {fix}"
+    return f"{path} is not a Hugging Face model folder: it has no config.json"

@@ -375,7 +375,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     shape = shape_of(plan.model)
     check_layout(plan, shape, link)
     text, fits = report(plan, plan.model, link.world, gpu, given, link.nodes, shape)
-    launch = launch_lines(link, ns.config, _given_flags(ns, ("nproc",)))
+    # a launch line only for a run that fits: one printed above "does not fit" reads as the way to start it
+    launch = launch_lines(link, ns.config, _given_flags(ns, ("nproc",))) if fits else []
     print("\n".join([text, *comm_report(plan, shape, link, gpu), *launch]))
     if not fits:
         raise GspoError(f"does not fit in {gpu / 2**30:.1f} GiB per GPU ({given}; see the table above)")

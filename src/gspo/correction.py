@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo.loss_inputs import MAX_LOG_RATIO, k3_kl, loss_inputs, ratio_stats, sequence_mean
+from gspo.loss_prologue import MAX_LOG_RATIO, k3_kl, loss_inputs, ratio_stats, sequence_mean
 
 Tensor = torch.Tensor
 
@@ -68,7 +68,7 @@ def sequence_tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, c
     detached; 1 for rows without response tokens. Pass it as a loss's ``weight``: it multiplies that
     sequence's loss term, hence its gradient, exactly. There is no published default for the
     length-normalized ratio (it is much closer to 1 than a token ratio); token-level TIS uses cap = 2
-    (see :func:`token_tis_weights`).
+    (Yao et al., 2025, "Your efficient RL framework secretly brings you off-policy RL training").
 
     Args:
         old_logp: ``[B, T]`` the trainer's log-probs of the sampled tokens under pi_old.
@@ -114,31 +114,6 @@ def token_mask(
     return (mask.detach().bool() & (k_BT >= lo) & (k_BT <= hi)).to(d_BT.dtype)
 
 
-def icepop_weights(
-    old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, lo: float = 0.5, hi: float = 5.0
-) -> Tensor:
-    """IcePop's M(k) = k if lo <= k <= hi else 0, per token -> ``[B, T]``, 0 on padding, detached.
-
-    The masked-and-reweighted form of the Ring-1T objective: ``grpo_loss(..., weight=M)`` is
-    -(1/N) sum_i (1/|y_i|) sum_t M(k_it) min(r_it A, clip(r_it) A) with r_it = pi_theta / pi_old.
-    """
-    keep_BT = token_mask(old_logp, sampler_logp, mask, lo, hi)
-    d_BT, _, _ = _mismatch(old_logp, sampler_logp, mask)
-    return torch.where(keep_BT.bool(), torch.exp(d_BT), torch.zeros_like(d_BT))
-
-
-def token_tis_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float = 2.0) -> Tensor:
-    """Token-level truncated importance sampling: min(k_it, cap) -> ``[B, T]``, 0 on padding, detached.
-
-    For the token-aggregating losses' ``weight``. cap = 2 is the value of Yao et al. (2025, "Your
-    efficient RL framework secretly brings you off-policy RL training").
-    """
-    _check_cap(cap)
-    d_BT, _, _ = _mismatch(old_logp, sampler_logp, mask)
-    valid_BT = mask.detach().bool()
-    return torch.where(valid_BT, torch.exp(d_BT).clamp(max=cap), torch.zeros_like(d_BT))
-
-
 def mismatch_metrics(
     old_logp: Tensor,
     sampler_logp: Tensor,
@@ -170,9 +145,9 @@ def mismatch_metrics(
       tokens in them).
     - ``seq_bounds=(lo, hi)`` (:func:`sequence_mask`): ``seq_mask_frac_seq`` / ``seq_mask_frac_tok``
       (share of sequences dropped, and of tokens in them).
-    - ``token_bounds=(lo, hi)`` (:func:`token_mask`, :func:`icepop_weights`): ``tok_mask_frac_tok``
+    - ``token_bounds=(lo, hi)`` (:func:`token_mask`, IcePop): ``tok_mask_frac_tok``
       (share of tokens dropped) and ``tok_mask_frac_seq`` (each sequence's dropped share, averaged).
-    - ``token_tis_cap`` given (:func:`token_tis_weights`): ``tok_tis_trunc_frac_tok`` /
+    - ``token_tis_cap`` given (token-level TIS, min(k_it, cap)): ``tok_tis_trunc_frac_tok`` /
       ``tok_tis_trunc_frac_seq`` (share of tokens with k > cap; per sequence, averaged).
 
     Only rows with response tokens count; with none at all every mean is 0 and min/max are 1.
@@ -344,10 +319,16 @@ def _times_keep(weight: Tensor | None, keep_B: Tensor) -> Tensor:
 CorrectionFn = Callable[..., tuple[Tensor | None, Tensor, dict[str, Tensor]]]
 
 
+def abs_logp_diff(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """:func:`mismatch_metrics`'s ``abs_diff`` alone: what the trainer logs of the mismatch where no
+    correction reports it."""
+    return _abs_diff(*_mismatch(old_logp, sampler_logp, mask))
+
+
 def _no_correction(
     old: Tensor, sampler: Tensor, mask: Tensor, *, cap: float, lo: float, hi: float
 ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
-    return None, mask, _abs_diff(*_mismatch(old, sampler, mask))
+    return None, mask, abs_logp_diff(old, sampler, mask)
 
 
 def _seq_tis(

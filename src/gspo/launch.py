@@ -9,7 +9,9 @@ is the last place the config is read: everything it builds takes plans.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,19 +21,19 @@ from torch import nn
 
 from gspo import resolve
 from gspo.config import Config, save_yaml
-from gspo.errors import GspoError
+from gspo.errors import REIMPORTED_MAIN_EXIT, SAMPLER_PROCESS, GspoError, reimported_main
 from gspo.limits import check_plan_fits, check_resources, gpu_total_memory
 from gspo.model.load import enable_activation_checkpointing
 from gspo.model.logprobs import PolicyLogprobs
 from gspo.model.unwrap import unwrap
-from gspo.plans import ModelPlan, RunPlan, ScorePlan
+from gspo.plans import LoadPlan, ModelPlan, RunPlan, ScorePlan
 from gspo.rollout.factory import make_engine, make_sampler
 from gspo.rollout.weight_transfer import check_rollout_devices
 from gspo.training import distributed as dist_utils
 from gspo.training.checkpoints import CheckpointManager
 from gspo.training.logger import MetricsLogger, read_metrics
-from gspo.training.loop import TrainResult, closing, deferred_signals, run_loop
-from gspo.training.run import Run, RunState, SamplerSide, Trainer, make_optimizer
+from gspo.training.loop import Loop, TrainResult, closing, deferred_signals, run_loop
+from gspo.training.run import HeldOut, Rollout, RunState, Trainer, make_optimizer
 
 # fields a resumed run may change: they steer the run, not the math of what it trains (a run folder
 # may be moved or renamed and still resumed)
@@ -41,23 +43,66 @@ RESUMABLE_CHANGES |= {"rollout_devices"}  # where the sampler runs: the batches 
 RESUMABLE_CHANGES |= {"dist_timeout_min"}  # how long a collective may wait: not what is trained
 
 
-def train(cfg: Config) -> TrainResult:
-    """Run RL post-training as configured (the same as ``gspo train``)."""
-    import transformers
+# one training per process: a run sets process-wide state (torch's threads and default generator,
+# the signal handlers, the sampler's shared memory), so two at once in two threads make neither's run
+_TRAINING = threading.Lock()
 
-    transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
-    transformers.utils.logging.set_verbosity_error()
-    cfg = cfg.validate()
-    plan = resolve.resolve(cfg)  # the one plan: every stage below takes its section of it
-    with deferred_signals() as stop, closing(open_run(cfg, lambda: stop.requested, plan)) as run:
-        return run_loop(run, plan.loop, stop)
+
+def train(cfg: Config) -> TrainResult:
+    """Run RL post-training as configured (the same as ``gspo train``). One at a time per process:
+    a second call while one runs (another thread) is refused; one after another is fine."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"gspo.train takes a gspo.Config, got {type(cfg).__name__} (gspo.Config(steps=...))")
+    _refuse_spawned_reimport()
+    if not _TRAINING.acquire(blocking=False):
+        raise GspoError(
+            "gspo.train is already running in this process (another thread): one run per process "
+            "at a time; run them one after another, or in separate processes (gspo compare does)"
+        )
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # our own progress line is enough
+        transformers.utils.logging.set_verbosity_error()
+        cfg = cfg.validate()
+        plan = resolve.resolve(cfg)  # the one plan: every stage below takes its section of it
+        if plan.dist.reproducible:  # before the first kernel runs (gspo.repro); the plan runs one thread
+            from gspo.repro import pin
+
+            pin()
+        with deferred_signals() as stop, closing(open_run(cfg, lambda: stop.requested, plan)) as run:
+            return run_loop(run, plan.loop, stop)
+    finally:
+        _TRAINING.release()
+
+
+def _refuse_spawned_reimport() -> None:
+    """A process started by multiprocessing's "spawn" (the async sampler's) first re-runs the parent's
+    main script as ``__mp_main__``; a script without an ``if __name__ == "__main__":`` guard would start
+    a second training there. Stop that process at once, in one line naming the guard (the async
+    sampler's own process says nothing: its parent names the cause from the exit status)."""
+    import inspect
+    import multiprocessing
+
+    frame = inspect.currentframe()
+    # the script's own top level, being run as __mp_main__ (a function of it that a process pool's
+    # worker calls later, with the same globals, is no re-run)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__"
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return
+    if multiprocessing.current_process().name != SAMPLER_PROCESS:
+        print(f"gspo: error: {reimported_main(frame.f_code.co_filename)}", file=sys.stderr, flush=True)
+    raise SystemExit(REIMPORTED_MAIN_EXIT)
 
 
 def open_run(
     cfg: Config, should_stop: Callable[[], bool] = lambda: False, plan: RunPlan | None = None
-) -> Run:
+) -> Loop:
     """Set up a fresh run (warm start, step-0 eval and checkpoint) or resume the newest complete
-    checkpoint, holding the run folder's lock until :meth:`Run.close`. ``should_stop`` is polled by
+    checkpoint, holding the run folder's lock until :meth:`Loop.close`. ``should_stop`` is polled by
     the warm start (Ctrl-C / SIGTERM). ``plan``: the config resolved (:func:`gspo.resolve.resolve`);
     the config itself is read only to check the run being resumed."""
     plan = plan or resolve.resolve(cfg)
@@ -67,7 +112,7 @@ def open_run(
     checkpoints = CheckpointManager(plan.checkpoints, dctx)  # holds the run folder's lock
     resume_from, state = check_run_dir(cfg, checkpoints)
     try:
-        run = _build(plan, dctx, checkpoints, resume_from, state, should_stop)
+        return _build(plan, dctx, checkpoints, resume_from, state, should_stop)
     except BaseException as e:
         checkpoints.abandon(fresh=state is None)  # a new run that never finished step 0 leaves no trace
         if state is None and isinstance(e, KeyboardInterrupt) and not str(e):
@@ -75,8 +120,6 @@ def open_run(
                 "stopped before step 0 was saved, so nothing was kept: run the same command again"
             ) from None
         raise
-    run.should_stop = should_stop
-    return run
 
 
 def _build(
@@ -86,13 +129,12 @@ def _build(
     resume_from: Path | None,
     state: dict[str, Any] | None,
     should_stop: Callable[[], bool],
-) -> Run:
+) -> Loop:
     from gspo.model.routing import is_moe
-    from gspo.training.sft import load_source, load_start, warm_start_run
+    from gspo.training.sft import load_start, warm_start_run
 
     # FSDP2 from weights on disk: every rank builds the model on the meta device and wrap() fills
     # its shards: each rank reading its own from the safetensors files, or rank 0 reading them all
-    run_dir = plan.checkpoints.run_dir
     sharded = dist_utils.builds_sharded(
         plan.dist, dctx.world_size, resume_from is None and plan.sft.sft_steps > 0
     )
@@ -101,24 +143,27 @@ def _build(
     check_plan_fits(plan.capacity, dctx.world_size, gpu_total_memory(dctx.device))
     # seeds, model (dropout off), task (reward limits included), context and env checks: the same
     # code gspo compare's shared warm starts begin with
-    start = load_start(plan.load, dctx.device, meta=sharded)
+    load, from_checkpoint = _load_plan(plan, dctx, checkpoints, resume_from, state, sharded)
+    start = load_start(load, dctx.device, meta=sharded)
     from_shards = checkpoints.is_sharded(resume_from)
-    folder = _own_shards(plan.load.model, start.model, resume_from, from_shards, dctx) if sharded else None
-    source = load_source(plan.load) if sharded and folder is None and dctx.rank == 0 else None
-    if sharded and folder is None:
-        dist_utils.share_probes(start.model, source)
+    # a sharded checkpoint's resume reads no weights but its shards: the model's own files never
+    empty = sharded and from_shards
+    folder, source = _shard_source(load, start.model, sharded and not empty, resume_from, dctx)
     model, tokenizer = start.model, start.tokenizer
     moe = is_moe(model)  # before LoRA wraps it: PEFT leaves the routers as they are
     if plan.model.routing_replay and not moe:
         raise GspoError(
             f"config field 'routing_replay': {plan.load.model} is not a MoE model (no routers to replay)"
         )
-    if folder is None:  # a layout the model cannot take fails now (else once its shards are read)
+    if folder is None and not empty:  # a layout the model cannot take fails now (else once it is read)
         update = resolve.for_model(plan.update, plan.layout, PolicyLogprobs(model), moe)
     check_resources(plan.capacity, model)  # batches that cannot fit in memory fail now, not mid-run
+    # a resume's weights come from elsewhere than load_weights: its shards, the start (read from the
+    # checkpoint), each rank's own shards of it, or rank 0's broadcast (on the other ranks)
+    elsewhere = from_shards or from_checkpoint or folder is not None or (sharded and source is None)
     if resume_from is None and plan.sft.sft_steps:
         warm_start_run(start, plan.sft, dctx.device, plan.loop.progress and dctx.rank == 0, should_stop)
-    elif resume_from is not None and not from_shards and folder is None and not (sharded and source is None):
+    elif resume_from is not None and not elsewhere:
         checkpoints.load_weights(source if sharded else model, resume_from)
     model = _apply_lora(model, tokenizer, plan.model, checkpoints, resume_from)
     if plan.model.activation_checkpointing:
@@ -130,7 +175,7 @@ def _build(
         rollout_copy = copy.deepcopy(model).requires_grad_(False).to(getattr(torch, copy_dtype))
         if sharded:
             rollout_copy.to_empty(device=dctx.device)
-    policy = dist_utils.wrap(PolicyLogprobs(model), plan.dist, dctx, source, folder)
+    policy = dist_utils.wrap(PolicyLogprobs(model), plan.dist, dctx, source, folder, empty=empty)
     del source
     if folder is not None:  # the probes run on the sharded model, every rank at once
         dist_utils.probe_sharded(policy)
@@ -138,27 +183,48 @@ def _build(
     optimizer, scheduler = make_optimizer(policy, plan.optim)
     if from_shards:  # before the sampler takes the weights
         checkpoints.load_shards(policy, optimizer, resume_from, state)
-    run_state = RunState(torch.Generator().manual_seed(plan.load.seed * 7919 + dctx.rank))
-    sampler_side = _sampler_side(plan, rollout_copy, policy, start, run_state.sample_gen, state)
-    checkpoints.attach(policy)
-    run = Run(
-        dctx, run_state, Trainer(policy, optimizer, scheduler, update, moe), sampler_side, checkpoints,
-        tokenizer, start.task, start.train_ids, start.eval_ids, plan.scoring,
-    )  # fmt: skip
+    if empty:  # its weights are the checkpoint's now
+        dist_utils.probe_sharded(policy)
+        update = resolve.for_model(plan.update, plan.layout, PolicyLogprobs(model), moe)
+    run_state = RunState(dctx, torch.Generator().manual_seed(plan.load.seed * 7919 + dctx.rank))
+    trainer = Trainer(policy, optimizer, scheduler, update, moe, dctx.world_size)
+    rollout = _rollout(plan, rollout_copy, policy, start, run_state.sample_gen, state, dctx)
+    return _side_by_side(plan, dctx, checkpoints, trainer, rollout, run_state, start, state)
+
+
+def _side_by_side(
+    plan: RunPlan,
+    dctx: dist_utils.DistContext,
+    checkpoints: CheckpointManager,
+    trainer: Trainer,
+    rollout: Rollout,
+    run_state: RunState,
+    start: Any,
+    state: dict[str, Any] | None,
+) -> Loop:
+    """The run's parts side by side, resumed from ``state`` (None: a fresh run, evaluated and
+    checkpointed at step 0)."""
+    run_dir = plan.checkpoints.run_dir
+    # what a checkpoint holds besides the weights and optimizer, each part's own (restored in order:
+    # the run state's global generators last)
+    checkpoints.attach(trainer.policy, trainer.optimizer, start.tokenizer, (trainer, rollout, run_state))
     if state is not None:
-        checkpoints.restore(run, state)
+        checkpoints.restore(state)
+    logger = None
     if dctx.rank == 0:
-        run.logger = MetricsLogger(
+        logger = MetricsLogger(
             run_dir, run_state.step if state else None, plan.checkpoints.wandb, plan.checkpoints.config
         )
+    held_out = HeldOut(start.task, start.tokenizer, start.eval_ids, plan.scoring)
+    loop = Loop(trainer, rollout, checkpoints, run_state, held_out, logger, dctx)
     startup = _startup_peak(dctx.device, state is not None, dctx.rank == 0)  # before the step-0 evaluation
     if state is None:
-        run_state.initial = run.evaluate()
-        run.log(0, {**run_state.initial, **startup})
-        checkpoints.save(run)
-    elif dctx.rank == 0:
-        run_state.initial = state.get("initial") or read_metrics(run_dir / "metrics.jsonl")[0]
-    return run
+        run_state.initial = loop.evaluate()
+        loop.log(0, {**run_state.initial, **startup})
+        checkpoints.save(0)
+    elif dctx.rank == 0 and not run_state.initial:
+        run_state.initial = read_metrics(run_dir / "metrics.jsonl")[0]
+    return loop
 
 
 def _startup_peak(device: torch.device, resumed: bool, say: bool) -> dict[str, float]:
@@ -179,24 +245,75 @@ def _startup_peak(device: torch.device, resumed: bool, say: bool) -> dict[str, f
     return peak
 
 
+def _load_plan(
+    plan: RunPlan,
+    dctx: dist_utils.DistContext,
+    checkpoints: CheckpointManager,
+    resume_from: Path | None,
+    state: dict[str, Any] | None,
+    sharded: bool,
+) -> tuple[LoadPlan, bool]:
+    """Where the run's config, tokenizer and (unless sharded) weights are read from, and whether that
+    is the checkpoint being resumed. No rank asks the hub anything but each node's local rank 0
+    (on several ranks a hub id is fetched once per node, :func:`gspo.training.distributed.node_snapshot`,
+    then read as a local folder), and a resume of a hub model does not ask it at all: the checkpoint
+    holds the config, the tokenizer and the weights (with LoRA, checkpoints/lora-base the frozen base;
+    a sharded checkpoint its shards, which a ``sharded`` start fills its own from), so it needs neither
+    the hub nor its cache (but a sharded checkpoint resumed in one process or under DDP, whose model
+    is built from the hub's weights first). Collective on several ranks for a hub id. Also sets the
+    checkpoint manager's ``source_dtype`` (``save_dtype auto`` of a hub id) from the local files."""
+    from gspo.model.load import AUTO_DTYPE, HUB_TOKENIZER_FILES, is_hub_id, stored_dtype
+
+    load, hub = plan.load, is_hub_id(plan.load.model)
+    if hub and resume_from is not None and (sharded or not checkpoints.is_sharded(resume_from)):
+        weights = checkpoints.weights_dir(resume_from)
+        load, from_checkpoint = dataclasses.replace(load, model=str(weights), tokenizer=None), True
+    else:
+        from_checkpoint = False
+        if hub and dctx.world_size > 1:
+            load = dataclasses.replace(load, model=str(dist_utils.node_snapshot(load.model, dctx)))
+        if load.tokenizer is not None and is_hub_id(load.tokenizer) and dctx.world_size > 1:
+            folder = dist_utils.node_snapshot(load.tokenizer, dctx, HUB_TOKENIZER_FILES)
+            load = dataclasses.replace(load, tokenizer=str(folder))
+    if plan.loop.save_dtype == AUTO_DTYPE:  # a hub id: its snapshot's config (the checkpoint keeps it)
+        kept = state is not None and "source_dtype" in state
+        checkpoints.source_dtype = (
+            state["source_dtype"]
+            if kept
+            else stored_dtype(plan.load.model if from_checkpoint else load.model)
+        )  # (a checkpoint written before it kept the dtype: the hub's config, as before)
+    return load, from_checkpoint
+
+
+def _shard_source(
+    load: LoadPlan, model: nn.Module, reads: bool, resume_from: Path | None, dctx: dist_utils.DistContext
+) -> tuple[Path | None, nn.Module | None]:
+    """Where the ranks of a sharded start that ``reads`` weights take them from: (the folder each
+    rank reads its own shards from, None) or (None, the whole model on rank 0's CPU, None on the
+    others; the probes shared from it). (None, None) when no weights are read here."""
+    from gspo.training.sft import load_source
+
+    if not reads:
+        return None, None
+    folder = _own_shards(load.model, model, resume_from, dctx)
+    source = load_source(load) if folder is None and dctx.rank == 0 else None
+    if folder is None:
+        dist_utils.share_probes(model, source)
+    return folder, source
+
+
 def _own_shards(
-    name: str, model: nn.Module, resume_from: Path | None, from_shards: bool, dctx: dist_utils.DistContext
+    name: str, model: nn.Module, resume_from: Path | None, dctx: dist_utils.DistContext
 ) -> Path | None:
     """The HF folder each rank of a sharded start reads its own shards from (the model's, a hub id's
     snapshot fetched once per node, or the whole-model checkpoint being resumed); None when rank 0
     must read the weights for all (an embedded or GGUF model, a layout the files do not hold), said
-    in one line. Collective for a hub id."""
-    from gspo.model.load import is_hub_id
+    in one line."""
     from gspo.model.shard_load import readable
 
     if name.startswith("embedded:"):
         return None
-    if resume_from is not None and not from_shards:
-        folder = resume_from  # a whole-model checkpoint: its HF folder
-    elif is_hub_id(name):  # the model's weights (also under a sharded checkpoint's resume)
-        folder = dist_utils.node_snapshot(name, dctx)
-    else:
-        folder = Path(name).expanduser()
+    folder = resume_from if resume_from is not None else Path(name).expanduser()
     why = readable(model, folder) if folder.is_dir() else f"{name} is no local folder"
     if why and dctx.rank == 0:
         print(
@@ -207,23 +324,23 @@ def _own_shards(
     return None if why else folder
 
 
-def _sampler_side(
+def _rollout(
     plan: RunPlan,
     rollout_copy: nn.Module | None,
     policy: nn.Module,
     start: Any,
     sample_gen: torch.Generator,
     state: dict[str, Any] | None,
-) -> SamplerSide:
+    dctx: dist_utils.DistContext,
+) -> Rollout:
     """The engine over the module it samples (a copy in the sampler's precision, or the trainer's
     own), and the sampler of each RL step."""
     module = rollout_copy if rollout_copy is not None else dist_utils.rollout_model(policy)
-    sampling = plan.sampling
+    sampling, version = plan.sampling, state["step"] if state else 0
     engine = make_engine(sampling.engine, module, start.tokenizer, sample_gen, trainer=policy)
     sampler = make_sampler(
         sampling, engine, start.tokenizer, start.task, model=policy,
-        train_ids=start.train_ids, version=state["step"] if state else 0, state=state,
-        score=_score(plan.scoring),
+        train_ids=start.train_ids, version=version, state=state, score=_score(plan.scoring),
     )  # fmt: skip
     # an HF engine sampling the trainer's own FSDP2-sharded module: its weights gathered around each use
     gathers = (
@@ -231,7 +348,7 @@ def _sampler_side(
     )
     # vLLM over tp ranks: rank 0's instance spans ranks 0..tp-1, which all run its requests
     tp = sampling.engine.vllm_tensor_parallel_size if getattr(engine, "tp_group", None) else 1
-    return SamplerSide(engine, module, sampler, gathers, tp)
+    return Rollout(engine, module, sampler, gathers, tp, dctx, version)
 
 
 def _score(scoring: ScorePlan) -> Callable[..., Any]:

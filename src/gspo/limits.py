@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Mapping
 from typing import Any
 
 from gspo import memory
@@ -55,33 +56,41 @@ def _bad(plan: CapacityPlan, field: str, msg: str) -> GspoError:
     return GspoError(f"config field '{config_field(field)}': {msg} (got {getattr(plan, field)!r})")
 
 
-def check_config(plan: CapacityPlan) -> None:
-    """Hard upper bounds of every numeric field, then the batches' least memory against what is free."""
+def check_config(values: Mapping[str, Any]) -> None:
+    """Hard upper bounds of every numeric config field (``values``: the config's fields by name,
+    checked before any relation between them is computed), then the batches' least memory against
+    what is free."""
+
+    def bad(f: str, msg: str) -> GspoError:
+        return GspoError(f"config field '{f}': {msg} (got {values[f]!r})")
+
     for f, hi in INT_LIMITS.items():
-        if getattr(plan, f, 0) > hi:
-            raise _bad(plan, f, f"must be <= {hi:,}")
-    if plan.seed < 0:
-        raise _bad(plan, "seed", "must be >= 0")
+        if values[f] > hi:
+            raise bad(f, f"must be <= {hi:,}")
+    if values["seed"] < 0:
+        raise bad("seed", "must be >= 0")
     for f, hi in FLOAT_LIMITS.items():
-        if getattr(plan, f) > hi:
-            raise _bad(plan, f, f"must be <= {hi:g}")
-    if plan.temperature < MIN_TEMPERATURE:
-        raise _bad(plan, "temperature", f"must be >= {MIN_TEMPERATURE:g} (smaller overflows the logits)")
-    if plan.prompts_per_step * plan.group_size > MAX_BATCH:
-        raise _bad(plan, "prompts_per_step", f"prompts_per_step x group_size must be <= {MAX_BATCH:,}")
+        if values[f] > hi:
+            raise bad(f, f"must be <= {hi:g}")
+    if values["temperature"] < MIN_TEMPERATURE:
+        raise bad("temperature", f"must be >= {MIN_TEMPERATURE:g} (smaller overflows the logits)")
+    rows = values["prompts_per_step"] * values["group_size"]
+    if rows > MAX_BATCH:
+        raise bad("prompts_per_step", f"prompts_per_step x group_size must be <= {MAX_BATCH:,}")
     free = memory.available_memory()
     if free is None:
         return
     # a sampled sequence after its prompt: one response, or a multi-turn run's whole trajectory
-    per_seq = BYTES_PER_SEQUENCE + response_tokens(plan) * BYTES_PER_RESPONSE_TOKEN
+    after_prompt = values["max_trajectory_tokens"] if values["env"] else values["max_new_tokens"]
+    per_seq = BYTES_PER_SEQUENCE + after_prompt * BYTES_PER_RESPONSE_TOKEN
     for field, seqs in (
-        ("prompts_per_step", plan.prompts_per_step * plan.group_size),
-        ("eval_size", plan.eval_size * _eval_draws(plan.task)),
-        ("sft_batch_size", plan.sft_batch_size),
+        ("prompts_per_step", rows),
+        ("eval_size", values["eval_size"] * _eval_draws(values["task"])),
+        ("sft_batch_size", values["sft_batch_size"]),
     ):
         need = seqs * per_seq
         if need > free:
-            raise _bad(plan, field, f"needs at least {_gib(need)} of memory, {_gib(free)} is available")
+            raise bad(field, f"needs at least {_gib(need)} of memory, {_gib(free)} is available")
 
 
 def _eval_draws(task: str) -> int:
@@ -175,7 +184,7 @@ def check_vllm_share(plan: CapacityPlan | EnginePlan, device: Any = None, share:
     larger than the whole free GPU)."""
     import torch
 
-    spec = plan.spec if isinstance(plan, EnginePlan) else plan.engine
+    spec = plan.spec if isinstance(plan, EnginePlan) else plan.engine_spec
     if not spec.gpu_share or not torch.cuda.is_available():
         return
     share = plan.vllm_gpu_memory_utilization if share is None else share
@@ -226,4 +235,4 @@ def gpu_total_memory(device: Any) -> float | None:
 def _copies_here(plan: CapacityPlan) -> bool:
     """Whether async's K+1 weight copies take this device's memory: shared memory, or a sampler whose
     own device is the CPU (a sampler on a GPU of its own holds them there)."""
-    return bool(plan.async_staleness) and plan.rollout_devices in (None, "", "cpu")
+    return bool(plan.async_staleness) and plan.rollout_devices in ((), ("cpu",))

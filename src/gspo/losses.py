@@ -1,5 +1,6 @@
 """Policy-gradient losses: GSPO, GSPO-token, the GRPO baseline (and GRPO under GSPO's sequence mask),
-SAPO, CISPO, GMPO, LUSPO and VESPO.
+SAPO, CISPO, GMPO, LUSPO and VESPO; DPPO, Clip-Cov and KL-Cov live in :mod:`gspo.losses_trust` and
+are registered here too.
 
 All functions are pure tensor-in/tensor-out: no config objects, no ``.item()`` host syncs and no
 distributed calls. Shapes: ``B`` sequences, ``T`` response positions (padded). ``mask_BT`` is 1 on
@@ -26,10 +27,11 @@ per-sequence / per-batch mean, so the denominators ``|y_i|`` and ``normalizer`` 
 ``weight=None`` is exactly the unweighted loss. Metrics ignore ``weight``.
 
 Metric keys (so that micro-batch values can be combined without knowing the loss): ``*_min`` /
-``*_max`` are minima / maxima; ``clip_frac_tok*``, ``gate_tok_mean`` and ``approx_kl`` are averages
-over tokens; ``ratio_mean`` is an average over tokens exactly when the loss also returns
+``*_max`` are minima / maxima; ``clip_frac_tok*``, ``gate_tok_mean``, ``cov_frac_tok`` and ``approx_kl``
+are averages over tokens; ``ratio_mean`` is an average over tokens exactly when the loss also returns
 ``seq_ratio_mean`` (its ``ratio_*`` are then token ratios; GRPO, SAPO-token, CISPO, GMPO); every other
-key is an average over the sequences that have at least one response token.
+key is an average over the sequences that have at least one response token (``cov_threshold``, a
+number of the whole call, is combined over micro-batches the same way).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from types import MappingProxyType
 
 import torch
 
-from gspo.loss_inputs import (
+from gspo.loss_prologue import (
     MAX_LOG_RATIO,
     LossInputs,
+    LossOutput,
     check_aggregation,
     clip_masks,
     k3_kl,
@@ -55,16 +58,9 @@ from gspo.loss_inputs import (
     token_ratio_metrics,
     with_totals,
 )
+from gspo.losses_trust import clip_cov_loss, dppo_kl_loss, dppo_tv_loss, kl_cov_loss
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class LossOutput:
-    """What a loss returns: the scalar to minimize and its metrics (keys: the module docstring)."""
-
-    loss: Tensor
-    metrics: dict[str, Tensor]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +138,7 @@ def gspo_token_loss(inp: LossInputs, *, eps_low: float, eps_high: float) -> Loss
     raw_log_s_B = sequence_mean(log_r_BT, inp.n_tok_B)
     log_s_B = raw_log_s_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # the clamps pass no gradient outside [-MAX, MAX] (sequence) or +-lim (token, see
-    # loss_inputs.loss_inputs); mirror that so GSPO-token == GSPO there too
+    # gspo.loss_prologue.loss_inputs); mirror that so GSPO-token == GSPO there too
     in_range_B = (raw_log_s_B >= -MAX_LOG_RATIO) & (raw_log_s_B <= MAX_LOG_RATIO)
     tok_ok_BT = (inp.logp_BT.detach() - inp.old_logp_BT).abs() <= log_ratio_limit(inp.logp_BT)
     grad_BT = inp.valid_BT & in_range_B[:, None] & tok_ok_BT
@@ -184,7 +180,7 @@ def grpo_loss(inp: LossInputs, *, eps_low: float, eps_high: float, aggregation: 
         ``"token_mean"`` (DAPO): sum over all tokens / N, N = number of response tokens by default.
 
     ``inp``: ``[B]`` or ``[B, T]`` advantages, an optional ``[B]`` or ``[B, T]`` weight, e.g.
-    IcePop's token weights (:func:`gspo.correction.icepop_weights`).
+    IcePop's token weights (M(k) = k inside its band of token ratios, else 0).
     """
     check_aggregation(aggregation)
     adv_BT = inp.token_advantages()
@@ -512,7 +508,7 @@ class LossSpec:
     #: for "token_mean"); None: it takes none and its normalizer counts sequences
     aggregation: str | None = None
     token_ratio: bool = False  # its own ratio is per token, so its ``ratio_mean`` is a token mean
-    #: the two parameters the config's ``eps_low`` / ``eps_high`` set (none: VESPO has no range)
+    #: the two parameters the config's ``eps_low`` / ``eps_high`` set (none: SAPO, VESPO, KL-Cov have no range)
     eps: tuple[str, ...] = ("eps_low", "eps_high")
 
     def __post_init__(self) -> None:
@@ -538,6 +534,8 @@ class LossSpec:
 SEQ_MEAN, TOKEN_MEAN = "seq_mean_token_mean", "token_mean"
 GSPO_EPS = {"eps_low": 3e-4, "eps_high": 4e-4}
 SAPO_TEMPERATURES = {"tau_neg": 1.05, "tau_pos": 1.0}  # arXiv 2511.20347; not a clip range
+DPPO_TV = {"delta_low": 0.15, "delta_high": 0.15}  # trust-region thresholds, not a ratio's clip range
+DPPO_KL = {"delta_low": 0.05, "delta_high": 0.05}
 
 #: name (``--algo``) -> its loss, with the papers' parameters
 LOSSES: dict[str, LossSpec] = {
@@ -546,10 +544,8 @@ LOSSES: dict[str, LossSpec] = {
     "grpo": LossSpec(grpo_loss, {"eps_low": 0.2, "eps_high": 0.27}, SEQ_MEAN, token_ratio=True),
     # GRPO's token ratios, GSPO's sequence mask and range (an ablation: grpo_seq_mask_loss)
     "grpo_seq_mask": LossSpec(grpo_seq_mask_loss, GSPO_EPS, SEQ_MEAN, token_ratio=True),
-    "sapo": LossSpec(sapo_loss, SAPO_TEMPERATURES, eps=tuple(SAPO_TEMPERATURES)),
-    "sapo_token": LossSpec(
-        sapo_token_loss, SAPO_TEMPERATURES, SEQ_MEAN, token_ratio=True, eps=tuple(SAPO_TEMPERATURES)
-    ),
+    "sapo": LossSpec(sapo_loss, SAPO_TEMPERATURES, eps=()),
+    "sapo_token": LossSpec(sapo_token_loss, SAPO_TEMPERATURES, SEQ_MEAN, token_ratio=True, eps=()),
     # IS-weight clip [1 - 1.0, 1 + 0.28]: no lower bound (arXiv 2506.13585); upper: see cispo_loss
     "cispo": LossSpec(cispo_loss, {"eps_low": 1.0, "eps_high": 0.28}, TOKEN_MEAN, token_ratio=True),
     # log-space token clip [-0.4, 0.4], i.e. ratios in (e^-0.4, e^0.4) (arXiv 2507.20673)
@@ -560,4 +556,18 @@ LOSSES: dict[str, LossSpec] = {
     "vespo": LossSpec(
         vespo_loss, {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}, TOKEN_MEAN, eps=()
     ),
+    # DPPO (arXiv 2602.04879): eps_low / eps_high set the trust region's thresholds (verl's
+    # clip_ratio_low / _high); TV 0.15 and KL 0.05 from verl's DPPO example, the weight cap C = 20
+    # (verl's clip_ratio_c fallback in its DPPO losses), token_mean (verl's loss_agg_mode default)
+    "dppo_tv": LossSpec(dppo_tv_loss, {**DPPO_TV, "max_weight": 20.0}, TOKEN_MEAN, True, tuple(DPPO_TV)),
+    "dppo_kl": LossSpec(dppo_kl_loss, {**DPPO_KL, "max_weight": 20.0}, TOKEN_MEAN, True, tuple(DPPO_KL)),
+    # Clip-Cov / KL-Cov (arXiv 2505.22617): verl's defaults (PolicyLossConfig: ratios 2e-4, band
+    # (1, 5), ppo_kl_coef 0.1; actor clip_ratio 0.2 both sides), token_mean; KL-Cov has no clip range
+    "clip_cov": LossSpec(
+        clip_cov_loss,
+        {"eps_low": 0.2, "eps_high": 0.2, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+        TOKEN_MEAN,
+        token_ratio=True,
+    ),
+    "kl_cov": LossSpec(kl_cov_loss, {"kl_cov_ratio": 2e-4, "kl_cov_coef": 0.1}, TOKEN_MEAN, True, eps=()),
 }

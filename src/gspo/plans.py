@@ -9,7 +9,7 @@ This module imports nothing of gspo: every layer may import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,8 @@ def pi_old_source(
 CONFIG_FIELDS = {
     "spec": "env",
     "rollout_copy_dtype": "rollout_dtype",
-    "engine": "rollout_engine",
+    "engine_spec": "rollout_engine",
+    "multi_turn": "env",
     "pi_old": "old_logp",
 }
 
@@ -111,6 +112,8 @@ class EnvPlan:
     reward_timeout_s: float
     reward_on_error: str
     prompt: PromptPlan
+    tool_concurrency: int = 0  # steps in a pool of threads beside the decoding (0: in the decode loop)
+    tool_tick_steps: int = 8  # a pooled step's trajectory goes on at the next tick (every so many steps)
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class EnginePlan:
     max_prompt_tokens: int
     max_new_tokens: int
     max_trajectory_tokens: int
-    env: str | None  # multi-turn: a turn's prompt holds the trajectory so far
+    multi_turn: bool  # an environment plays trajectories: a turn's prompt holds the trajectory so far
     return_routing: bool  # the engine records the experts it routed to (R3)
     vllm_gpu_memory_utilization: float
     vllm_tensor_parallel_size: int
@@ -216,6 +219,7 @@ class DistPlan:
     expert_parallel_size: int = 1  # ranks an MoE's routed experts are split over (1: none)
     dp_replicate_size: int = 1  # HSDP: replicas of the sharded parameters (1: sharded over all ranks)
     dist_timeout_min: int = 120  # the process group's timeout (minutes): see the config field
+    reproducible: bool = False  # kernels pinned and one thread (gspo.repro.pin, called by gspo.train)
 
 
 @dataclass(frozen=True)
@@ -283,13 +287,18 @@ class LoopPlan:
     run_dir: Path
     title: str  # the curves' title: "<algo> on <task> (<model>)"
     algo: str
-    save_dtype: str | None = None  # final/'s weights in this dtype (None: as trained)
+    save_dtype: str | None = None  # final/'s weights in this dtype (None: as trained; "auto": a hub
+    # model's stored dtype, read once its files are local: gspo.model.load.AUTO_DTYPE)
+    #: what only watches each step (gspo.training.loop.STEP_OBSERVERS): its phases' times and peak
+    #: memory; with a sampler running ahead, how long the trainer waited for it
+    observers: tuple[str, ...] = ("timings", "memory")
 
 
 @dataclass(frozen=True)
 class UpdatePlan:
-    """What one policy update does (:func:`gspo.resolve.plan_update` builds it; the fields are its
-    decisions; :func:`gspo.training.update.policy_update` runs it, testing no config field)."""
+    """What one policy update does (:func:`gspo.resolve.update_plan` builds it from the config and
+    :func:`gspo.resolve.for_model` settles it for the loaded model; the fields are its decisions;
+    :func:`gspo.training.update.policy_update` runs it, testing no config field)."""
 
     algo: str  # key of gspo.losses.LOSSES
     aggregation: str | None  # for the losses that take one (None: the loss takes no aggregation)
@@ -336,6 +345,12 @@ class UpdatePlan:
     volatility_forward: bool = field(init=False)
     #: per minibatch: it needs pi_old's own choice of experts (R2 forces it in 1..; volatility compares)
     own_routing: tuple[bool, ...] = field(init=False)
+    #: what changes the loss's weight or mask, in this order (gspo.training.update.ADJUSTMENTS): the
+    #: mismatch correction, OPSM, the random drop; none by default
+    adjustments: tuple[str, ...] = field(init=False)
+    #: what only watches the update (gspo.training.update.OBSERVERS): the routing's volatility (an
+    #: MoE's, on by default), the train/rollout mismatch where no correction reports it
+    observers: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         r2 = self.replay == "R2"
@@ -349,75 +364,62 @@ class UpdatePlan:
             own_routing=tuple(
                 i == self.volatility_minibatch or (r2 and i > 0) for i in range(self.num_minibatches)
             ),
+            adjustments=_chosen(
+                correction=self.correction != "none",
+                opsm=self.opsm_threshold is not None,
+                random_drop=bool(self.random_seq_drop),
+            ),
+            observers=_chosen(volatility=self.volatility is not None, mismatch=self.correction == "none"),
         )
         for k, v in derived.items():
             object.__setattr__(self, k, v)  # frozen: set once, here
 
 
+def _chosen(**on: bool) -> tuple[str, ...]:
+    return tuple(name for name, chosen in on.items() if chosen)
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """What the capacity model and the limits (:mod:`gspo.capacity`, :mod:`gspo.capacity_comm`,
-    :mod:`gspo.limits`) read: the config's sizes and layout, under the config's names, with the
-    engine's facts and the pi_old decision resolved. Built from the config by :meth:`of` (the config's
-    own checks call it before the rest is resolved; :func:`gspo.resolve.resolve` once per run)."""
+    :mod:`gspo.limits`) read: the run's sizes and layout, copied by name from its plan's typed
+    sections once (:func:`gspo.resolve.capacity_plan`), under the config's names where they are the
+    config's values, with the engine's facts and the update's decisions resolved."""
 
     model: str
     task: str
-    env: str | None
+    multi_turn: bool  # an environment plays trajectories (``max_trajectory_tokens`` after the prompt)
     device: str
-    seed: int
-    steps: int
-    sft_steps: int
-    warmup_steps: int
-    eval_every: int
-    save_every: int
+    nproc: int
     prompts_per_step: int
     group_size: int
     eval_size: int
+    sft_steps: int
     sft_batch_size: int
     micro_batch_size: int
     num_minibatches: int
     max_new_tokens: int
     max_prompt_tokens: int
     max_trajectory_tokens: int
-    overlong_buffer: int
-    overlong_penalty: float
     logp_chunk_size: int
-    threads: int
-    nproc: int
     lora_rank: int
-    dynamic_sampling_max_rounds: int
-    max_turns: int
     async_staleness: int
-    reward_timeout_s: float
-    temperature: float
     dtype: str
     rollout_dtype: str | None
-    rollout_devices: str | None
+    rollout_devices: tuple[str, ...]  # async: the sampler's own device (empty: shared memory)
     mixed_precision: str
     parallel: str
     expert_parallel_size: int
     activation_checkpointing: bool
     packing: str
     prefix_sharing: str
-    routing_replay: bool
-    routing_replay_source: str
-    log_volatility: bool
-    mismatch_correction: str
     vllm_gpu_memory_utilization: float
     vllm_tensor_parallel_size: int
-    engine: EngineSpec
+    engine_spec: EngineSpec
     pi_old: str  # "rollout" or "recompute" (pi_old_source)
-
-    @classmethod
-    def of(cls, source: Any) -> CapacityPlan:
-        """From ``source``'s same-named fields (a config, or a plan under the config's names)."""
-        engine = ENGINES[source.rollout_engine]
-        pi_old = pi_old_source(
-            source.old_logp, source.async_staleness, engine, source.dtype, source.rollout_dtype
-        )
-        names = {f.name for f in fields(cls)} - {"engine", "pi_old"}
-        return cls(**{n: getattr(source, n) for n in names}, engine=engine, pi_old=pi_old)
+    trainer_pi_old: bool  # the trainer's pi_old of minibatches 1.. is computed (UpdatePlan's)
+    replay: str | None  # None, "R2" or "R3" (UpdatePlan's, for an MoE)
+    volatility: bool  # the routing's volatility is measured (for an MoE)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ runner take the sections they need from the functions below, and hand each stage
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 from torch import nn
 
@@ -40,25 +40,32 @@ from gspo.plans import (
 )
 from gspo.plans import pi_old_source as _pi_old_source
 
-P = TypeVar("P")
-
-
-def _take(plan: type[P], cfg: Config, **resolved: Any) -> P:
-    """``plan`` with the config's same-named fields, and ``resolved`` for the rest."""
-    names = {f.name for f in dataclasses.fields(plan)}  # type: ignore[arg-type]
-    return plan(**{n: getattr(cfg, n) for n in names - resolved.keys()}, **resolved)
-
 
 def prompt_plan(cfg: Config) -> PromptPlan:
-    return _take(PromptPlan, cfg)
+    return PromptPlan(
+        chat_template=cfg.chat_template,
+        system_prompt=cfg.system_prompt,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+    )
 
 
 def task_plan(cfg: Config) -> TaskPlan:
-    return _take(TaskPlan, cfg)
+    return TaskPlan(
+        task=cfg.task, reward=cfg.reward, seed=cfg.seed, eval_size=cfg.eval_size, eval_task=cfg.eval_task,
+        prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, reward_timeout_s=cfg.reward_timeout_s,
+    )  # fmt: skip
 
 
 def env_plan(cfg: Config, prompt: PromptPlan | None = None) -> EnvPlan | None:
-    return _take(EnvPlan, cfg, spec=cfg.env, prompt=prompt or prompt_plan(cfg)) if cfg.env else None
+    if not cfg.env:
+        return None
+    return EnvPlan(
+        spec=cfg.env, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+        max_trajectory_tokens=cfg.max_trajectory_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
+        reward_timeout_s=cfg.reward_timeout_s, reward_on_error=cfg.reward_on_error,
+        prompt=prompt or prompt_plan(cfg), tool_concurrency=cfg.tool_concurrency,
+        tool_tick_steps=cfg.tool_tick_steps,
+    )  # fmt: skip
 
 
 def _parts(cfg: Config) -> dict[str, Any]:
@@ -68,33 +75,54 @@ def _parts(cfg: Config) -> dict[str, Any]:
 
 
 def engine_plan(cfg: Config) -> EnginePlan:
-    return _take(EnginePlan, cfg, return_routing=cfg.routing_replay_source == "rollout")
+    return EnginePlan(
+        rollout_engine=cfg.rollout_engine, model=cfg.model, dtype=cfg.dtype, rollout_dtype=cfg.rollout_dtype,
+        mixed_precision=cfg.mixed_precision, seed=cfg.seed, top_k=cfg.top_k, top_p=cfg.top_p,
+        max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens,
+        max_trajectory_tokens=cfg.max_trajectory_tokens, multi_turn=bool(cfg.env),
+        return_routing=cfg.routing_replay_source == "rollout",
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size, dist_timeout_min=cfg.dist_timeout_min,
+    )  # fmt: skip
 
 
 def sample_plan(cfg: Config, parts: dict[str, Any] | None = None) -> SamplePlan:
     p = parts or _parts(cfg)
-    return _take(
-        SamplePlan, cfg, engine=engine_plan(cfg), task=p["task"], env=p["env"],
+    return SamplePlan(
+        group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        async_staleness=cfg.async_staleness, prompts_per_step=cfg.prompts_per_step, seed=cfg.seed,
+        dtype=cfg.dtype, engine=engine_plan(cfg), task=p["task"], env=p["env"],
+        dynamic_sampling=cfg.dynamic_sampling, dynamic_sampling_max_rounds=cfg.dynamic_sampling_max_rounds,
         rollout_devices=rollout_device_list(cfg.rollout_devices),
+        partial_rollout_tokens=cfg.partial_rollout_tokens,
     )  # fmt: skip
 
 
 def score_plan(cfg: Config, parts: dict[str, Any] | None = None) -> ScorePlan:
-    return _take(ScorePlan, cfg, env=(parts or _parts(cfg))["env"])
+    return ScorePlan(
+        group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+        max_trajectory_tokens=cfg.max_trajectory_tokens, overlong_buffer=cfg.overlong_buffer,
+        overlong_penalty=cfg.overlong_penalty, overlong_filter=cfg.overlong_filter, adv_scale=cfg.adv_scale,
+        reward_on_error=cfg.reward_on_error, env=(parts or _parts(cfg))["env"],
+    )  # fmt: skip
 
 
 def load_plan(cfg: Config, dtype: str | None = None, parts: dict[str, Any] | None = None) -> LoadPlan:
     """``dtype`` overrides the config's (``gspo compare`` warm-starts in float32)."""
     p = parts or _parts(cfg)
-    return _take(LoadPlan, cfg, dtype=dtype or cfg.dtype, task=p["task"], prompt=p["prompt"], env=p["env"])
+    return LoadPlan(
+        model=cfg.model, tokenizer=cfg.tokenizer, dtype=dtype or cfg.dtype, seed=cfg.seed,
+        keep_dropout=cfg.keep_dropout, max_prompt_tokens=cfg.max_prompt_tokens,
+        max_new_tokens=cfg.max_new_tokens, task=p["task"], prompt=p["prompt"], env=p["env"],
+    )  # fmt: skip
 
 
 def sft_plan(cfg: Config, parts: dict[str, Any] | None = None) -> SftPlan:
-    return _take(SftPlan, cfg, env=(parts or _parts(cfg))["env"])
-
-
-def capacity_plan(cfg: Config) -> CapacityPlan:
-    return CapacityPlan.of(cfg)
+    return SftPlan(
+        sft_steps=cfg.sft_steps, sft_lr=cfg.sft_lr, sft_batch_size=cfg.sft_batch_size, seed=cfg.seed,
+        logp_chunk_size=cfg.logp_chunk_size, task=cfg.task, env=(parts or _parts(cfg))["env"],
+        sft_tool_fraction=cfg.sft_tool_fraction,
+    )  # fmt: skip
 
 
 def checkpoint_plan(cfg: Config) -> CheckpointPlan:
@@ -110,8 +138,8 @@ def checkpoint_plan(cfg: Config) -> CheckpointPlan:
 
 def resolve(cfg: Config) -> RunPlan:
     """The whole run's plan (``gspo.train``): every section, and every decision in it, made once."""
-    parts, capacity = _parts(cfg), capacity_plan(cfg)
-    return RunPlan(
+    parts = _parts(cfg)
+    sections = dict(
         dist=dist_plan(cfg),
         load=load_plan(cfg, parts=parts),
         sft=sft_plan(cfg, parts),
@@ -119,18 +147,61 @@ def resolve(cfg: Config) -> RunPlan:
         optim=optim_plan(cfg),
         sampling=sample_plan(cfg, parts),
         scoring=score_plan(cfg, parts),
-        update=update_plan(cfg, capacity.pi_old),
+        update=update_plan(cfg),
         layout=layout_plan(cfg),
         loop=loop_plan(cfg),
         checkpoints=checkpoint_plan(cfg),
-        capacity=capacity,
     )
+    return RunPlan(**sections, capacity=capacity_from(**sections, nproc=cfg.nproc))
+
+
+def capacity_plan(cfg: Config) -> CapacityPlan:
+    """The capacity model's plan alone (``gspo plan``, ``gspo eval``), from the sections it reads."""
+    parts = _parts(cfg)
+    return capacity_from(
+        dist=_dist_plan(cfg), load=load_plan(cfg, parts=parts), sft=sft_plan(cfg, parts), model=model_plan(cfg),
+        sampling=sample_plan(cfg, parts), update=update_plan(cfg), layout=layout_plan(cfg), nproc=cfg.nproc,
+    )  # fmt: skip
+
+
+def capacity_from(
+    dist: DistPlan, load: LoadPlan, sft: SftPlan, model: ModelPlan, sampling: SamplePlan, update: UpdatePlan,
+    layout: LayoutPlan, nproc: int, **_other_sections: Any,
+) -> CapacityPlan:  # fmt: skip
+    """What the capacity model reads, copied by name from the plan's typed sections."""
+    engine = sampling.engine
+    return CapacityPlan(
+        model=load.model, task=load.task.task, multi_turn=sampling.env is not None, device=dist.device,
+        nproc=nproc, prompts_per_step=sampling.prompts_per_step, group_size=sampling.group_size,
+        eval_size=load.task.eval_size, sft_steps=sft.sft_steps, sft_batch_size=sft.sft_batch_size,
+        micro_batch_size=update.micro_batch_size, num_minibatches=update.num_minibatches,
+        max_new_tokens=sampling.max_new_tokens, max_prompt_tokens=load.max_prompt_tokens,
+        max_trajectory_tokens=engine.max_trajectory_tokens, logp_chunk_size=update.logp_chunk_size,
+        lora_rank=model.lora_rank, async_staleness=sampling.async_staleness, dtype=sampling.dtype,
+        rollout_dtype=engine.rollout_dtype, rollout_devices=sampling.rollout_devices,
+        mixed_precision=dist.mixed_precision, parallel=dist.parallel,
+        expert_parallel_size=dist.expert_parallel_size, activation_checkpointing=model.activation_checkpointing,
+        packing=layout.packing, prefix_sharing=layout.prefix_sharing,
+        vllm_gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
+        vllm_tensor_parallel_size=engine.vllm_tensor_parallel_size, engine_spec=engine.spec,
+        pi_old=update.pi_old, trainer_pi_old=update.trainer_pi_old, replay=update.replay,
+        volatility=update.volatility is not None,
+    )  # fmt: skip
 
 
 def dist_plan(cfg: Config) -> DistPlan:
     if cfg.expert_parallel_size > 1:
         _check_experts(cfg)
-    return _take(DistPlan, cfg, lora=bool(cfg.lora_rank))
+    return _dist_plan(cfg)
+
+
+def _dist_plan(cfg: Config) -> DistPlan:
+    return DistPlan(
+        device=cfg.device, parallel=cfg.parallel, mixed_precision=cfg.mixed_precision, lora=bool(cfg.lora_rank),
+        threads=1 if cfg.reproducible else cfg.threads, expert_parallel_size=cfg.expert_parallel_size,
+        dp_replicate_size=cfg.dp_replicate_size, dist_timeout_min=cfg.dist_timeout_min,
+        reproducible=cfg.reproducible,
+    )  # fmt: skip
 
 
 def _check_experts(cfg: Config) -> None:
@@ -150,36 +221,42 @@ def _check_experts(cfg: Config) -> None:
 
 def model_plan(cfg: Config) -> ModelPlan:
     copy = ENGINES[cfg.rollout_engine].in_trainer and cfg.rollout_dtype not in (None, cfg.dtype)
-    return _take(
-        ModelPlan,
-        cfg,
-        rollout_copy_dtype=cfg.rollout_dtype if copy else None,
-        routing_replay=cfg.routing_replay,
-    )
+    return ModelPlan(
+        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+        activation_checkpointing=cfg.activation_checkpointing,
+        rollout_copy_dtype=cfg.rollout_dtype if copy else None, routing_replay=cfg.routing_replay,
+    )  # fmt: skip
 
 
 def optim_plan(cfg: Config) -> OptimPlan:
-    return _take(OptimPlan, cfg)
+    return OptimPlan(
+        lr=cfg.lr, adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+    )  # fmt: skip
 
 
 def loop_plan(cfg: Config) -> LoopPlan:
-    from gspo.model.load import stored_dtype
+    from gspo.model.load import AUTO_DTYPE, is_hub_id, stored_dtype
 
-    save = stored_dtype(cfg.model) if cfg.save_dtype == "auto" else cfg.save_dtype
+    save = cfg.save_dtype
+    if save == "auto":  # a hub id's config is read once its files are local (gspo.launch), not here
+        save = AUTO_DTYPE if is_hub_id(cfg.model) else stored_dtype(cfg.model)
     title = f"{cfg.algo} on {cfg.task} ({cfg.model})"
-    return _take(LoopPlan, cfg, run_dir=cfg.run_dir, title=title, save_dtype=save)
+    return LoopPlan(
+        steps=cfg.steps, eval_every=cfg.eval_every, save_every=cfg.save_every, progress=cfg.progress,
+        num_minibatches=cfg.num_minibatches, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+        seed=cfg.seed, dynamic_sampling=cfg.dynamic_sampling,
+        dynamic_sampling_max_rounds=cfg.dynamic_sampling_max_rounds, run_dir=cfg.run_dir, title=title,
+        algo=cfg.algo, save_dtype=save,
+        observers=("timings", "memory", *(("async_idle",) if cfg.async_staleness else ())),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
 # the update
 
 
-def plan_update(cfg: Config, policy: nn.Module, is_moe: bool) -> UpdatePlan:
-    """The plan of every update of this run (probing ``policy`` once for its layout)."""
-    return for_model(update_plan(cfg), layout_plan(cfg), policy, is_moe)
-
-
-def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
+def update_plan(cfg: Config) -> UpdatePlan:
     """Every update's plan as far as the config says it: :func:`for_model` settles the layout, routing
     replay and volatility once the model is loaded (here: as if it were an MoE)."""
     spec = LOSSES[cfg.algo]
@@ -192,7 +269,7 @@ def update_plan(cfg: Config, pi_old: str | None = None) -> UpdatePlan:
     # minibatch vol_i > 0 is next trained one step after pi_old, so its training forward shows the
     # new routing, unless replay forces the experts there
     volatility = None if vol_i is None else ("free" if vol_i > 0 and replay is None else "forward")
-    pi_old = pi_old or pi_old_source(cfg)
+    pi_old = pi_old_source(cfg)
     return UpdatePlan(
         algo=cfg.algo,
         aggregation=aggregation,
@@ -223,14 +300,14 @@ def for_model(plan: UpdatePlan, layout: LayoutPlan, policy: nn.Module, is_moe: b
     """``plan`` settled for the loaded model: its layout and LM head probed, and no routing replay or
     volatility for a dense model (no routers)."""
     routing = {} if is_moe else dict(replay=None, volatility=None, volatility_minibatch=None)
-    layout_name = _choose_layout(policy, layout)  # (runs the model's probes, once)
-    plain = lm_head_is_plain(unwrap(policy, "hf"))
+    layout_name = choose_layout(policy, layout)  # (runs the model's probes, once)
+    plain = lm_head_is_plain(unwrap(policy, "transformers"))
     return dataclasses.replace(plan, layout=layout_name, plain_head=plain, **routing)
 
 
 def layout_plan(cfg: Config) -> LayoutPlan:
     replay_rows = cfg.routing_replay and cfg.routing_replay_source == "rollout"
-    return _take(LayoutPlan, cfg, replay_rows=replay_rows)
+    return LayoutPlan(packing=cfg.packing, prefix_sharing=cfg.prefix_sharing, replay_rows=replay_rows)
 
 
 def pi_old_source(cfg: Config) -> str:
@@ -239,16 +316,12 @@ def pi_old_source(cfg: Config) -> str:
     return _pi_old_source(cfg.old_logp, cfg.async_staleness, engine, cfg.dtype, cfg.rollout_dtype)
 
 
-def choose_layout(policy: nn.Module, cfg: Config) -> str:
-    return _choose_layout(policy, layout_plan(cfg))
-
-
-def _choose_layout(policy: nn.Module, plan: LayoutPlan) -> str:
+def choose_layout(policy: nn.Module, plan: LayoutPlan) -> str:
     """Training forward layout (see :mod:`gspo.model.logprobs`). Packing removes padding compute, but
     with dense-mask attention (sdpa/eager) its attention cost grows with the packed length squared,
     so ``auto`` packs only with flash attention; prefix sharing needs a model that takes 4D masks.
     The one-time model probes run here, outside any routing capture or replay that would record them."""
-    hf = unwrap(policy, "hf")
+    hf = unwrap(policy, "transformers")
     lm_head_is_plain(hf)
     impl = attn_implementation(hf)
     if plan.replay_rows:

@@ -17,6 +17,8 @@ dependency's source), one module per upstream API, each with a version guard:
   stopped compare kills).
 * :mod:`gspo.compat.cpython_threads`: ``_thread._count`` (the sandbox harness's check that no thread
   of the program still runs; the harness names it itself, in an interpreter without gspo).
+* :mod:`gspo.compat.mkl_cbwr`: MKL's ``mkl_serv_cbwr_get`` in torch's ``libtorch_cpu`` (the branch
+  MKL runs, which the reproducible mode checks after pinning it).
 * :mod:`gspo.compat.transformers_ep`: transformers' ``apply_expert_parallelism`` (not exported by
   ``transformers.distributed``) and an experts module's own forward (``--ep``).
 

@@ -1,8 +1,7 @@
 """transformers' own expert parallelism (``transformers.distributed``, 5.x) applied to a model gspo
 built itself.
 
-Public: ``DistributedConfig`` and ``initialize_distributed_mesh`` (the dense and expert device
-meshes), ``PreTrainedModel.ep_plan`` (a model's expert-parallel rules, e.g. Qwen3-MoE's
+Public: ``PreTrainedModel.ep_plan`` (a model's expert-parallel rules, e.g. Qwen3-MoE's
 ``layers.*.mlp.experts``: ``ep_dispatch_experts``, its ``gate_up_proj`` / ``down_proj``:
 ``grouped_gemm``). Not exported by the package, so kept here behind a version guard:
 
@@ -30,8 +29,6 @@ MIN_VERSION = (5, 25)
 DISPATCH = "ep_dispatch_experts"
 
 UPSTREAM: list[tuple[str, str]] = [
-    ("transformers.distributed", "DistributedConfig"),
-    ("transformers.distributed", "initialize_distributed_mesh"),
     ("transformers.distributed.expert_parallel", "apply_expert_parallelism"),
     ("transformers.distributed.expert_parallel", "AllToAllEP"),
     ("transformers", "PreTrainedModel.ep_plan"),
@@ -53,23 +50,18 @@ def check() -> None:
         )
 
 
-def meshes(world: int, ep: int) -> dict[str, Any]:
-    """The device meshes of ``world`` ranks with experts split over groups of ``ep`` (collective):
-    ``dense`` (2-D: replicated over the ``world / ep`` groups, sharded within one), ``efsdp`` (the
-    ranks holding the same experts, which FSDP2 shards them over), ``ep`` and ``tp`` (size 1: every
-    rank holds its own batch). All slices of one expert mesh, so every parameter's DTensor lives on
-    the same (efsdp, ep) mesh and the gradient norm and the optimizer see one mesh."""
-    from transformers.distributed import DistributedConfig, initialize_distributed_mesh
-
+def meshes(root: Any) -> dict[str, Any]:
+    """The meshes transformers' expert parallelism works on, sliced from ``root``, an ``(efsdp, ep,
+    tp)`` mesh of every rank (``tp`` of size 1) that the caller builds with each group's timeout set
+    (:func:`gspo.training.distributed.device_mesh`): the layout of transformers' own
+    ``initialize_distributed_mesh`` expert mesh (pp and dp_replicate of size 1), whose groups would
+    wait torch's default 10 minutes (it passes no timeout). ``dense`` (2-D: replicated over the
+    ``world / ep`` groups, sharded within one), ``efsdp`` (the ranks holding the same experts, which
+    FSDP2 shards them over), ``ep`` and ``tp`` (size 1: every rank holds its own batch). All slices of
+    one mesh, so every parameter's DTensor lives on the same (efsdp, ep) mesh and the gradient norm
+    and the optimizer see one mesh."""
     check()
-    config = DistributedConfig(fsdp_size=world, ep_size=ep, ep_implementation="all_to_all")
-    _, mm = initialize_distributed_mesh(config)
-    return {
-        "dense": mm.get_mesh(("efsdp", "ep")),
-        "efsdp": mm.get_mesh("efsdp"),
-        "ep": mm.get_mesh("ep"),
-        "tp": mm.get_mesh("tp"),
-    }
+    return {"dense": root[("efsdp", "ep")], "efsdp": root["efsdp"], "ep": root["ep"], "tp": root["tp"]}
 
 
 def _plan(model: nn.Module) -> dict[str, str]:

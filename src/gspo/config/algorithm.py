@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from annotated_types import Ge, Interval
+from annotated_types import Ge, Gt, Interval
 from pydantic import with_config
 
 from gspo.config.checks import DOCUMENTED, Group, OneOf, bad
@@ -33,12 +33,19 @@ class Algorithm(Group):
     """``gspo`` (sequence ratio), ``gspo_token`` (GSPO-token), ``grpo`` (token ratio baseline),
     ``grpo_seq_mask`` (GRPO's token ratios under GSPO's sequence mask, an ablation), ``sapo``,
     ``sapo_token``, ``cispo``, ``gmpo``, ``luspo`` (GSPO with each sequence's term scaled by its
-    length, arXiv 2602.05261) or ``vespo`` (REINFORCE scaled by a smooth kernel of the unnormalized
-    sequence ratio, arXiv 2602.10693)."""
+    length, arXiv 2602.05261), ``vespo`` (REINFORCE scaled by a smooth kernel of the unnormalized
+    sequence ratio, arXiv 2602.10693), ``dppo_tv`` / ``dppo_kl`` (a token's gradient kept while its
+    probability stays in a Binary-TV / Binary-KL trust region around pi_old, arXiv 2602.04879),
+    ``clip_cov`` / ``kl_cov`` (GRPO with the few tokens of highest covariance between log-prob and
+    advantage detached / KL-penalised, against entropy collapse, arXiv 2505.22617)."""
     eps_low: Annotated[float | None, Ge(0)] = None
-    """Lower clip range (default per algo: gspo 3e-4, grpo 0.2, luspo 2e-3; vespo has none)."""
+    """Lower clip range (default per algo: gspo 3e-4, grpo 0.2, luspo 2e-3, clip_cov 0.2; vespo and
+    kl_cov have none); for ``dppo_tv`` / ``dppo_kl`` the trust region's threshold below pi_old (> 0;
+    default 0.15 / 0.05)."""
     eps_high: Annotated[float | None, Ge(0)] = None
-    """Upper clip range (default per algo: gspo 4e-4, grpo 0.27, luspo 2.5e-3; vespo has none)."""
+    """Upper clip range (default per algo: gspo 4e-4, grpo 0.27, luspo 2.5e-3, clip_cov 0.2; vespo and
+    kl_cov have none); for ``dppo_tv`` / ``dppo_kl`` the trust region's threshold above pi_old (> 0;
+    default 0.15 / 0.05)."""
     aggregation: Annotated[str | None, OneOf((None, "seq_mean_token_mean", "token_mean"))] = None
     """Token aggregation of the token-level losses (grpo, sapo_token, cispo): ``seq_mean_token_mean``
     (per-sequence token mean, then mean over sequences: GRPO paper) or ``token_mean`` (sum over all
@@ -50,13 +57,22 @@ class Algorithm(Group):
     this asks whether the share dropped matters or which ones; docs/stability). Logged:
     ``mismatch/random_drop_frac_seq``. 0: off."""
     adv_scale: Annotated[str, OneOf(advantage_scales)] = "group"
-    """Advantage scaling: ``group`` std, ``batch`` std, or ``none`` (center only)."""
+    """Advantage scaling: ``group`` std, ``batch`` std, ``none`` (center only), or ``maxrl``: divided by
+    the group's mean reward (MaxRL, arXiv 2602.02710; the maximum-likelihood gradient for 0/1
+    rewards). ``maxrl`` needs rewards >= 0: refused with ``overlong_buffer`` (its penalty is
+    negative), and a negative reward stops the run in one line; a group whose rewards are all 0 gets
+    A = 0 (no success to learn from)."""
     old_logp: Annotated[str, OneOf(("auto", "recompute", "rollout"))] = "auto"
     """pi_old log-probs: ``recompute`` with the trainer before the update, ``rollout`` (use the
     sampler's log-probs, the paper's infrastructure simplification), or ``auto``: ``rollout`` when
     the sampler is the trainer's own module in float32 (its log-probs are the trainer's), else
     ``recompute``."""
 
+    sapo_tau_neg: Annotated[float | None, Gt(0)] = None
+    """``sapo`` / ``sapo_token``: the soft gate's temperature for A < 0 (default 1.05, the paper's;
+    above ``sapo_tau_pos`` it damps negative updates more). SAPO has no clip range."""
+    sapo_tau_pos: Annotated[float | None, Gt(0)] = None
+    """``sapo`` / ``sapo_token``: the soft gate's temperature for A > 0 (default 1.0)."""
     vespo_k_pos: Annotated[float | None, Ge(0)] = None
     """``vespo``: the kernel's power k for A >= 0 (default 2.0; the paper's c1)."""
     vespo_lambda_pos: Annotated[float | None, Ge(0)] = None
@@ -65,18 +81,28 @@ class Algorithm(Group):
     """``vespo``: the kernel's power k for A < 0 (default 3.0)."""
     vespo_lambda_neg: Annotated[float | None, Ge(0)] = None
     """``vespo``: the kernel's decay lambda for A < 0 (default 2.0)."""
+    clip_cov_ratio: Annotated[float | None, Gt(0)] = None
+    """``clip_cov``: the fraction of response tokens whose gradient is detached, in (0, 1), at least
+    one token per loss call (default 2e-4, verl's). Taken of each call's tokens, as verl: a
+    micro-batch on one rank (``micro_batch_size`` then changes the update)."""
+    clip_cov_lb: float | None = None
+    """``clip_cov``: tokens are selected among those whose covariance is above this (default 1.0)."""
+    clip_cov_ub: float | None = None
+    """``clip_cov``: ... and below this (default 5.0, verl's)."""
+    kl_cov_ratio: Annotated[float | None, Gt(0)] = None
+    """``kl_cov``: the fraction of response tokens (of each loss call, as ``clip_cov_ratio``) with
+    the largest covariance that pay the KL penalty, in (0, 1) (default 2e-4, verl's)."""
+    kl_cov_coef: Annotated[float | None, Ge(0)] = None
+    """``kl_cov``: the penalty's coefficient on |log pi_theta - log pi_old| (default 0.1, verl's
+    ``ppo_kl_coef``; the paper's recipes use 1)."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:
-        clipped = ("gspo", "gspo_token", "grpo", "grpo_seq_mask", "luspo")
+        clipped = ("gspo", "gspo_token", "grpo", "grpo_seq_mask", "luspo", "clip_cov")
         if cfg.eps_low is not None and cfg.algo in clipped and cfg.eps_low > 1:
             raise bad(cfg, "eps_low", f"must be <= 1 for {cfg.algo} (the ratio's lower clip is 1 - eps_low)")
+        _check_loss_fields(cfg)
         if cfg.algo == "vespo":
-            for f in ("eps_low", "eps_high"):
-                if getattr(cfg, f) is not None:
-                    raise bad(
-                        cfg, f, "vespo has no clip range (its kernel's shape: vespo_k_*, vespo_lambda_*)"
-                    )
             for f in ("vespo_lambda_pos", "vespo_lambda_neg"):
                 if getattr(cfg, f) == 0:
                     raise bad(cfg, f, "must be > 0 (the kernel W^k e^(lambda (1 - W)) must decay)")
@@ -85,15 +111,57 @@ class Algorithm(Group):
                     raise bad(
                         cfg, f, f"must be at most {FLOAT32_MAX:.4g} (the kernel is computed in float32)"
                     )
-        else:
-            for f in VESPO_FIELDS:
-                if getattr(cfg, f) is not None:
-                    raise bad(cfg, f, f"applies to algo vespo only, not {cfg.algo}")
+        if cfg.adv_scale == "maxrl" and cfg.overlong_buffer > 0:
+            raise bad(cfg, "adv_scale", "'maxrl' divides by the group's mean reward and needs rewards >= 0, "
+                      "but overlong_buffer > 0 adds a negative penalty")  # fmt: skip
         if cfg.aggregation is not None and _loss(cfg.algo).aggregation is None:
             raise bad(cfg, "aggregation", f"{cfg.algo} takes no aggregation (its normalizer is fixed)")
 
 
+SAPO_FIELDS = ("sapo_tau_neg", "sapo_tau_pos")
 VESPO_FIELDS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+COV_FIELDS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef")
+#: each loss's own config fields -> the losses they apply to
+LOSS_FIELDS = (
+    {f: ("sapo", "sapo_token") for f in SAPO_FIELDS}
+    | {f: ("vespo",) for f in VESPO_FIELDS}
+    | {f: ("clip_cov",) for f in COV_FIELDS[:3]}
+    | {f: ("kl_cov",) for f in COV_FIELDS[3:]}
+)
+#: the losses without a clip range: what sets their shape instead
+NO_RANGE = {
+    "sapo": "its soft gate's temperatures: sapo_tau_neg, sapo_tau_pos",
+    "sapo_token": "its soft gate's temperatures: sapo_tau_neg, sapo_tau_pos",
+    "vespo": "its kernel's shape: vespo_k_*, vespo_lambda_*",
+    "kl_cov": "its penalty: kl_cov_*",
+}
+
+
+def _check_loss_fields(cfg: Any) -> None:
+    """A loss's own fields only with that loss; no clip range where there is none; DPPO's thresholds,
+    Clip-Cov's and KL-Cov's fractions and Clip-Cov's band where they select something."""
+    for f, owners in LOSS_FIELDS.items():
+        if getattr(cfg, f) is not None and cfg.algo not in owners:
+            raise bad(cfg, f, f"applies to algo {' / '.join(owners)} only, not {cfg.algo}")
+    for f in ("eps_low", "eps_high"):
+        if cfg.algo in NO_RANGE and getattr(cfg, f) is not None:
+            raise bad(cfg, f, f"{cfg.algo} has no clip range ({NO_RANGE[cfg.algo]})")
+        if cfg.algo in ("dppo_tv", "dppo_kl") and getattr(cfg, f) == 0:
+            raise bad(
+                cfg, f, f"must be > 0 for {cfg.algo} (a trust region of 0 drops every token that moves)"
+            )
+    for f in ("clip_cov_ratio", "kl_cov_ratio"):
+        if (getattr(cfg, f) or 0) >= 1:
+            raise bad(cfg, f, "must be a fraction in (0, 1) of the tokens")
+    if cfg.algo == "clip_cov":
+        lb, ub = (loss_params(cfg)[k] for k in ("clip_cov_lb", "clip_cov_ub"))
+        if not lb < ub:
+            f = "clip_cov_lb" if cfg.clip_cov_lb is not None else "clip_cov_ub"
+            raise bad(
+                cfg, f, f"the covariance band (clip_cov_lb, clip_cov_ub) = ({lb}, {ub}) selects no token"
+            )
+
+
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max (torch is not imported here)
 
 
@@ -105,11 +173,14 @@ def _loss(algo: str) -> Any:
 
 def loss_params(cfg: Any) -> dict[str, float]:
     """The loss's own parameters (:class:`gspo.losses.LossSpec`): its defaults, overridden by the
-    config's ``eps_low`` / ``eps_high`` (a clip range; SAPO's temperatures tau_neg / tau_pos) and
-    ``vespo_*`` (VESPO's kernel)."""
+    config's ``eps_low`` / ``eps_high`` (a clip range; DPPO's thresholds), ``sapo_*`` (SAPO's
+    temperatures, parameter ``tau_neg`` from ``sapo_tau_neg``), ``vespo_*`` (VESPO's kernel, parameter
+    ``k_pos`` from ``vespo_k_pos``) and the Clip-Cov / KL-Cov fields (parameters named as the fields)."""
     spec = _loss(cfg.algo)
     given = dict(zip(spec.eps, (cfg.eps_low, cfg.eps_high), strict=False))
+    given |= {k: getattr(cfg, f"sapo_{k}") for k in spec.params if f"sapo_{k}" in SAPO_FIELDS}
     given |= {k: getattr(cfg, f"vespo_{k}") for k in spec.params if f"vespo_{k}" in VESPO_FIELDS}
+    given |= {k: getattr(cfg, k) for k in spec.params if k in COV_FIELDS}
     return {k: v if (v := given.get(k)) is not None else d for k, d in spec.params.items()}
 
 

@@ -60,8 +60,15 @@ class OneOf(Rule):
 BOUNDS: dict[type, tuple[int, bool, Callable[[Any], str]]] = {
     Ge: (1, False, lambda b: f"must be >= {b.ge}"),
     Gt: (2, True, lambda b: f"must be > {b.gt}"),
-    Interval: (3, True, lambda b: f"must be in [{b.ge}, {b.lt})"),  # Adam's betas
+    Interval: (3, True, lambda b: f"must be in {_interval(b)}"),  # Adam's betas, the lr
 }
+
+
+def _interval(b: Interval) -> str:
+    """``[0, 1)``, ``(0, 1]``: an Interval's bounds as written in maths."""
+    lo = f"[{b.ge}" if b.ge is not None else f"({b.gt}" if b.gt is not None else "(-inf"
+    hi = f"{b.le}]" if b.le is not None else f"{b.lt})" if b.lt is not None else "inf)"
+    return f"{lo}, {hi}"
 
 
 def _kind(rule: Any) -> tuple[int, bool]:

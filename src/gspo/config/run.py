@@ -31,7 +31,12 @@ class RunSetup(Group):
     config.json; embedded models: ``dtype``), whatever ``dtype`` it trained in; checkpoints keep the
     trained dtype for exact resume."""
     threads: Annotated[int, Ge(0)] = 0
-    """torch CPU threads per process (0: leave torch's default)."""
+    """torch CPU threads per process (0: leave torch's default; ``reproducible`` runs one)."""
+    reproducible: bool = False
+    """Pin what decides a CPU run's floating-point numbers, so that another x86-64 machine with the
+    same torch and packages reproduces them bit for bit: one thread, ATen's baseline kernels, MKL's
+    COMPATIBLE branch, deterministic algorithms (:mod:`gspo.repro`; slower, see the reproducibility
+    guide). ``gspo compare`` turns it on unless its preset, ``--config`` or a flag sets it."""
     resume: bool = False
     """Continue ``<output_dir>/<name>`` from its newest complete checkpoint instead of starting fresh."""
     overwrite: bool = False
@@ -39,6 +44,8 @@ class RunSetup(Group):
 
     @staticmethod
     def _rules(cfg: Any) -> None:
+        if cfg.reproducible and cfg.threads > 1:  # threads change the order of every sum
+            raise bad(cfg, "threads", "reproducible runs use one thread (0 or 1)")
         name = cfg.name
         if name is None:
             return

@@ -118,6 +118,24 @@ class MultiTurn(Group):
     max_trajectory_tokens: Annotated[int, Ge(1)] = 256
     """Multi-turn (``env``): tokens after the prompt per trajectory, model turns and observations
     together (the overlong penalty counts against it); past it the trajectory is truncated."""
+    tool_concurrency: Annotated[int, Ge(0)] = 32
+    """Multi-turn (``env``): the environment's steps (tool calls) run in a pool of this many threads
+    while the rollout engine decodes the other trajectories, each trajectory going on by itself (HF:
+    its kept KV cache; vLLM: each turn a request to its continuously batching engine). Results do not
+    depend on it nor on how long a step takes (``tool_tick_steps``). 0: each step runs inside the
+    decode loop, one at a time (vLLM: one ``generate`` call per turn; ``env=task`` always, its one
+    step the task's reward; with the HF engine, an environment declared ``instant`` too, as the
+    calculator ``tools:calc`` with a built-in reward is). With a pool, environments'
+    steps run concurrently: what their instances share (a module's state, the task's reward function
+    that ``tools`` and ``task`` call at the answer) must be thread-safe."""
+    tool_tick_steps: Annotated[int, Ge(1)] = 8
+    """Multi-turn with ``tool_concurrency``: every this many decode steps comes a tick; a trajectory
+    whose turn ended goes on at the first tick after (its observation fed in one forward), where the
+    engine waits for its step if it has not returned; between ticks the engine never waits for a
+    tool (steps in which nothing decodes are skipped). Which trajectories share a decode step is then
+    a function of the data, not of timing: every token and log-prob is the same whatever order the
+    tools finish in. Larger: more decode steps for a slow tool to overlap, more idle steps after a
+    fast one (1: every step is a tick)."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:

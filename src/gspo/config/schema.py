@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +27,29 @@ class Config(
 ):  # fmt: skip
     """Every group's fields, flat: ``cfg.lr``, ``dataclasses.replace(cfg, seed=1)``."""
 
-    def validate(self) -> Config:
-        """Check every value; raise GspoError naming the first bad field."""
-        from gspo.limits import check_config
-        from gspo.plans import CapacityPlan
+    def __post_init__(self) -> None:
+        # a path given as a pathlib.Path (``output_dir=Path("runs")``) is the string it spells: the
+        # config stays plain YAML, and str fields stay str
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, os.PathLike) and "str" in str(f.type) and isinstance(os.fspath(v), str):
+                setattr(self, f.name, os.fspath(v))
 
+    def validate(self) -> Config:
+        """Check every value; raise GspoError naming the first bad field. Once per set of values: a
+        config validated as it stands (the CLI's, then ``gspo.train``'s) is not checked again."""
+        from gspo.limits import check_config
+
+        values = dataclasses.asdict(self)
+        if self.__dict__.get("_validated") == values:  # not a field: no part of the config itself
+            return self
         check_types(self)
         check_fields(self, late=False)  # choices, lower bounds, finite numbers
-        check_config(
-            CapacityPlan.of(self)
-        )  # upper bounds before any relation between fields is computed from them
+        check_config(values)  # upper bounds before any relation between fields is computed from them
         check_fields(self, late=True)
         for group in GROUPS:
             group._rules(self)  # each group's own, called by class: one per group, none shadowed
+        self.__dict__["_validated"] = dataclasses.asdict(self)
         return self
 
     @property
@@ -68,5 +79,5 @@ GROUPS: tuple[type[Group], ...] = tuple(
 EVAL_FIELDS = (
     "task", "eval_task", "reward", "prompt_field", "answer_field", "eval_size", "max_new_tokens", "seed",
     "chat_template", "system_prompt", "max_prompt_tokens", "reward_on_error", "reward_timeout_s",
-    "env", "max_turns", "max_trajectory_tokens",
+    "env", "max_turns", "max_trajectory_tokens", "tool_concurrency", "tool_tick_steps",
 )  # fmt: skip

@@ -21,8 +21,9 @@ class Optimization(Group):
     """Optimizer steps per rollout batch (the paper splits each batch into 4)."""
     micro_batch_size: Annotated[int, Ge(0)] = 0
     """Sequences per forward/backward inside a minibatch (0: whole minibatch at once)."""
-    lr: Annotated[float, Gt(0)] = 3e-4
-    """AdamW learning rate for RL."""
+    lr: Annotated[float, Interval(gt=0, le=1)] = 3e-4
+    """AdamW learning rate for RL (at most 1: AdamW moves each weight by about ``lr`` per step, and
+    a larger one only diverges)."""
     weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay."""
     adam_beta1: Annotated[float, Interval(ge=0, lt=1)] = 0.9
@@ -136,8 +137,10 @@ class Distributed(Group):
     timeout: NCCL's watchdog, gloo's). 120, not torch's 10: on a cold cache each node's local rank 0
     downloads the weights from the hub while its other ranks wait (the 235B recipe's 470 GB take ~80
     minutes at 100 MB/s), then rank 0 may read them for all. A rank that really hangs is found this
-    late: lower it once the weights are cached. Groups over part of the world (HSDP's and expert
-    parallelism's meshes, vLLM's tensor-parallel groups) keep torch's default."""
+    late: lower it once the weights are cached. Every group over part of the world waits as long:
+    HSDP's and expert parallelism's meshes, vLLM's groups under torchrun (its
+    ``distributed_timeout_seconds`` and ``cpu_distributed_timeout_seconds``) and gspo's own
+    tensor-parallel subgroup, and the async sampler's weight-transfer group (rollout devices)."""
 
     @staticmethod
     def _rules(cfg: Any) -> None:

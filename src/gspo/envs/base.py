@@ -17,7 +17,10 @@ Under ``--chat-template`` (:mod:`gspo.envs.chat`) an observation goes back as ch
 step's ``messages`` when it gives them (e.g. ``[{"role": "tool", "content": "46"}]``), else one
 ``tool`` message holding ``observation``. An environment with tools may declare them as an attribute
 ``chat_tools`` (a list of OpenAI-style JSON function schemas, passed to the template as ``tools=``).
-Both are optional: an environment without them works unchanged.
+Both are optional: an environment without them works unchanged. So is ``instant = True`` on an
+environment's class (its steps return at once: no subprocess, no request): the HF engine then runs its
+steps inside the decode loop instead of a pool of ``tool_concurrency`` threads, whose ticks would only
+leave finished turns idle. gspo's calculator (``tools:calc`` with a built-in reward) is instant.
 """
 
 from __future__ import annotations

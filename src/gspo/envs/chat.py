@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gspo.errors import GspoError, warn
+from gspo.errors import GspoError, one_line, warn
 from gspo.tasks.datasets import Prompt
 
 Messages = list[dict[str, Any]]
@@ -45,9 +45,9 @@ def render(tokenizer: Any, messages: Messages, tools: Messages | None, generatio
             messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
         )
     except Exception as e:  # noqa: BLE001 (jinja raises anything, a template's raise_exception too)
-        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise GspoError(
-            f"the tokenizer's chat template cannot render a {messages[-1].get('role')!r} message: {msg}"
+            f"the tokenizer's chat template cannot render a {messages[-1].get('role')!r} message: "
+            f"{one_line(e, typed=False)}"
         ) from None
     if not isinstance(text, str):
         raise GspoError(f"the tokenizer's chat template returned {type(text).__name__}, expected a string")

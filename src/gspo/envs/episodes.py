@@ -2,11 +2,17 @@
 
 Each trajectory is one token sequence after its prompt: model turn, observation, model turn, ...
 ``response_mask_BT`` marks the model's tokens (each turn's final EOS included), ``obs_mask_BT`` the
-observation tokens; the sampler's log-probs are there on the model's tokens only. Every turn is one
-``engine.generate`` call over the live trajectories, whose prompts are their whole context so far
-(prompt, earlier turns and observations, as token ids: nothing is re-tokenized). Deterministic given
-the engine's generator: exact resume holds as for single-turn rollouts. The trajectories are scored
-with the single-turn responses, by :func:`gspo.training.scoring.score_rollout`.
+observation tokens; the sampler's log-probs are there on the model's tokens only. An engine with a
+``play`` method takes every turn of the batch in one call, each trajectory going on as its
+environment answers (HF: each one's KV cache kept across its turns; vLLM: each turn a request to
+its continuously batching engine); the environment's steps run in a pool of ``tool_concurrency``
+threads beside the decoding, a trajectory going on at the first tick after its turn
+(:mod:`gspo.rollout.turns`: its tokens do not depend on how long a step took). Any other engine,
+and vLLM with ``tool_concurrency=0``, gets one ``engine.generate`` call per turn over the live
+trajectories. A turn's context is the whole trajectory so far (prompt, earlier turns and
+observations, as token ids: nothing is re-tokenized). Deterministic given the engine's generator:
+exact resume holds as for single-turn rollouts. The trajectories are scored with the single-turn
+responses, by :func:`gspo.training.scoring.score_rollout`.
 
 With ``--chat-template`` (and a tokenizer that has one) the trajectory is a chat conversation
 (:mod:`gspo.envs.chat`): the prompt declares the environment's tools, each observation is the
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,13 +144,20 @@ def _longest_token_chars(tokenizer: Any) -> int:
 
 
 def spec_of(plan: EnvPlan, task: Any) -> EnvSpec:
-    return env_spec(
+    spec = env_spec(
         plan.spec,
         task.reward,
         plan.reward_timeout_s or None,
         plan.reward_on_error,
         getattr(task, "reward_name", None),
     )
+    # ``task``: one step, the task's reward on the answer (no tool to wait for): in the loop, so its
+    # rollout is the single-turn one
+    spec.workers, spec.tick_steps = (
+        (plan.tool_concurrency if plan.spec != "task" else 0),
+        plan.tool_tick_steps,
+    )
+    return spec
 
 
 @dataclass
@@ -190,8 +204,8 @@ def run_episodes(
     prompt_ids = [list(t.context) for t in trajs]
     live = [i for i, t in enumerate(trajs) if not t.failed]
     layers = None
-    if getattr(engine, "play", None) is not None and live:  # the engine keeps KV caches across turns
-        _play(engine, trajs, live, tokenizer, spec, limits, temperature, greedy)
+    if live and _plays(engine, spec):  # one play call: caches kept, each trajectory on its own
+        layers = _play(engine, trajs, live, tokenizer, spec, limits, temperature, greedy)
         live = []
     while live:
         budget = [_budget(trajs[i], limits) for i in live]
@@ -227,6 +241,14 @@ def _budget(t: _Traj, limits: Limits) -> int:
     return min(limits.max_turn_tokens, limits.max_tokens - len(t.ids))
 
 
+def _plays(engine: Any, spec: EnvSpec) -> bool:
+    """Whether ``engine`` plays the trajectories in one call (:meth:`~gspo.rollout.hf.HFRolloutEngine.play`):
+    with a worker pool (``spec.workers``) where it can, and the HF engine with steps in its loop too."""
+    if getattr(engine, "play", None) is None:
+        return False
+    return getattr(engine, "plays_inline", False) or (spec.workers > 0 and getattr(engine, "can_play", True))
+
+
 def _play(
     engine: Any,
     trajs: list[_Traj],
@@ -236,18 +258,54 @@ def _play(
     limits: Limits,
     temperature: float,
     greedy: bool,
-) -> None:
-    """Every turn of the ``live`` trajectories in one call of an engine's ``play`` (its KV cache kept
-    across turns, :meth:`gspo.rollout.hf.HFRolloutEngine.play`): the same turns as one ``generate``
-    call per turn, without re-prefilling each context."""
+) -> list[str] | None:
+    """Every turn of the ``live`` trajectories in one call of an engine's ``play``: the HF engine
+    keeps each one's KV cache across turns; vLLM takes each turn as its own request. With
+    ``spec.workers`` the environment's steps run in a pool of that many threads while the engine
+    decodes the other trajectories; a trajectory goes on at the first tick (every ``spec.tick_steps``
+    decode steps) after its turn ended (:class:`~gspo.rollout.turns.Ticks`: the results do not
+    depend on when a step returns). Without (or for an environment declared instant, on the HF
+    engine), each step runs in the loop. The engine's R3 routing layers, if it records them."""
+    # an instant environment's steps run in the HF engine's loop: with nothing to wait for, a pool's
+    # ticks only leave finished turns idle (~10-15% slower); vLLM keeps the pool, its continuously
+    # batching engine gaining from each trajectory going on by itself even then
+    pooled = spec.workers > 0 and not (spec.instant and getattr(engine, "plays_inline", False))
+    pool = ThreadPoolExecutor(spec.workers, "gspo-env") if pooled else None
 
-    def turn_end(j: int, ids: list[int], logp: list[float]) -> tuple[list[int], int] | None:
+    def turn_end(j: int, ids: list[int], logp: list[float]) -> tuple[list[int], int] | _Answer | None:
         t = trajs[live[j]]
-        obs = _turn(t, ids, logp, len(ids), tokenizer, spec, limits)
-        return None if obs is None else (obs, _budget(t, limits))
+        if pool is None:
+            obs = _turn(t, ids, logp, len(ids), tokenizer, spec, limits)
+            return None if obs is None else (obs, _budget(t, limits))
+        text, ended = _turn_start(t, ids, logp, len(ids), tokenizer)
+        assert t.env is not None  # live trajectories have one
+        return _Answer(pool.submit(_step, spec, t.env, text), t, (text, ended, len(ids)), tokenizer, limits)
 
+    kw: dict[str, Any] = {"tick": spec.tick_steps} if pool is not None else {}
+    layers = getattr(engine, "routed_layers", None) if getattr(engine, "return_routing", False) else None
+    if layers is not None:  # R3: each turn's request routed its context and the turn's tokens but the last
+        kw["routed"] = lambda j, routed_LK, n: _add_routing(trajs[live[j]], routed_LK, n)
     contexts, budgets = [trajs[i].context for i in live], [_budget(trajs[i], limits) for i in live]
-    engine.play(contexts, budgets, limits.max_tokens, turn_end, temperature, greedy)
+    try:
+        engine.play(contexts, budgets, limits.max_tokens, turn_end, temperature, greedy, **kw)
+    finally:
+        if pool is not None:  # after an error, steps still running finish on their own
+            pool.shutdown(wait=False, cancel_futures=True)
+    return layers
+
+
+class _Answer:
+    """An environment step running in the pool; ``result()`` (in the engine's loop, when the
+    trajectory is due) waits for it and finishes the turn: (observation ids, next budget) or None."""
+
+    def __init__(
+        self, fut: Future, t: _Traj, turn: tuple[str, bool, int], tokenizer: Any, limits: Limits
+    ) -> None:
+        self.fut, self.t, self.turn, self.tokenizer, self.limits = fut, t, turn, tokenizer, limits
+
+    def result(self) -> tuple[list[int], int] | None:
+        obs = _turn_end(self.t, self.fut.result(), *self.turn, self.tokenizer, self.limits)
+        return None if obs is None else (obs, _budget(self.t, self.limits))
 
 
 def _start(spec: EnvSpec, ex: Example, ids: list[int], encode: Callable[[Prompt], list[int]] | None) -> _Traj:
@@ -310,17 +368,38 @@ def _turn(
 ) -> list[int] | None:
     """Append one sampled model turn (its first ``n`` tokens) and the environment's answer to it;
     the observation's token ids when the trajectory goes on, else None."""
+    text, ended = _turn_start(t, ids, logp, n, tokenizer)
+    assert t.env is not None  # live trajectories have one
+    return _turn_end(t, _step(spec, t.env, text), text, ended, n, tokenizer, limits)
+
+
+def _turn_start(t: _Traj, ids: list[int], logp: list[float], n: int, tokenizer: Any) -> tuple[str, bool]:
+    """Append a sampled model turn (its first ``n`` tokens): its text for the environment, and
+    whether it ended at EOS."""
     ids, eos = ids[:n], tokenizer.eos_token_id
     t.ids += ids
     t.model += [1] * n
     t.logp += logp[:n]
     t.turns += 1
     ended = n > 0 and ids[-1] == eos
-    text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
-    assert t.env is not None  # live trajectories have one
+    return tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True), ended
+
+
+def _step(spec: EnvSpec, env: Env, text: str) -> Step | None:
+    """The environment's answer to a turn; None when it failed under ``reward_on_error zero``
+    (thread-safe: a pool's workers run it)."""
     try:
-        s = step(spec, t.env, text)
+        return step(spec, env, text)
     except EnvFailure:
+        return None
+
+
+def _turn_end(
+    t: _Traj, s: Step | None, text: str, ended: bool, n: int, tokenizer: Any, limits: Limits
+) -> list[int] | None:
+    """Append the environment's answer ``s`` to ``t``'s last turn (``n`` tokens, ``text``): the
+    observation's token ids when the trajectory goes on, else None."""
+    if s is None:
         t.failed, t.reward = True, 0.0
         return None
     t.reward += s.reward
@@ -336,13 +415,14 @@ def _turn(
         obs = tokenizer(s.observation[: 64 * room + 64], add_special_tokens=False).input_ids[:room]
     else:
         obs = t.chat.observe(text, _chat_observation(s, 64 * room + 64))[:room]
+    turn = t.ids[len(t.ids) - n :]
     t.ids += obs
     t.model += [0] * len(obs)
     t.logp += [0.0] * len(obs)
     if len(t.ids) >= limits.max_tokens:  # no room left for a model token
         t.truncated = True
         return None
-    t.context = t.context + ids + obs
+    t.context = t.context + turn + obs
     return obs
 
 

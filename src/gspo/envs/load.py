@@ -25,6 +25,7 @@ from typing import Any
 from gspo.envs.base import Env, Step, TaskEnv, check_prompt, check_step
 from gspo.errors import GspoError, one_line
 from gspo.tasks.datasets import Prompt
+from gspo.tasks.rewards import is_instant_reward
 
 TOOLS = ("calc", "python")
 
@@ -38,6 +39,9 @@ class EnvSpec:
     timeout_s: float | None  # per reset/step call (user environments only)
     on_error: str = "error"  # "error" or "zero" (the config's reward_on_error)
     builtin: bool = False  # task / tools: a GspoError inside is gspo's own (a reward's setup error)
+    workers: int = 0  # steps run in a pool of this many threads beside the decoding (0: in the loop)
+    tick_steps: int = 1  # a pooled step's trajectory goes on at the next tick (every so many decode steps)
+    instant: bool = False  # its steps return at once (declared): the HF engine runs them in its loop
 
 
 def env_spec(
@@ -62,8 +66,14 @@ def env_spec(
             )
         if "python" in names:
             _check_sandbox()
-        return EnvSpec(lambda: ToolEnv(reward, names, reward_name), spec, None, on_error, builtin=True)
-    return EnvSpec(_bounded_load(spec, timeout_s, _user_factory), spec, timeout_s or None, on_error)
+        # the calculator and a built-in reward answer in microseconds: a pool would only add idle steps
+        instant = "python" not in names and is_instant_reward(reward_name)
+        factory = lambda: ToolEnv(reward, names, reward_name)  # noqa: E731
+        return EnvSpec(factory, spec, None, on_error, builtin=True, instant=instant)
+    factory = _bounded_load(spec, timeout_s, _user_factory)
+    return EnvSpec(
+        factory, spec, timeout_s or None, on_error, instant=getattr(factory, "instant", False) is True
+    )
 
 
 def _user_factory(spec: str) -> Callable[[], Env]:

@@ -194,11 +194,6 @@ def parse_tool_call(text: str) -> ToolCall | str | None:
     return ToolCall(tool, args[key], "json")
 
 
-def run_tool_call(call: ToolCall | str, tools: tuple[str, ...]) -> str:
-    """The observation text of a parsed call (``error: ...`` for a malformed or refused one)."""
-    return _wrap(call, tool_output(call, tools))
-
-
 def _wrap(call: ToolCall | str, out: str) -> str:
     """A tool's output as plain-text observation: ``=out`` after a call-form call, else ``<output>``."""
     return f"={out}" if isinstance(call, ToolCall) and call.style == "call" else f"<output>{out}</output>"

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from gspo.compat import transformers_model
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.model.unwrap import POLICY_PREFIX, full_tensor, is_peft
 
 #: the largest safetensors file written (``save_pretrained``'s default, 5 GB)
@@ -155,8 +156,8 @@ def _read_config(step_dir: Path) -> Any:
     try:
         return AutoConfig.from_pretrained(step_dir)
     except (OSError, ValueError, KeyError, TypeError) as e:  # unknown model_type, bad JSON
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GspoError(f"{step_dir}/config.json cannot be read as a transformers config: {first}") from None
+        why = one_line(e, typed=False)
+        raise GspoError(f"{step_dir}/config.json cannot be read as a transformers config: {why}") from None
 
 
 def _read_tokenizer(step_dir: Path, required: bool) -> Any:
@@ -172,7 +173,7 @@ def _read_tokenizer(step_dir: Path, required: bool) -> Any:
     try:
         return AutoTokenizer.from_pretrained(step_dir)
     except Exception as e:  # noqa: BLE001 (any damaged tokenizer file)
-        raise GspoError(f"{step_dir}: its tokenizer cannot be loaded ({type(e).__name__}: {e})") from None
+        raise GspoError(f"{step_dir}: its tokenizer cannot be loaded ({one_line(e)})") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,14 +196,31 @@ def write_failure(e: BaseException) -> str | None:
         if not isinstance(err, Exception):
             continue
         text = str(err).strip()
-        if isinstance(err, OSError):
-            return err.strerror or (text.splitlines()[0] if text else type(err).__name__)
         code = _OS_ERROR_CODE.search(text)
+        number = (
+            err.errno if isinstance(err, OSError) else int(code.group(1) or code.group(2)) if code else None
+        )
+        writer = not isinstance(err, OSError) and any(w in text for w in _WRITER_ERRORS)
+        # torch's zip writer says only "unexpected pos" when a write stops at the file-size limit
+        limit = _file_size_limit() if number == errno.EFBIG or writer else None
+        if limit:
+            return f"a file reached the file-size limit of {limit:,} bytes (ulimit -f; raise it: ulimit -f unlimited)"
+        if isinstance(err, OSError):
+            return err.strerror or one_line(err, typed=False)
         if code:
             return os.strerror(int(code.group(1) or code.group(2)))
-        if any(w in text for w in _WRITER_ERRORS):
-            return text.splitlines()[0][:200]
+        if writer:
+            return one_line(err, typed=False)
     return None
+
+
+def _file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``: a write past it fails with EFBIG, as
+    Python ignores SIGXFSZ), None when there is none."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def failure(e: BaseException) -> str:
@@ -211,8 +229,7 @@ def failure(e: BaseException) -> str:
 
     if isinstance(e, dcp.api.CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return one_line(e)
 
 
 def read_index(step_dir: Path) -> Any:

@@ -9,6 +9,7 @@ local directory), exactly as a user of TRL/verl would.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import re
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 
 EMBEDDED_PREFIX = "embedded:"
 GGUF_PREFIX = "gguf:"
@@ -117,31 +118,74 @@ _SMALL_EXPERTS, _SMALL_TOPK, _SMALL_EXPERT_FFN = 16, 4, 48
 
 def build_small_moe(vocab_size: int, seed: int = 0) -> PreTrainedModel:
     """Small Qwen3-MoE: 6 layers, 16 experts (top-4) of width 48, hidden 96."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        moe_intermediate_size=_SMALL_EXPERT_FFN,
-        num_experts=_SMALL_EXPERTS,
-        num_experts_per_tok=_SMALL_TOPK,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        output_router_logits=False,
-        **{**_SMALL, "intermediate_size": _SMALL_EXPERT_FFN},
+    return build_moe(
+        vocab_size, seed, layers=_SMALL["num_hidden_layers"], experts=_SMALL_EXPERTS, top_k=_SMALL_TOPK
     )
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(config)
 
 
 def build_small_dense(vocab_size: int, seed: int = 0) -> PreTrainedModel:
     """Dense twin of :func:`build_small_moe` with the same active size: its MLP is as wide as the
     top-4 experts together (4 x 48 = 192), every other dimension the same."""
+    return build_dense_twin(vocab_size, seed, layers=_SMALL["num_hidden_layers"], top_k=_SMALL_TOPK)
+
+
+# any depth / number of experts / top-k at small-moe's widths, by name (expert volatility's
+# calibration, benchmarks/volatility_calibration.py): ``moe-l<layers>-e<experts>-k<top-k>`` and its
+# dense twin ``dense-l<layers>-k<top-k>`` (one MLP as wide as the k active experts together: the same
+# active parameters per token, router aside). ``moe-l6-e16-k4`` is small-moe, weight for weight.
+_SHAPE = re.compile(r"(moe-l(\d+)-e(\d+)-k(\d+)|dense-l(\d+)-k(\d+))")
+_MAX_SHAPE = {"layers": 48, "experts": 256}
+
+
+def build_moe(vocab_size: int, seed: int = 0, *, layers: int, experts: int, top_k: int) -> PreTrainedModel:
+    """Qwen3-MoE at small-moe's widths (hidden 96, experts of width 48) with ``layers`` layers and
+    ``experts`` experts, ``top_k`` active per token."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        moe_intermediate_size=_SMALL_EXPERT_FFN,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        output_router_logits=False,
+        **{**_SMALL, "intermediate_size": _SMALL_EXPERT_FFN, "num_hidden_layers": layers},
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def build_dense_twin(vocab_size: int, seed: int = 0, *, layers: int, top_k: int) -> PreTrainedModel:
+    """Dense twin of :func:`build_moe` with ``layers`` and ``top_k``: one MLP of width top_k x 48."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
+    width = top_k * _SMALL_EXPERT_FFN
     return Qwen3ForCausalLM(
-        Qwen3Config(vocab_size=vocab_size, **{**_SMALL, "intermediate_size": _SMALL_TOPK * _SMALL_EXPERT_FFN})
+        Qwen3Config(
+            vocab_size=vocab_size, **{**_SMALL, "intermediate_size": width, "num_hidden_layers": layers}
+        )
     )
+
+
+def shape_builder(name: str) -> Any:
+    """The builder of a named shape (``moe-l12-e64-k4``, ``dense-l12-k4``), None for other names;
+    a shape out of range is a :class:`GspoError`."""
+    m = _SHAPE.fullmatch(name)
+    if m is None:
+        return None
+    moe = m.group(2) is not None
+    layers, top_k = (int(m.group(2)), int(m.group(4))) if moe else (int(m.group(5)), int(m.group(6)))
+    experts = int(m.group(3)) if moe else top_k
+    if not (1 <= layers <= _MAX_SHAPE["layers"] and 1 <= top_k <= experts <= _MAX_SHAPE["experts"]):
+        raise GspoError(
+            f"config field 'model': embedded shape {name!r} needs 1 <= layers <= {_MAX_SHAPE['layers']} and "
+            f"1 <= top-k <= experts <= {_MAX_SHAPE['experts']}"
+        )
+    if moe:
+        return functools.partial(build_moe, layers=layers, experts=experts, top_k=top_k)
+    return functools.partial(build_dense_twin, layers=layers, top_k=top_k)
 
 
 EMBEDDED_MODELS = {
@@ -167,13 +211,15 @@ def load_model_and_tokenizer(
         raise GspoError(f"config field 'dtype': expected float32, bfloat16 or float16, got {dtype!r}")
     if spec.startswith(EMBEDDED_PREFIX):
         name = spec[len(EMBEDDED_PREFIX) :]
-        if name not in EMBEDDED_MODELS:
+        builder = EMBEDDED_MODELS.get(name) or shape_builder(name)
+        if builder is None:
             raise GspoError(
-                f"config field 'model': unknown embedded model {name!r} (known: {sorted(EMBEDDED_MODELS)})"
+                f"config field 'model': unknown embedded model {name!r} (known: {sorted(EMBEDDED_MODELS)}, "
+                "or a shape moe-l<layers>-e<experts>-k<top-k> / dense-l<layers>-k<top-k>)"
             )
         tokenizer = build_char_tokenizer()
         with torch.device("meta") if meta else contextlib.nullcontext():
-            model = EMBEDDED_MODELS[name](len(tokenizer), seed=seed).to(torch_dtype)
+            model = builder(len(tokenizer), seed=seed).to(torch_dtype)
         return model, tokenizer
     if spec.startswith(GGUF_PREFIX):
         return _load_gguf(spec, tokenizer_spec, torch_dtype, meta)
@@ -191,12 +237,12 @@ def load_model_and_tokenizer(
         try:
             AutoConfig.from_pretrained(spec)
         except Exception as e:  # noqa: BLE001 (a field of the wrong type, an unknown model_type...)
-            raise GspoError(f"config field 'model': {spec}/config.json: {_first(e)}") from None
+            raise GspoError(f"config field 'model': {spec}/config.json: {one_line(e, 300)}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
     except Exception as e:  # noqa: BLE001 (OSError, ValueError, the tokenizers library's own errors...)
         raise GspoError(
-            f"config field '{tok_field}': cannot load the tokenizer of {tok_path!r}: {_first(e)}"
+            f"config field '{tok_field}': cannot load the tokenizer of {tok_path!r}: {one_line(e, 300)}"
         ) from None
     try:
         if meta:
@@ -207,7 +253,7 @@ def load_model_and_tokenizer(
         else:
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
     except Exception as e:  # noqa: BLE001 (OSError, ValueError, safetensors' own error for a bad file...)
-        raise GspoError(f"config field 'model': cannot load {spec!r}: {_first(e)}") from None
+        raise GspoError(f"config field 'model': cannot load {spec!r}: {one_line(e, 300)}") from None
     check_vocab(model, tokenizer, spec, tok_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -279,7 +325,7 @@ def _load_gguf(
             model.tie_weights()
             del loaded
     except Exception as e:  # noqa: BLE001 (a damaged or unsupported GGUF file: transformers' own error)
-        raise GspoError(f"config field 'model': cannot load {spec!r}: {_first(e)}") from None
+        raise GspoError(f"config field 'model': cannot load {spec!r}: {one_line(e, 300)}") from None
     check_vocab(model, tok, spec, tokenizer_spec or spec)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -308,6 +354,11 @@ def _no_gguf_bars() -> Iterator[None]:
             print("\n".join(kept), file=sys.stderr)
 
 
+#: ``LoopPlan.save_dtype`` of a hub id under ``save_dtype auto``: its stored dtype, read from its
+#: config once its files are local (by every rank of several only after the node's snapshot)
+AUTO_DTYPE = "auto"
+
+
 def stored_dtype(spec: str) -> str | None:
     """The dtype ``spec``'s weights are stored in (its config.json's ``dtype``), None when it says none
     (or is an embedded model, built in the run's own ``dtype``)."""
@@ -321,11 +372,6 @@ def stored_dtype(spec: str) -> str | None:
         return None
     name = str(dtype).removeprefix("torch.") if dtype is not None else None
     return name if name in ("float32", "bfloat16", "float16") else None
-
-
-def _first(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
 def _check_json_files(spec: str, field: str, names: tuple[str, ...]) -> None:
@@ -347,7 +393,7 @@ def _check_json_files(spec: str, field: str, names: tuple[str, ...]) -> None:
         except json.JSONDecodeError as e:
             raise GspoError(f"config field '{field}': {f}:{e.lineno}: invalid JSON: {e.msg}") from None
         except (ValueError, RecursionError) as e:  # bad UTF-8, nesting too deep, a 5000-digit number
-            raise GspoError(f"config field '{field}': {f}: unreadable JSON: {_first(e)}") from None
+            raise GspoError(f"config field '{field}': {f}: unreadable JSON: {one_line(e, 300)}") from None
         if not isinstance(data, dict):
             raise GspoError(f"config field '{field}': {f}: expected a JSON object, got {type(data).__name__}")
 
@@ -376,9 +422,12 @@ def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec
         )
 
 
-# what a sharded start needs of a hub snapshot: the weights, their index, the config (the tokenizer
-# is read by transformers through the same cache)
-HUB_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.json")
+# what a tokenizer may need of a hub snapshot: tokenizer.json and its configs, BPE merges and
+# WordPiece vocabularies, SentencePiece and tiktoken models, chat templates
+HUB_TOKENIZER_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+# what a start on several ranks reads from a hub snapshot, never from the hub: the weights, their
+# index, the config and the tokenizer
+HUB_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", *HUB_TOKENIZER_FILES)
 
 
 def is_hub_id(spec: str) -> bool:
@@ -386,18 +435,20 @@ def is_hub_id(spec: str) -> bool:
     return not spec.startswith((EMBEDDED_PREFIX, GGUF_PREFIX)) and not _looks_local(spec)
 
 
-def hub_snapshot(repo_id: str, local_files_only: bool = False) -> Path:
+def hub_snapshot(
+    repo_id: str, local_files_only: bool = False, patterns: tuple[str, ...] = HUB_WEIGHT_FILES
+) -> Path:
     """The folder of ``repo_id``'s snapshot in the hub's own cache (``huggingface_hub``'s client:
-    ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` apply), its weights downloaded first unless
-    ``local_files_only``; one line naming the model when that fails."""
+    ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` apply), its files matching ``patterns``
+    downloaded first unless ``local_files_only``; one line naming the model when that fails."""
     from huggingface_hub import snapshot_download
 
     try:
-        where = snapshot_download(
-            repo_id, allow_patterns=list(HUB_WEIGHT_FILES), local_files_only=local_files_only
-        )
+        where = snapshot_download(repo_id, allow_patterns=list(patterns), local_files_only=local_files_only)
     except Exception as e:  # noqa: BLE001 (network, authentication, a missing repo, a full disk...)
-        raise GspoError(f"config field 'model': cannot fetch {repo_id!r} from the hub: {_first(e)}") from None
+        raise GspoError(
+            f"config field 'model': cannot fetch {repo_id!r} from the hub: {one_line(e, 300)}"
+        ) from None
     return Path(where)
 
 
@@ -424,7 +475,7 @@ def enable_activation_checkpointing(model: Any) -> None:
     generation included, run as before)."""
     from gspo.model.unwrap import unwrap
 
-    hf = unwrap(model, "hf")
+    hf = unwrap(model, "transformers")
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise GspoError(
             f"config field 'activation_checkpointing': {type(hf).__name__} does not support activation checkpointing"

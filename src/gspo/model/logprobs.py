@@ -303,7 +303,7 @@ def response_logprobs(
     trainer's forward (:class:`PolicyLogprobs`) on a bare model. ``layout`` names one of
     :data:`LAYOUTS` or is a :class:`Layout` already made from these tensors. Every row needs at
     least one prompt token."""
-    model = unwrap(model, "hf")
+    model = unwrap(model, "transformers")
     lay = layout
     if not isinstance(lay, Layout):
         lay = make_layout(prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, lay, model.dtype)
@@ -347,7 +347,7 @@ class PolicyLogprobs(ModelWrapper):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``plain`` (default :func:`lm_head_is_plain`): base model + LM head at the predicting
         positions; else the whole causal-LM forward (its own logit post-processing included)."""
-        model = unwrap(self.model, "hf")
+        model = unwrap(self.model, "transformers")
         kw = dict(input_ids=lay.input_ids_RL, attention_mask=lay.attention_mask_R1LL)
         kw.update(position_ids=lay.position_ids_RL, use_cache=False)
         sel_BT = response_mask_BT.bool()

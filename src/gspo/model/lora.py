@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.model.unwrap import is_peft, unwrap
 
 __all__ = ["apply_lora", "hf_module", "is_peft", "merged_copy"]
@@ -40,14 +40,14 @@ def apply_lora(model: Any, rank: int, alpha: float, targets: str) -> Any:
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:
-        raise GspoError(f"config field 'lora_target_modules': {str(e).splitlines()[0]}") from None
+        raise GspoError(f"config field 'lora_target_modules': {one_line(e, typed=False)}") from None
 
 
 def hf_module(model: Any) -> Any:
     """The transformers model (LoRA layers injected in place) inside a PEFT wrapper, else ``model``:
-    ``unwrap(model, "hf")`` (:func:`gspo.model.unwrap.unwrap`, which also removes DDP and
+    ``unwrap(model, "transformers")`` (:func:`gspo.model.unwrap.unwrap`, which also removes DDP and
     :class:`~gspo.model.logprobs.PolicyLogprobs`)."""
-    return unwrap(model, "hf")
+    return unwrap(model, "transformers")
 
 
 def merged_copy(model: Any) -> Any:

@@ -293,22 +293,6 @@ def replay_routing(model: nn.Module, routing: Routing, backward_inside: bool = F
         yield
 
 
-def slice_routing(routing: Routing, sl: slice) -> Routing:
-    """Rows ``sl`` (along ``B``) of every layer's routing."""
-    return {name: idx[sl] for name, idx in routing.items()}
-
-
-def cat_routing(routings: list[Routing]) -> Routing:
-    """Concatenate routings along ``B`` (all must have the same layers and ``T``)."""
-    if not routings:
-        return {}
-    names = list(routings[0])
-    for r in routings[1:]:
-        if set(r) != set(names):
-            raise GspoError(f"cat_routing: layer names differ: {sorted(names)} vs {sorted(r)}")
-    return {name: torch.cat([r[name] for r in routings], 0) for name in names}
-
-
 # ------------------------------------------------------------------------------------------------
 # volatility
 

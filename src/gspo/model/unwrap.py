@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-Level = Literal["policy", "model", "hf"]
+Level = Literal["policy", "model", "transformers"]
 
 
 class ModelWrapper(nn.Module):
@@ -26,7 +26,7 @@ class ModelWrapper(nn.Module):
     model: nn.Module
 
 
-LEVELS: tuple[Level, ...] = ("policy", "model", "hf")
+LEVELS: tuple[Level, ...] = ("policy", "model", "transformers")
 #: what the trainer's forward puts before the HF model's parameter names (it holds it as ``.model``)
 POLICY_PREFIX = "model."
 
@@ -36,10 +36,10 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
-def unwrap(model: Any, to: Level = "hf") -> Any:
+def unwrap(model: Any, to: Level = "transformers") -> Any:
     """Peel ``model``'s wrappers (absent ones skipped) down to ``to``: ``"policy"``, the trainer's
     forward inside DDP; ``"model"``, the HF causal LM or its PEFT wrapper (trained, saved, sampled);
-    ``"hf"``, the transformers model itself (under LoRA, with the adapters injected in place)."""
+    ``"transformers"``, the transformers model itself (under LoRA, its adapters injected in place)."""
     if to not in LEVELS:
         raise ValueError(f"unwrap: to must be one of {LEVELS}, got {to!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel):

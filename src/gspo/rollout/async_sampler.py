@@ -58,7 +58,7 @@ from torch import multiprocessing as mp
 from torch import nn
 
 from gspo.data import SampleBatch, SamplerOutput, StepBatch
-from gspo.errors import GspoError
+from gspo.errors import REIMPORTED_MAIN_EXIT, SAMPLER_PROCESS, GspoError, reimported_main
 from gspo.model.unwrap import full_tensor, is_peft, reshard, unwrap
 from gspo.plans import SamplePlan
 from gspo.procs import die_with_parent
@@ -136,7 +136,10 @@ class AsyncSampler:
             first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
             weights: Any = self.slots
             if devices:  # the process joins a group with this one and receives every version
-                self.sender = WeightSender(backend_for(devices), next(self.model.parameters()).device)
+                self.sender = WeightSender(
+                    backend_for(devices), next(self.model.parameters()).device,
+                    timeout_s=60.0 * plan.engine.dist_timeout_min,  # as every collective of the run
+                )  # fmt: skip
                 cuda = visible_devices(devices) if devices[0].startswith("cuda") else None
                 weights = SamplerLink(self.sender.rendezvous, self.names, cuda)
             args = (
@@ -150,7 +153,8 @@ class AsyncSampler:
                 first,
             )
             queues = (self.setup, self.versions, self.batches)
-            self.proc = ctx.Process(target=_sampler_main, args=queues, daemon=True)
+            # named: gspo.train, re-run by a main script without a guard, knows its process by it
+            self.proc = ctx.Process(target=_sampler_main, args=queues, daemon=True, name=SAMPLER_PROCESS)
             self.proc.start()
             self.setup.put(args)
             if self.sender is None:
@@ -303,13 +307,19 @@ class AsyncSampler:
                 msg = self.batches.get(timeout=1.0)
             except Exception:  # noqa: BLE001 (queue.Empty): check the sampler is alive
                 if not self.proc.is_alive():
-                    raise GspoError(
-                        f"the async sampler process died (exit code {self.proc.exitcode})"
-                    ) from None
+                    raise GspoError(_died(self.proc.exitcode)) from None
                 continue
             if isinstance(msg, str):
                 raise GspoError(f"async sampler: {msg}")
             return from_wire(msg)
+
+
+def _died(code: int | None) -> str:
+    """Why the sampler process is gone, in one line."""
+    if code == REIMPORTED_MAIN_EXIT:  # it re-ran the main script, which called gspo.train again
+        main = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+        return f"the async sampler process could not start: {reimported_main(main)}"
+    return f"the async sampler process died (exit code {code})"
 
 
 def _scatter(shares: list[Any] | None) -> Any:
@@ -338,7 +348,7 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for n, p in model.named_parameters():
             yield n, full_tensor(p.detach())
         return
-    hf = unwrap(model, "hf")  # the transformers model with LoRA layers in place of its linears
+    hf = unwrap(model, "transformers")  # the transformers model with LoRA layers in place of its linears
     modules = dict(hf.named_modules())
     for n, p in hf.named_parameters():
         if ".lora_" in n:
@@ -353,7 +363,7 @@ def weight_names(model: nn.Module) -> list[str]:
     """The names :func:`merged_weights` yields, in its order, without gathering anything."""
     if not is_peft(model):
         return [n for n, _ in model.named_parameters()]
-    hf = unwrap(model, "hf")
+    hf = unwrap(model, "transformers")
     return [n.replace(".base_layer.", ".") for n, _ in hf.named_parameters() if ".lora_" not in n]
 
 

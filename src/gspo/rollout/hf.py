@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from gspo.model.logprobs import (
     takes_additive_mask,
 )
 from gspo.model.unwrap import full_tensor, reshard, unwrap
+from gspo.rollout.turns import Pending, Ticks, TurnEnd, is_pending
 
 
 @torch.no_grad()
@@ -60,6 +61,8 @@ class HFRolloutEngine:
     log-probs do (skips the causal-LM wrapper: ~3% of a decode step of a tiny model).
     """
 
+    plays_inline = True  # its play also takes answers given at once (tool_concurrency=0: steps in the loop)
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -71,9 +74,13 @@ class HFRolloutEngine:
         top_k: int = 0,
         top_p: float = 1.0,
     ) -> None:
-        self.model = unwrap(model, "hf")  # under PEFT, the transformers model with adapters in place
+        self.model = unwrap(
+            model, "transformers"
+        )  # under PEFT, the transformers model with adapters in place
         # the trainer's module when this engine samples from a copy of it (synced, collective)
-        self.trainer = trainer if trainer is not None and unwrap(trainer, "hf") is not self.model else None
+        self.trainer = (
+            trainer if trainer is not None and unwrap(trainer, "transformers") is not self.model else None
+        )
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.generator = generator
@@ -94,7 +101,7 @@ class HFRolloutEngine:
         if self.trainer is None:
             return None
         reshard(self.trainer)  # no-grad forwards can leave the root unsharded
-        src = unwrap(self.trainer, "hf")
+        src = unwrap(self.trainer, "transformers")
         copy_tensors(dict(self.model.named_parameters()), src.named_parameters())
         copy_tensors(dict(self.model.named_buffers()), src.named_buffers())
         return None
@@ -180,85 +187,198 @@ class HFRolloutEngine:
         turn_end: TurnEnd,
         temperature: float = 1.0,
         greedy: bool = False,
+        tick: int = 1,
     ) -> None:
         """Trajectories in one decode loop that keeps each one's KV cache across its turns.
 
-        Row ``i`` starts after ``contexts[i]`` with a model turn of at most ``budgets[i]`` tokens. When
-        a turn ends (EOS, or its budget) ``turn_end(i, ids, logps)`` gets the turn and answers
-        ``(observation ids, the next turn's budget)`` to go on, or None to end the row. An observation
-        is fed one token per step beside the other rows' sampled tokens: nothing is prefilled twice
-        and no turn waits for the slowest row of a batch-wide turn. A row holds at most ``max_tokens``
-        tokens after its context (``turn_end`` keeps within it)."""
+        Row ``i`` starts after ``contexts[i]`` with a turn of at most ``budgets[i]`` tokens. When a
+        turn ends (EOS, or its budget) ``turn_end(i, ids, logps)`` answers ``(observation ids, next
+        budget)``, None (the row ends), or a pending answer (``result()``: a step in a worker pool)
+        whose row goes on at the first tick after (every ``tick`` steps,
+        :class:`~gspo.rollout.turns.Ticks`), holding masked columns meanwhile. A pending answer's
+        observation is fed in one forward (the step's other rows left-padded to its width), one
+        given at once a token per step. A row holds at most ``max_tokens`` tokens after its context."""
         if len(contexts) > self.max_batch_size:  # a batch at a time
             for i in range(0, len(contexts), self.max_batch_size):
                 part, end = (
                     slice(i, i + self.max_batch_size),
                     lambda j, ids, lp, i=i: turn_end(i + j, ids, lp),
                 )
-                self.play(contexts[part], budgets[part], max_tokens, end, temperature, greedy)
+                self.play(contexts[part], budgets[part], max_tokens, end, temperature, greedy, tick)
             return
         was_training = self.model.training
         self.model.eval()
-        d = self._prefill(contexts, max_tokens)
-        budget, rows = list(budgets), list(range(len(contexts)))  # rows: original row of each live entry
-        queue: list[list[int]] = [[] for _ in rows]  # observation tokens still to feed, per row
-        turn: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
-        logits_BV = d.logits_BV
-        for t in range(max_tokens):
-            logits_BV = logits_BV.float()
-            if greedy or temperature == 0:
-                logp_bV = torch.log_softmax(logits_BV, -1)
-                tok_b = logits_BV.argmax(-1)
-            else:
-                z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
-                logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
-                tok_b = _sample(logp_bV, self.generator)
-            forced = [k for k, r in enumerate(rows) if queue[r]] if any(queue) else []
-            if forced:  # an observation's next token, instead of what was drawn
-                tok_b[forced] = torch.tensor([queue[rows[k]].pop(0) for k in forced], device=tok_b.device)
-            logp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)  # one host read: both exact in float64
-            toks, logps = torch.stack([tok_b.double(), logp_b.double()]).tolist()
-            keep, skip, eos = [], set(forced), self.eos_token_id
-            for k, r in enumerate(rows):
-                if k not in skip:
-                    ids, lps = turn[r]
-                    ids.append(int(toks[k]))
-                    lps.append(logps[k])
-                    if ids[-1] == eos or len(ids) >= budget[r]:
-                        turn[r] = ([], [])
-                        if (nxt := turn_end(r, ids, lps)) is None:
-                            continue  # the row leaves the batch and the KV cache
-                        queue[r], budget[r] = list(nxt[0]), nxt[1]
-                keep.append(k)
-            if not keep or t + 1 == max_tokens:
-                break
-            if len(keep) < len(rows):  # finished rows leave: later steps spend nothing on them
-                idx = torch.tensor(keep, device=tok_b.device)
-                d.cache.reorder_cache(idx)
-                tok_b, d.pos, d.mask_BK, rows = (
-                    tok_b[idx],
-                    d.pos[idx],
-                    d.mask_BK[idx],
-                    [rows[k] for k in keep],
-                )
-            d.pos = d.pos + 1
-            cols = d.P + t + 1  # the cache holds the context and t + 1 later tokens after this call
-            step_mask = d.mask_BK[:, None, None, :cols] if self.additive else d.mask_BK[:, :cols]
-            logits_BV = self._last_logits(tok_b[:, None], step_mask, d.pos, d.cache)
-        self.model.train(was_training)
+        try:
+            _Play(self, self._prefill(contexts, max_tokens), budgets, turn_end, Ticks(tick)).run(
+                temperature, greedy
+            )
+        finally:
+            self.model.train(was_training)
 
-
-#: (row, the turn's token ids, their sampler log-probs) -> (observation ids, next budget) or None
-TurnEnd = Callable[[int, list[int], list[float]], "tuple[list[int], int] | None"]
+    def _draw(
+        self, logits_BV: torch.Tensor, temperature: float, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row and the log-probs it was drawn from (``[B]``, ``[B, V]``)."""
+        logits_BV = logits_BV.float()
+        if greedy or temperature == 0:
+            return logits_BV.argmax(-1), torch.log_softmax(logits_BV, -1)
+        z_bV, _ = truncate_logits(logits_BV / temperature, self.top_k, self.top_p)
+        logp_bV = torch.log_softmax(z_bV, -1)  # -inf outside the support: never drawn
+        return _sample(logp_bV, self.generator), logp_bV
 
 
 @dataclass
 class _Decode:
     """The state of one batched decode loop: the next logits, the KV cache, each row's mask over the
-    cache's columns and position."""
+    cache's columns (its capacity grows) and the position of its last token fed."""
 
     logits_BV: torch.Tensor
     cache: DynamicCache
     mask_BK: torch.Tensor
     pos: torch.Tensor
     P: int  # prompt columns (left-padded)
+    cols: int = 0  # columns the cache holds
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Keep the rows ``idx`` (the others left the batch and the cache)."""
+        self.cache.reorder_cache(idx)
+        self.logits_BV, self.pos, self.mask_BK = self.logits_BV[idx], self.pos[idx], self.mask_BK[idx]
+
+    def extend(self, real_Bw: torch.Tensor, additive: bool) -> torch.Tensor:
+        """Mark the step's ``w`` new columns (``real_Bw``: which hold a token) and return the step's
+        attention mask over all columns (4D additive where the model takes that)."""
+        w = real_Bw.shape[1]
+        if self.cols + w > self.mask_BK.shape[1]:  # waiting rows and whole observations take columns
+            self.mask_BK = torch.cat([self.mask_BK, torch.zeros_like(self.mask_BK)], 1)
+        cols, self.cols = self.cols, self.cols + w
+        if not additive:
+            self.mask_BK[:, cols : self.cols] = real_Bw.long()
+            return self.mask_BK[:, : self.cols]
+        self.mask_BK[:, cols : self.cols] = additive_mask(real_Bw, self.mask_BK.dtype)
+        mask = self.mask_BK[:, None, None, : self.cols]
+        return mask if w == 1 else _causal_tail(mask, w)
+
+
+def _causal_tail(mask_B11K: torch.Tensor, w: int) -> torch.Tensor:
+    """``mask_B11K`` for ``w`` queries, each of the last ``w`` columns hidden from the earlier ones."""
+    later_ww = torch.ones((w, w), dtype=torch.bool, device=mask_B11K.device).triu(1)
+    mask = mask_B11K.expand(-1, -1, w, -1).clone()
+    mask[..., -w:].masked_fill_(later_ww, torch.finfo(mask.dtype).min)
+    return mask
+
+
+class _Play:
+    """One :meth:`HFRolloutEngine.play` loop: per row its turn so far, its budget, the observation
+    tokens still to feed and, in ``ticks``, the rows waiting for a pending answer."""
+
+    def __init__(
+        self, eng: HFRolloutEngine, d: _Decode, budgets: list[int], turn_end: TurnEnd, ticks: Ticks
+    ) -> None:
+        self.eng, self.d, self.turn_end, self.ticks = eng, d, turn_end, ticks
+        self.budget, self.rows = list(budgets), list(range(len(budgets)))  # rows: original row of each entry
+        self.turn: list[tuple[list[int], list[float]]] = [([], []) for _ in budgets]
+        self.queue: dict[int, list[int]] = {}  # observation tokens still to feed, per row
+        self.whole: set[int] = set()  # rows whose queue is fed in one forward
+        self.stash: dict[int, torch.Tensor] = {}  # a waiting row's logits after its turn's last token
+        d.cols = d.P
+
+    def run(self, temperature: float, greedy: bool) -> None:
+        step = 0
+        while self.rows:
+            if self.ticks.parked:
+                self._rejoin(step)
+                if all(
+                    r in self.ticks.parked for r in self.rows
+                ):  # nothing to decode: skip to the next due step
+                    step = self.ticks.next_due() if self.rows else step
+                    continue
+            tok_b, logp_bV = self.eng._draw(self.d.logits_BV, temperature, greedy)
+            feeds = self._advance(step, tok_b, logp_bV)
+            if self.rows:
+                self._forward(feeds)
+            step += 1
+
+    def _advance(self, step: int, tok_b: torch.Tensor, logp_bV: torch.Tensor) -> list[list[int]]:
+        """Each row's tokens to feed this step: its drawn token (its turn goes on or ends here), its
+        observation's next tokens, or none (waiting). Rows that end leave the batch."""
+        if forced := [k for k, r in enumerate(self.rows) if r in self.queue and r not in self.whole]:
+            # an observation's next token, instead of what was drawn (one host read below)
+            tok_b[forced] = torch.tensor([self.queue[self.rows[k]][0] for k in forced], device=tok_b.device)
+        logp_b = logp_bV.gather(-1, tok_b[:, None]).squeeze(-1)  # one host read: both exact in float64
+        toks, logps = torch.stack([tok_b.double(), logp_b.double()]).tolist()
+        keep, feeds, eos = [], [], self.eng.eos_token_id
+        for k, r in enumerate(self.rows):
+            if r in self.queue or r in self.ticks.parked:
+                feeds.append(self._waiting(k, r))
+            else:
+                ids, lps = self.turn[r]
+                ids.append(int(toks[k]))
+                lps.append(logps[k])
+                feeds.append(ids[-1:])
+                if ids[-1] == eos or len(ids) >= self.budget[r]:
+                    self.turn[r] = ([], [])
+                    if (nxt := self.turn_end(r, ids, lps)) is None:
+                        feeds.pop()
+                        continue  # the row leaves the batch and the KV cache
+                    self._next(r, step, nxt)
+            keep.append(k)
+        self._keep(keep)
+        return feeds
+
+    def _waiting(self, k: int, r: int) -> list[int]:
+        """What a row between two turns feeds: its observation's next tokens (all of a pending
+        answer's), or nothing while its answer is pending (its logits after its turn kept)."""
+        if r in self.ticks.parked:
+            self.stash.setdefault(r, self.d.logits_BV[k].clone())
+            return []
+        q = self.queue[r]
+        n = len(q) if r in self.whole else 1
+        feed, q[:n] = q[:n], []
+        if not q:
+            del self.queue[r]
+            self.whole.discard(r)
+        return feed
+
+    def _next(self, r: int, step: int, nxt: tuple[list[int], int] | Pending) -> None:
+        if is_pending(nxt):
+            self.ticks.park(r, step, nxt)  # type: ignore[arg-type]
+        else:
+            self._answer(r, nxt)  # type: ignore[arg-type]
+
+    def _answer(self, r: int, nxt: tuple[list[int], int], whole: bool = False) -> None:
+        obs, self.budget[r] = nxt
+        if obs:
+            self.queue[r] = list(obs)
+            if whole:
+                self.whole.add(r)
+
+    def _rejoin(self, step: int) -> None:
+        """The rows due at ``step`` take their answers: an observation to feed, or they leave."""
+        done = []
+        for r, nxt in self.ticks.due(step):
+            stashed = self.stash.pop(r, None)
+            if nxt is None:
+                done.append(r)
+                continue
+            self._answer(r, nxt, whole=True)
+            if r not in self.queue and stashed is not None:  # nothing to feed: sample after the turn
+                self.d.logits_BV[self.rows.index(r)] = stashed
+        if done:
+            self._keep([k for k, r in enumerate(self.rows) if r not in done])
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) < len(self.rows):  # finished rows leave: later steps spend nothing on them
+            if keep:
+                self.d.select(torch.tensor(keep, device=self.d.pos.device))
+            self.rows = [self.rows[k] for k in keep]
+
+    def _forward(self, feeds: list[list[int]]) -> None:
+        """Feed each row's tokens, left-padded to the step's width (a row with none holds a masked
+        column), and keep the logits after each row's last real token."""
+        d, w, dev = self.d, max(len(f) for f in feeds), self.d.pos.device
+        n_B = torch.tensor([len(f) for f in feeds], device=dev)
+        ids_Bw = torch.tensor([[self.eng.pad_token_id] * (w - len(f)) + f for f in feeds], device=dev)
+        pos_Bw = d.pos + (torch.arange(1, w + 1, device=dev) - (w - n_B)[:, None]).clamp(min=1)
+        d.pos = d.pos + n_B[:, None]
+        mask = d.extend(torch.arange(w, device=dev) >= (w - n_B)[:, None], bool(self.eng.additive))
+        d.logits_BV = self.eng._last_logits(ids_Bw, mask, pos_Bw, d.cache)

@@ -61,12 +61,13 @@ from typing import Any
 import torch
 
 from gspo.compat import vllm_cpu_reload, vllm_runner, vllm_teardown, vllm_version
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.model.export import hf_checkpoint_weights
 from gspo.model.unwrap import is_peft, unwrap
 from gspo.plans import EnginePlan
 from gspo.rollout import vllm_colocate
 from gspo.rollout.vllm_batch import VLLMSampleBatch, outputs_to_batch
+from gspo.rollout.vllm_play import truncation_params
 
 INSTALL_HINT = (
     'on a GPU: pip install "gspo[vllm]"; on a CPU: bash .ci/vllm_env.sh, then use .venv-vllm '
@@ -77,16 +78,15 @@ CPU_MIN_HEAD_DIM = 32
 
 
 def _config_error_line(e: BaseException, max_len: int = 300) -> str:
-    """The most informative single line of an exception message (pydantic's 'Value error, ...' line
-    for vLLM's config validation errors, else the first non-empty line)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    line = lines[0] if lines else type(e).__name__
-    for ln in lines:
-        if ln.startswith("Value error,"):
-            line = re.sub(r"\s*\[type=.*$", "", ln[len("Value error,") :].strip())
+    """The most informative single line of an exception message: pydantic's 'Value error, ...' line
+    for vLLM's config validation errors, else :func:`gspo.errors.one_line`'s, either without the dict
+    of ~400 names vLLM appends to an unsupported architecture."""
+    line = one_line(e, 2**20, typed=False)
+    for ln in str(e).splitlines():
+        if ln.strip().startswith("Value error,"):
+            line = re.sub(r"\s*\[type=.*$", "", ln.strip()[len("Value error,") :].strip())
             break
-    line = line.split(" Supported architectures:")[0]  # vLLM appends a dict of ~400 names
-    return line if len(line) <= max_len else line[: max_len - 3] + "..."
+    return line.split(" Supported architectures:")[0][:max_len]
 
 
 def _import_vllm() -> Any:
@@ -143,17 +143,6 @@ def _head_dim(config: Any) -> int | None:
     if hd is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
         hd = text.hidden_size // text.num_attention_heads
     return int(hd) if hd is not None else None
-
-
-def truncation_params(top_k: int, top_p: float) -> dict[str, Any]:
-    """vLLM ``SamplingParams`` for a top-k / top-p truncation (only what is on: vLLM's own defaults,
-    which mean "off", differ across versions)."""
-    out: dict[str, Any] = {}
-    if top_k > 0:
-        out["top_k"] = int(top_k)
-    if top_p < 1.0:
-        out["top_p"] = float(top_p)
-    return out
 
 
 class VLLMRolloutEngine:
@@ -347,6 +336,25 @@ class VLLMRolloutEngine:
                 batch.routed_layers = list(self.routed_layers or [])
         return batch
 
+    @property
+    def can_play(self) -> bool:  # a tensor-parallel group's ranks take one generate call per turn
+        return self.tp_group is None
+
+    def play(self, contexts: list[list[int]], budgets: list[int], max_tokens: int, turn_end: Any,
+             temperature: float = 1.0, greedy: bool = False, tick: int = 1, routed: Any = None) -> None:  # fmt: skip
+        """Multi-turn trajectories, each turn a request of its own (seed: engine seed, call, row, turn)
+        to vLLM's continuously batching engine (:func:`.vllm_play.play_requests`; ``turn_end`` and
+        ``tick`` as in :meth:`gspo.rollout.hf.HFRolloutEngine.play`). ``routed(row, routed_LK, n)``:
+        R3, each turn's routing of its context and its first ``n - 1`` tokens."""
+        from gspo.rollout.vllm_play import play_requests, turn_params
+
+        _import_vllm()
+        self.wake_up()
+        self.calls += 1
+        with self._routing.recording() if self._routing is not None else contextlib.nullcontext():
+            play_requests(self.llm.llm_engine, contexts, budgets, turn_end, turn_params(self, temperature, greedy),
+                          self.eos_token_id, f"gspo-{self.calls}", tick, routed and (routed, self._routed))  # fmt: skip
+
     def _routed(self, out: Any, n_tokens: int) -> torch.Tensor:
         if self._routing is not None:
             return self._routing.take(out.request_id, n_tokens)
@@ -412,7 +420,7 @@ class VLLMRolloutEngine:
         each decoder layer is gathered for its forward and freed after it, so no rank ever holds the
         whole model (collective: every rank checks the same probe)."""
         vllm = _import_vllm()
-        model = unwrap(self.trainer_model, "hf")
+        model = unwrap(self.trainer_model, "transformers")
         V = int(model.get_input_embeddings().weight.shape[0])
         model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         n = min(24, int(getattr(model_config, "max_model_len", 25)) - 1)  # the probe must fit the context
@@ -534,7 +542,7 @@ def _llm_kwargs(
         generation_config="vllm",  # only the tokenizer's EOS stops a row, as in the HF engine
     )
     max_len = plan.max_prompt_tokens, plan.max_new_tokens
-    if plan.env:  # multi-turn: a turn's prompt holds the trajectory so far
+    if plan.multi_turn:  # a turn's prompt holds the trajectory so far
         max_len = plan.max_prompt_tokens, plan.max_trajectory_tokens
     if all(isinstance(v, int) and v > 0 for v in max_len):
         # the longest sequence a rollout makes; a model's full context would need a larger KV cache

@@ -46,7 +46,9 @@ def colocation(plan: EnginePlan, config: Any, name: str) -> dict[str, Any]:
     ``external_launcher`` executor (as TRL's colocate mode, verl and torchtitan use it) runs in this
     process on ``cuda:LOCAL_RANK`` (its uni-process executor would put every rank on device 0), and
     carves its tensor-parallel groups of ``vllm_tensor_parallel_size`` consecutive ranks from
-    torchrun's world. One process: nothing (vLLM's own single-process executor)."""
+    torchrun's world, every group it makes waiting ``dist_timeout_min`` (its public
+    ``distributed_timeout_seconds`` and ``cpu_distributed_timeout_seconds``). One process: nothing
+    (vLLM's own single-process executor)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {}
     world = torch.distributed.get_world_size()
@@ -62,7 +64,14 @@ def colocation(plan: EnginePlan, config: Any, name: str) -> dict[str, Any]:
             "config field 'rollout_engine': vLLM on several ranks needs torchrun's environment "
             f"({', '.join(missing)} unset); start with gspo train --nproc N or torchrun"
         )
-    return dict(distributed_executor_backend="external_launcher", tensor_parallel_size=tp)
+    # vLLM builds its own groups on torchrun's world (its world, tensor-, pipeline-, data- and
+    # expert-parallel coordinators: a device group and a gloo group each); without these EngineArgs
+    # they get torch's default timeouts (10 minutes on NCCL, 30 on gloo), not dist_timeout_min
+    seconds = 60 * plan.dist_timeout_min
+    return dict(
+        distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
+        distributed_timeout_seconds=seconds, cpu_distributed_timeout_seconds=seconds,
+    )  # fmt: skip
 
 
 def tp_subgroup(tp: int, timeout: Any = None) -> Any:
@@ -118,7 +127,7 @@ def trainer_logprobs(policy: Any, model: Any, probe: list[int]) -> torch.Tensor:
     from gspo.model.logprobs import as_policy, make_layout
 
     policy = unwrap(as_policy(model) if policy is None else policy, "policy")  # DDP: its module
-    hf = unwrap(policy, "hf")
+    hf = unwrap(policy, "transformers")
     was_training = hf.training
     hf.eval()
     try:

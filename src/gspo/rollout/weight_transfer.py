@@ -25,9 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 
-TIMEOUT_S = 600.0  # one tensor's broadcast (and joining the group): a sampler that hangs this long is lost
+# one tensor's broadcast (and joining the group): a sampler that hangs this long is lost; a run
+# gives its dist_timeout_min (gspo.rollout.async_sampler), this is for callers that give none
+TIMEOUT_S = 600.0
 _JOINED = "sampler-joined"
 Alive = Callable[[], bool]
 
@@ -86,9 +88,9 @@ def visible_devices(devices: tuple[str, ...]) -> str:
 
 def _group(store: dist.Store, rank: int, backend: str, timeout_s: float) -> Any:
     """A two-member backend of this store (not the default group: trainer rank 0 is in that one)."""
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "nccl":  # written for the GPU, untested here; NCCL's timeout is its default
-        return dist.ProcessGroupNCCL(dist.PrefixStore("weights", store), rank, 2)
+    timeout = timedelta(seconds=timeout_s)  # both backends: without it NCCL's is its 10 minutes
+    if backend == "nccl":  # written for the GPU, untested here
+        return dist.ProcessGroupNCCL(dist.PrefixStore("weights", store), rank, 2, timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 2, timeout)
 
 
@@ -155,10 +157,8 @@ class WeightSender:
         except Exception as e:  # noqa: BLE001 (gloo/NCCL errors are RuntimeError subclasses of their own)
             if _dies(alive):  # the peer's reset: say what happened, not the backend's words
                 raise GspoError("the async sampler process died during the weight transfer") from None
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GspoError(
-                f"the weight transfer to the async sampler failed mid-way ({first[:200]})"
-            ) from None
+            why = one_line(e, typed=False)
+            raise GspoError(f"the weight transfer to the async sampler failed mid-way ({why})") from None
 
     def close(self) -> None:
         self.group = None

@@ -9,34 +9,32 @@ tests (keys ``primary``, ``family``, ``declared_at``)::
     family: {name: issue21-confirm, size: 4, alpha: 0.05, test: permutation}
     declared_at: 1a2b3c4          # optional: the commit the declaration was made at (checked with git)
     interim: {seeds: 14, spending: obrien-fleming}   # optional: one look after the first 14 seeds
+    resolved_sha256: "3f1c..."    # every default the runs will use (python -m gspo.study.binding PRESET)
 
 ``family`` groups endpoints over presets: Holm's adjustment runs over its ``size`` hypotheses
 (default: this preset's endpoints), the ones run elsewhere counting as p = 1 in one compare's report
 (the combined study adjusts over every folder it is given). A preset without ``primary`` is wholly
-exploratory. The declaration binds (:func:`_binding`): the analysed seeds must be the declared
-``seeds`` (or, with ``interim``, their first ``interim.seeds``), every setting as declared, the
-preset committed before every run started and an ancestor of the checkout every run ran from.
+exploratory. The declaration binds (:mod:`gspo.study.binding`): the analysed seeds must be the
+declared ``seeds`` (or, with ``interim``, their first ``interim.seeds``), every setting as declared,
+every default too (the runs' resolved config hashes to ``resolved_sha256``), every run from a clean
+checkout, the preset committed (by the later of author and committer date) before every run started
+and an ancestor of the checkout every run ran from.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import re
-import subprocess
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from gspo.config import coerce
 from gspo.config.parse import read_yaml
 from gspo.errors import GspoError
 from gspo.study.metrics import Criteria, run_stats
-from gspo.study.statistics import ALPHA, interim_levels
+from gspo.study.statistics import ALPHA
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "gspo": {"algo": "gspo", "routing_replay": False},
@@ -52,6 +50,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gmpo": {"algo": "gmpo", "routing_replay": False},
     "luspo": {"algo": "luspo", "routing_replay": False},
     "vespo": {"algo": "vespo", "routing_replay": False},
+    # issue 58: the trust-region family and the entropy controls (gspo.losses_trust), and MaxRL's
+    # advantage scale on GRPO's loss (as TRL's and the paper's) and on GSPO's
+    "dppo_tv": {"algo": "dppo_tv", "routing_replay": False},
+    "dppo_kl": {"algo": "dppo_kl", "routing_replay": False},
+    "clip_cov": {"algo": "clip_cov", "routing_replay": False},
+    "kl_cov": {"algo": "kl_cov", "routing_replay": False},
+    "maxrl": {"algo": "grpo", "adv_scale": "maxrl", "routing_replay": False},
+    "gspo_maxrl": {"algo": "gspo", "adv_scale": "maxrl", "routing_replay": False},
 }
 DEFAULT_VARIANTS = ["gspo", "gspo_token", "grpo", "grpo_replay"]
 DEFAULT_SEEDS = [0, 1, 2, 3, 4]
@@ -71,6 +77,7 @@ _KEYS = {
     "secondary",
     "secondary_family",
     "pairs",
+    "resolved_sha256",
 }
 SPENDING = ("obrien-fleming",)  # the one declared interim look's alpha-spending rule
 # a warm_target is checked every 10 warm-start steps from step 50, on 200 held-out-like prompts
@@ -139,6 +146,7 @@ class Preset:
     secondary_family: Family | None = None
     arms: dict[str, dict[str, Any]] = field(default_factory=dict)  # the preset's own variants
     pairs: list[tuple[str, str]] = field(default_factory=list)  # exploratory a - b beyond metrics.PAIRS
+    resolved_sha256: str | None = None  # the declared resolved config (gspo.study.binding)
 
     def settings(self) -> dict[str, dict[str, Any]]:
         """Every variant this preset can run: the built-in :data:`VARIANTS` and its own ``arms``."""
@@ -194,6 +202,7 @@ def load_preset(spec: str) -> Preset:
         **_secondary(data, variants, bool(primary), path.stem, at),
         arms=arms,
         pairs=_pairs(data.get("pairs", []), variants, at("pairs")),
+        resolved_sha256=_sha256(data.get("resolved_sha256"), at("resolved_sha256")),
     )
 
 
@@ -257,6 +266,14 @@ def _text(v: Any, where: str, key: str) -> str:
     if isinstance(v, (dict, list)):
         raise GspoError(f"{where}: '{key}' must be text, got a {type(v).__name__}")
     return " ".join(str(v).split())
+
+
+def _sha256(v: Any, where: str) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{64}", v):
+        raise GspoError(f"{where}: 'resolved_sha256' must be 64 lowercase hex digits (got {v!r:.80})")
+    return v
 
 
 def _number(v: Any, where: str, key: str) -> float:
@@ -329,248 +346,3 @@ def _family(f: Any, default_name: str, n: int, where: str) -> Family:
 
 
 RUN_RECORD = "declaration.json"  # in every run folder gspo compare starts: what the run was run for
-
-
-def _git(here: Path, *args: str) -> str | None:
-    """``git args`` in ``here``: its stdout, or None without git / outside a checkout / on failure."""
-    try:
-        r = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def preset_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def run_record(
-    preset: Preset, seeds: list[int] | None = None, overrides: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """What a compare's runs are run for (written to each run folder's :data:`RUN_RECORD` before it
-    trains, with its start time): the preset file's sha256, its endpoints, family, declared seeds and
-    interim look, the seeds run and every setting changed from the declaration (``overrides``: name
-    -> {declared, used}), the commit that last changed the file, the commit of the checkout holding
-    the preset, and the gspo checkout's commit and whether its tree was dirty."""
-    decl = declaration(preset)
-    src = Path(__file__).resolve().parent
-    head = _git(src, "rev-parse", "HEAD")
-    status = _git(src, "status", "--porcelain", "--untracked-files=no") if head else None
-    here = preset.path.resolve().parent if preset.path else None
-    return {
-        "preset": preset.name,
-        "preset_file": str(preset.path) if preset.path else None,
-        "preset_sha256": preset_hash(preset.path) if preset.path else None,
-        "primary": [e.record() for e in preset.primary],
-        "family": dataclasses.asdict(preset.family) if preset.family else None,
-        **(
-            {
-                "secondary": [e.record() for e in preset.secondary],
-                "secondary_family": vars(preset.secondary_family),
-            }
-            if preset.secondary_family
-            else {}
-        ),
-        "declared_seeds": list(preset.seeds),
-        "interim": preset.interim,
-        "seeds": list(preset.seeds if seeds is None else seeds),
-        "overrides": dict(overrides or {}),
-        "declared_at": preset.declared_at,
-        "declaring_commit": decl.get("commit"),
-        "preset_committed": decl.get("committed"),
-        "preset_repo_head": _git(here, "rev-parse", "HEAD") if here else None,
-        "gspo_commit": head,
-        "gspo_dirty": None if status is None else bool(status),
-    }
-
-
-def declaration(
-    preset: Preset, records: dict[str, Any] | None = None, analysed: dict[str, list[int]] | None = None
-) -> dict[str, Any]:
-    """Where the declaration comes from: the commit the preset file was last changed in (and its
-    time: the earlier of author and committer date) and whether the file differs from it (a
-    declaration that is not committed is not yet a pre-registration); ``declared_at`` when the preset
-    names one, and whether that commit holds the same declaration. With ``records`` (run name -> its
-    :data:`RUN_RECORD`, None where it has none) and ``analysed`` (variant -> the seeds analysed):
-    ``preregistered``, when not ``why_not`` (:func:`_binding`), and when so the look (``interim`` or
-    ``final``) and its nominal ``level``."""
-    out: dict[str, Any] = {"declared_at": preset.declared_at, "file_commit": None, "committed": None}
-    if preset.path is not None and preset.primary:
-        _from_git(preset, preset.path.resolve(), out)
-    if records is not None and preset.primary:
-        why = _binding(preset, out, records, analysed or {})
-        out |= {"preregistered": why is None, "why_not": why}
-        if why is None:
-            out["first_start"] = min(r["started_at"] for r in records.values())
-            out |= _look(preset, analysed or {})
-    return out
-
-
-def _look(preset: Preset, analysed: dict[str, list[int]]) -> dict[str, Any]:
-    """Which declared look the analysed seeds are and its nominal level: the family's alpha without
-    an interim look, else the O'Brien-Fleming-type levels of :func:`interim_levels`."""
-    alpha = preset.family.alpha if preset.family else ALPHA
-    if preset.interim is None:
-        return {"look": "final", "level": alpha}
-    a1, a2 = interim_levels(alpha, preset.interim / len(preset.seeds))
-    n = len(set().union(*map(set, analysed.values()))) if analysed else 0
-    look = "interim" if n == preset.interim else "final"
-    return {"look": look, "level": a1 if look == "interim" else a2, "levels": [a1, a2]}
-
-
-def _from_git(preset: Preset, path: Path, out: dict[str, Any]) -> None:
-    here, name = path.parent, path.name
-    log = _git(here, "log", "-1", "--format=%h %H %at %ct", "--", name)
-    if log is None:  # no git, or not a checkout: unknown, never invented
-        return
-    short, full, at, ct = log.split() if log else (None, None, None, None)
-    # a rebase moves the committer date, an amended author date the other: the earlier of the two
-    when = min(int(at), int(ct)) if at and ct else None
-    out |= {"file_commit": short, "commit": full, "commit_time": when}
-    out["committed"] = bool(log) and _git(here, "diff", "--quiet", "HEAD", "--", name) is not None
-    if preset.declared_at:
-        text = _git(here, "show", f"{preset.declared_at}:./{name}")
-        old = _safe_yaml(text) if text else None
-        now = _safe_yaml(path.read_text())
-        out["declared_at_matches"] = (
-            None
-            if not isinstance(old, dict) or not isinstance(now, dict)
-            else all(old.get(k) == now.get(k) for k in ("primary", "family", "seeds"))
-        )
-
-
-def _when(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _some(names: Any) -> str:
-    names = sorted(names)
-    return ", ".join(map(str, names[:3])) + (" ..." if len(names) > 3 else "")
-
-
-def _binding(
-    preset: Preset, decl: dict[str, Any], records: dict[str, Any], analysed: dict[str, list[int]]
-) -> str | None:
-    """Why the runs are not bound to the preset's committed declaration (None: they are): every run
-    must record this file's current sha256 and endpoints and no setting changed from it, the analysed
-    seeds must be the declared ones (or the declared interim look's), the commit that last changed the
-    file must precede every run's start and be an ancestor of the checkout every run ran from."""
-    if not records:
-        return "no run has finished"
-    missing = [n for n, r in records.items() if not isinstance(r, dict)]
-    if missing:
-        return (
-            f"runs do not record their declaration (run before this check existed, or not by gspo "
-            f"compare): {_some(missing)} have no {RUN_RECORD}"
-        )
-    now = preset_hash(preset.path) if preset.path and preset.path.is_file() else None
-    changed = [n for n, r in records.items() if r.get("preset_sha256") != now]
-    if changed:
-        return f"the preset changed after the runs: hashes differ ({_some(changed)} ran another preset file)"
-    endpoints = [e.record() for e in preset.primary]
-    family = dataclasses.asdict(preset.family) if preset.family else None
-    second = [e.record() for e in preset.secondary]
-    fam2 = dataclasses.asdict(preset.secondary_family) if preset.secondary_family else None
-    other = [
-        n
-        for n, r in records.items()
-        if (r.get("primary"), r.get("family"), r.get("secondary", []), r.get("secondary_family"))
-        != (endpoints, family, second, fam2)
-    ]
-    if other:
-        return f"runs {_some(other)} record other endpoints or another family than the preset declares"
-    why = "; and ".join(w for w in (_settings(records), _seeds_analysed(preset, analysed)) if w)
-    if why:
-        return why
-    if decl.get("commit_time") is None:
-        return "the preset file has no commit (no git history): when it was declared is unknown"
-    if decl.get("committed") is not True:
-        return "the preset file has uncommitted changes: the declaration is not yet registered"
-    starts = {n: r.get("started_at") for n, r in records.items()}
-    unknown = [n for n, t in starts.items() if not isinstance(t, (int, float))]
-    if unknown:
-        return f"runs {_some(unknown)} record no start time"
-    first = min(starts, key=lambda n: starts[n])
-    if decl["commit_time"] >= starts[first]:
-        return (
-            f"the declaration was committed ({decl['file_commit']}, {_when(decl['commit_time'])}) after run "
-            f"{first} started ({_when(starts[first])})"
-        )
-    return _ancestry(preset, decl, records)
-
-
-def _settings(records: dict[str, Any]) -> str | None:
-    """Runs whose record does not say their seeds and settings, or names a setting changed from the
-    declaration (each change named: the runs are then exploratory)."""
-    blind = [n for n, r in records.items() if not isinstance(r.get("overrides"), dict) or "seeds" not in r]
-    if blind:
-        return f"runs {_some(blind)} record neither their seeds nor their settings (run before this check)"
-    changed: dict[str, Any] = {}
-    for r in records.values():
-        changed |= r["overrides"]
-    if not changed:
-        return None
-    what = "; ".join(
-        f"{k} {c.get('declared')!r} -> {c.get('used')!r}" if isinstance(c, dict) else f"{k} {c!r}"
-        for k, c in sorted(changed.items())
-    )
-    return f"settings changed from the declaration, so every endpoint is exploratory: {what}"
-
-
-def _seeds_analysed(preset: Preset, analysed: dict[str, list[int]]) -> str | None:
-    """The analysed seeds (every endpoint arm's) against the declared ones, or the declared interim
-    look's first ``interim`` seeds: fewer, more or others are named."""
-    union = set().union(*map(set, analysed.values())) if analysed else set()
-    common = set.intersection(*map(set, analysed.values())) if analysed else set()
-    allowed = [set(preset.seeds)] + ([set(preset.seeds[: preset.interim])] if preset.interim else [])
-    if union == common and common in allowed:
-        return None
-    target = min(allowed, key=lambda a: len(a ^ union))
-    parts = [
-        f"declared {_span(preset.seeds)}"
-        + (f" (interim look: the first {preset.interim})" if preset.interim else "")
-    ]
-    if target - common:
-        parts.append(f"missing {_some(target - common)}")
-    if union - target:
-        parts.append(f"not declared {_some(union - target)}")
-    return "the analysed seeds are not the declared ones (" + "; ".join(parts) + ")"
-
-
-def _span(seeds: list[int]) -> str:
-    """Seeds as runs of consecutive integers: [100, 101, 102, 7] -> "100-102, 7"."""
-    runs: list[list[int]] = []
-    for x in seeds:
-        if runs and x == runs[-1][-1] + 1:
-            runs[-1].append(x)
-        else:
-            runs.append([x])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
-
-
-def _ancestry(preset: Preset, decl: dict[str, Any], records: dict[str, Any]) -> str | None:
-    """The declaring commit must be in the history of the checkout each run ran from (its recorded
-    ``preset_repo_head``: for a shipped preset, gspo's own commit)."""
-    here = preset.path.resolve().parent if preset.path else None
-    heads = {n: r.get("preset_repo_head") for n, r in records.items()}
-    unknown = [n for n, h in heads.items() if not isinstance(h, str) or not h]
-    if unknown or here is None:
-        return f"runs {_some(unknown)} record no commit of the checkout they ran from"
-    outside = [
-        n for n, h in heads.items()
-        if _git(here, "merge-base", "--is-ancestor", decl["commit"], h) is None
-    ]  # fmt: skip
-    if outside:
-        return (
-            f"the declaring commit {decl['file_commit']} is not an ancestor of the commit runs "
-            f"{_some(outside)} ran from"
-        )
-    return None
-
-
-def _safe_yaml(text: str) -> Any:
-    """A preset's text from git, or as it is now: None where it is not YAML (never a traceback)."""
-    try:
-        return yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError):
-        return None

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import Config
+from gspo.repro import describe, read_environment
 from gspo.resolve import pi_old_source
+from gspo.study.binding import declaration
 from gspo.study.endpoints import (
     PerSeed,
     column,
@@ -37,7 +39,7 @@ from gspo.study.metrics import (
     seed_means,
 )
 from gspo.study.plots import band_plots, curves
-from gspo.study.presets import RUN_RECORD, WARM_CHECK_EVERY, WARM_CHECK_PROMPTS, Preset, declaration
+from gspo.study.presets import RUN_RECORD, WARM_CHECK_EVERY, WARM_CHECK_PROMPTS, Preset
 from gspo.study.statistics import (
     EXACT_MAX_N,
     MC_FLIPS,
@@ -114,12 +116,16 @@ def _declared(confirm: list[Comparison], c: Comparison, direction: str | None) -
     return next((d for d in confirm if (d.metric, d.a, d.b, d.margin, d.direction) == key), None)
 
 
-def claim_status(c: Comparison, confirm: list[Comparison], direction: str | None = "greater") -> str:
-    """A claim's last column: the pre-registered verdict when the claim is a declared endpoint,
-    otherwise the raw p and no verdict."""
+def claim_status(
+    c: Comparison, confirm: list[Comparison], direction: str | None = "greater", second: tuple[int, ...] = ()
+) -> str:
+    """A claim's last column: the pre-registered verdict when the claim is a declared endpoint (its
+    family named when it is a secondary one: ``second`` holds their ids), otherwise the raw p and no
+    verdict."""
     d = _declared(confirm, c, direction)
     if d is not None:
-        return f"pre-registered: **{d.verdict}** (Holm p = {fmt_p(d.p_adj)})"
+        which = "pre-registered secondary" if id(d) in second else "pre-registered"
+        return f"{which}: **{d.verdict}** (Holm p = {fmt_p(d.p_adj)} over its family)"
     return f"exploratory: no verdict (raw p_perm = {fmt_p(c.p_perm)}, p_t = {fmt_p(c.p_t)})"
 
 
@@ -145,15 +151,18 @@ CLAIMS = [
 ]  # fmt: skip
 
 
-def claims(per: PerSeed, ci: str, confirm: list[Comparison]) -> list[tuple[str, str, str, str]]:
-    """(claim, measured, read as, status) rows; a status is a verdict only for a declared endpoint."""
+def claims(
+    per: PerSeed, ci: str, confirm: list[Comparison], second: tuple[int, ...] = ()
+) -> list[tuple[str, str, str, str]]:
+    """(claim, measured, read as, status) rows; a status is a verdict only for a declared endpoint
+    (primary, or secondary: ``second`` holds the ids of those among ``confirm``) of bound runs."""
     rows = []
     for claim, a, b, key, margin, reading in CLAIMS:
         if a not in per or b not in per:
             continue
         c = compare_paired(key, a, b, column(per, a, key), column(per, b, key), margin)
         direction = "greater" if reading.startswith(("a - b >", "non-inferiority")) else None
-        status = claim_status(c, confirm, direction)
+        status = claim_status(c, confirm, direction, second)
         rows.append((claim, f"{a} - {b} {c.interval.fmt()}{_seeds_txt(c)}", reading, status))
     if "gspo" in per and "grpo" in per:
         logr = [
@@ -217,7 +226,9 @@ def sampler_dtype(c: dict[str, Any]) -> str:
     return f" (sampler {r})" if r and r != c.get("dtype") else ""
 
 
-def _header(out: Path, seeds: list[int], base: Config, preset: Preset, timing: dict[str, Any]) -> list[str]:
+def _header(
+    out: Path, seeds: list[int], base: Config, preset: Preset, timing: dict[str, Any], envs: dict[str, Any]
+) -> list[str]:
     target, info = _warm_info(out, seeds)
     warm = (
         f"warm start {base.sft_steps} steps at lr {base.sft_lr}"
@@ -244,6 +255,8 @@ def _header(out: Path, seeds: list[int], base: Config, preset: Preset, timing: d
         f"Wall time: {_minutes(timing.get('wall_s'))} with {timing.get('workers', '?')} worker process(es) "
         f"on {timing.get('cpus', '?')} CPUs, mean 1-min load average {'n/a' if load is None else f'{load:.1f}'}"
         + (f" (documented for this preset: {preset.runtime})" if preset.runtime else ""),
+        "",
+        describe(envs),
         "",
     ]
 
@@ -297,8 +310,9 @@ def _preregistration(preset: Preset, confirm: list[Comparison], decl: dict[str, 
         "",
         f"Pre-registered: declared in `{preset.path.name if preset.path else preset.name}`, committed at "
         f"`{decl.get('file_commit')}` ({_utc(decl.get('commit_time'))}), before every run started (the "
-        f"first at {_utc(decl.get('first_start'))}), in the history of every run's checkout; every run records "
-        "this file's sha256, its endpoints and no setting changed from it; the analysed seeds are the declared ones"
+        f"first at {_utc(decl.get('first_start'))}), in the history of every run's clean checkout; every run "
+        "records this file's sha256, its endpoints, no setting changed from it and the declared resolved config "
+        f"(`{(preset.resolved_sha256 or '')[:12]}`: every default); the analysed seeds are the declared ones"
         + (
             f"; declared at `{preset.declared_at}` (same declaration there: {decl.get('declared_at_matches')})"
             if preset.declared_at
@@ -451,7 +465,7 @@ def write_report(
     preset = preset or Preset(name="custom")
     per = collect(out, variants, seeds, crit)
     images = band_plots(out, variants, seeds, ci)
-    decl = declaration(preset, run_records(out, per), analysed_seeds(per, preset))
+    decl = declaration(preset, run_records(out, per), analysed_seeds(per, preset), crit)
     order = PAIRS + [p for p in preset.pairs if p not in PAIRS]
     confirm, pairs = confirmatory(per, preset, decl.get("level")), exploratory(per, order)
     second = secondary(per, preset, decl)
@@ -460,25 +474,28 @@ def write_report(
     bound += [c for c in second if c.verdict]
     timing_file = out / "timing.json"
     timing = json.loads(timing_file.read_text()) if timing_file.exists() else {}
-    lines = _header(out, seeds, base, preset, timing) + _preregistration(preset, confirm, decl)
+    envs = {f"{v}-s{s}": read_environment(out / f"{v}-s{s}") for v in per for s in per[v]}
+    lines = _header(out, seeds, base, preset, timing, envs) + _preregistration(preset, confirm, decl)
     lines += secondary_lines(preset, second, decl)
     lines += _variant_tables(per, ci, crit) + _paired_table(pairs, order)
     lines += [
         "## The paper's claims and this run",
         "",
-        "A claim gets a verdict only when this preset declared it as a primary endpoint (above); the "
-        "others are exploratory and show the raw interval and p-values.",
+        "A claim gets a verdict only when this preset declared it as an endpoint (primary, or secondary "
+        "in its own declared family: above) and its runs are bound to the declaration; the others are "
+        "exploratory and show the raw interval and p-values.",
         "",
         "| claim (arXiv 2507.18071) | measured here (raw 95% CI) | read as | status |",
         "|---|---|---|---|",
     ]
-    claim_rows = claims(per, ci, bound)
+    claim_rows = claims(per, ci, bound, tuple(id(c) for c in second if c.verdict))
     lines += [f"| {c} | {m} | {r} | {v} |" for c, m, r, v in claim_rows] + [""]
     lines += _per_seed_table(per)
     for title, fname in images:
         lines += [f"### {title}", "", f"![{title}]({fname})", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines))
+    timing = timing | {"environments": envs}  # to summary.json's own key
     _write_data(out, preset, base, seeds, variants, ci, crit, timing, per, confirm, pairs, claim_rows, decl)
     return report
 
@@ -507,7 +524,8 @@ def _write_data(
         "variants": variants,
         "ci": ci,
         "criteria": dataclasses.asdict(crit),
-        "timing": timing,
+        "timing": {k: v for k, v in timing.items() if k != "environments"},
+        "environments": timing.get("environments", {}),  # run -> what decided its numbers (gspo.repro)
         "per_seed": {v: {str(s): r for s, r in per[v].items()} for v in per},
         "summary": {
             v: {

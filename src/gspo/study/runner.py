@@ -26,15 +26,10 @@ from gspo.compat.process_pool import kill_workers
 from gspo.config import Config, make_config
 from gspo.errors import GspoError
 from gspo.procs import die_with_parent
+from gspo.study.binding import STEERING, resolved_settings, run_record
 from gspo.study.folders import claim_folder
 from gspo.study.metrics import Criteria
-from gspo.study.presets import (
-    RUN_RECORD,
-    VARIANTS,
-    Preset,
-    load_preset,
-    run_record,
-)
+from gspo.study.presets import RUN_RECORD, VARIANTS, Preset, load_preset
 from gspo.study.report import write_report
 from gspo.study.warm import WARM_FIELDS, warm_start_folder, warm_start_job
 
@@ -42,18 +37,7 @@ __all__ = ["plan_run", "run_compare", "warm_start_folder", "warm_start_job"]
 
 # config fields that steer a run but do not change what it computes: a finished run with other
 # values of these is still reused
-_STEERING = {
-    "progress",
-    "threads",
-    "save_every",
-    "wandb",
-    "report_to",
-    "dist_timeout_min",
-    "resume",
-    "overwrite",
-    "output_dir",
-    "name",
-}
+_STEERING = STEERING
 
 
 def _train_job(cfg: Config) -> tuple[str, float, float | None, float | None]:
@@ -114,7 +98,13 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
             "compare neither writes into nor deletes it: move it away or pass another --out"
         )
     finished = final_complete(run)
-    diff = _differs(cfg, saved)
+    damaged = _damaged_weights(run / "final") if finished else ""
+    if damaged and not overwrite:  # never reused as "done already": its weights are not the run's
+        raise GspoError(
+            f"{run} is a finished run whose final model is damaged ({damaged}); pass --overwrite to train "
+            "it again (its checkpoints and metrics are deleted), or another --out"
+        )
+    diff = _differs(cfg, saved) or damaged
     if diff and not overwrite:
         raise GspoError(
             f"{run} is {'a finished' if finished else 'an unfinished'} run made with other settings "
@@ -124,6 +114,29 @@ def plan_run(cfg: Config, overwrite: bool = False) -> Config | None:
     if diff or (not finished and newest_complete(run)[0] is None):
         return dataclasses.replace(cfg, overwrite=True)
     return None if finished else dataclasses.replace(cfg, resume=True)
+
+
+def _damaged_weights(final: Path) -> str:
+    """Why a safetensors file of ``final`` is not whole ("" when each is): its header must parse
+    and the file must end exactly where the header's last tensor does (a file cut short, or grown,
+    is damaged). Reads the headers only."""
+    import struct
+
+    for f in sorted(final.glob("*.safetensors")):
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size - 8:
+                    return f"{f.name}: {size:,} bytes, shorter than its header says"
+                header = json.loads(fh.read(n))
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError) as e:
+            return f"{f.name}: its header cannot be read ({type(e).__name__})"
+        want = 8 + n + max(ends, default=0)
+        if size != want:
+            return f"{f.name}: {size:,} bytes, its header says {want:,} (truncated?)"
+    return ""
 
 
 def out_folder(path: str | Path, flag: str = "--out") -> Path:
@@ -158,9 +171,11 @@ def run_compare(
 ) -> Path:
     """Train every (variant, seed) from one warm start per seed, then write the report; returns its path.
 
-    Config values: defaults <- ``preset``'s config <- ``config_path`` YAML <- ``overrides``. Seeds and
-    variants default to the preset's (without a preset: seeds 0-4, all four variants). ``workers``
-    processes run side by side (each with one torch thread unless ``threads`` is set).
+    Config values: defaults <- ``reproducible: true`` <- ``preset``'s config <- ``config_path`` YAML <-
+    ``overrides``. Seeds and variants default to the preset's (without a preset: seeds 0-4, all four
+    variants). ``workers`` processes run side by side (each with one torch thread unless ``threads``
+    is set); reproducible runs always train in spawned workers (:func:`gspo.repro.pin` needs a
+    process whose kernels have not run yet), never in this one.
     ``warm_target`` (default: the preset's): warm start each seed until this greedy accuracy on
     held-out-like prompts, at most ``sft_steps`` steps (see :func:`warm_start_job`). Warm starts are
     kept under ``warm_dir`` (default ``<out>/../warm-starts``) and shared by compares that need the
@@ -177,14 +192,14 @@ def run_compare(
     if command is None:
         command = _command_line(p, config_path, overrides, seeds, variants, out, workers, warm_target)
     changed = _changed(p, _base_config(p, None, {}, workers), base, variants, target)
-    record = run_record(p, seeds, changed)
+    record = run_record(p, seeds, changed, resolved_settings(p, base, variants, target))
     jobs = Jobs(base, seeds, variants, out, target, warm_path, overwrite, record=record, arms=p.arms)
     jobs.check_folders()  # every run folder before any training: a refusal costs no work
     claim_folder(out, "compare")  # nor a report file the comparison did not write
     t_start = time.time()
     load = _LoadSampler()
     with _continue_hint(command):
-        if workers == 1:
+        if workers == 1 and not base.reproducible:
             _run_serial(jobs)
         else:
             _run_pool(jobs, workers)
@@ -231,7 +246,7 @@ def _check_args(
 def _base_config(p: Preset, config_path: str | None, overrides: dict[str, Any], workers: int) -> Config:
     from gspo.config import load_yaml
 
-    values = dict(p.config)
+    values = {"reproducible": True} | dict(p.config)  # studies pin their kernels unless told otherwise
     if config_path:
         values |= load_yaml(config_path)
     values |= overrides

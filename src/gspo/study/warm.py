@@ -36,6 +36,7 @@ WARM_FIELDS = (
     "sft_lr",
     "sft_batch_size",
     "logp_chunk_size",
+    "reproducible",  # the same warm start in other bits
 )
 
 
@@ -86,7 +87,11 @@ def warm_start_job(
         if key_file.exists() and json.loads(key_file.read_text()).get("key") == key:
             return seed, str(folder), 0.0
         shutil.rmtree(folder)  # made with other settings (or by an older gspo): redo
-    if cfg.threads:
+    if cfg.reproducible:  # before the first kernel runs (gspo.repro)
+        from gspo.repro import pin
+
+        pin()
+    elif cfg.threads:
         torch.set_num_threads(cfg.threads)
     start = load_start(load_plan(cfg, "float32"), torch.device("cpu"))
     gate = _Gate(start, cfg, target)
@@ -98,7 +103,10 @@ def warm_start_job(
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")  # written whole, then renamed
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(start.model, start.tokenizer, tmp)
+    from gspo.repro import run_environment
+
     info = {"key": key, "steps": gate.steps, "reached_target": gate.reached, "gate_acc": gate.last_acc}
+    info["environment"] = run_environment()  # what decided its bits (threads, kernels, versions, CPU)
     (tmp / "warm_start.json").write_text(json.dumps(info))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)

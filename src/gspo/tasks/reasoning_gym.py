@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from gspo.errors import GspoError, warn
+from gspo.errors import GspoError, one_line, warn
 from gspo.tasks.datasets import Example
 from gspo.tasks.rewards import RewardFn, load_reward
 from gspo.tasks.task import Task
@@ -145,10 +145,8 @@ def make_dataset(spec: RGSpec, seed: int, size: int, field: str = "task") -> Any
     try:
         return rg.create_dataset(spec.name, seed=seed, size=size, **spec.params)
     except Exception as e:
-        msg = str(e).strip().splitlines()
-        detail = f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
         raise GspoError(
-            f"config field '{field}': {spec.spec!r}: reasoning-gym rejected the config ({detail})"
+            f"config field '{field}': {spec.spec!r}: reasoning-gym rejected the config ({one_line(e)})"
         ) from None
 
 
@@ -156,10 +154,8 @@ def _entry(ds: Any, spec: RGSpec, seed: int, i: int) -> tuple[Example, dict[str,
     try:
         entry = ds[i]
     except Exception as e:
-        msg = str(e).strip().splitlines()
-        detail = f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
         raise GspoError(
-            f"{spec.spec}: reasoning-gym failed to generate item {i} (seed {seed}): {detail}"
+            f"{spec.spec}: reasoning-gym failed to generate item {i} (seed {seed}): {one_line(e)}"
         ) from None
     question, answer = entry.get("question"), entry.get("answer")
     if not isinstance(question, str) or not question.strip():

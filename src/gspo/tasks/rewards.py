@@ -300,6 +300,14 @@ def _load_builtin(name: str, timeout_s: float | None = None) -> RewardFn | None:
     return None
 
 
+def is_instant_reward(spec: str | None) -> bool:
+    """Whether the reward ``spec`` names a built-in of :func:`_load_builtin` that answers at once (all
+    but ``code``, which runs a sandbox): an environment scoring with it may run its steps inside the
+    decode loop."""
+    spec = (spec or "").strip()
+    return spec in ("exact_match", "math", "math_verify", "boxed") or spec.startswith("format:")
+
+
 def import_file(spec: str, file: str, kind: str = "reward") -> Any:
     """The module of a user's ``file`` (``kind``: what the file holds, "reward" or "environment", for
     the one-line errors: not found, or its import raised anything, ``SystemExit`` included)."""

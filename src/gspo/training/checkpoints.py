@@ -6,6 +6,11 @@ shards), restores a run from it, saves a checkpoint of each finished step (atomi
 sharded over the ranks under FSDP2), prunes the older ones and writes the run's ``final/`` folder.
 The files themselves (layout, manifest, lock, shards) are :mod:`gspo.training.checkpoint_files`:
 a change to how checkpoints are written touches this module and that one.
+
+It writes the trainer's weights and optimizer itself (their files depend on how they are sharded)
+and holds the rest of a checkpoint as the pieces of its :class:`Stateful` parts (the run's position
+and generators, the learning-rate schedule, the batches a sampler drew ahead): adding a piece of
+state touches the part that owns it. It imports none of them.
 """
 
 from __future__ import annotations
@@ -14,19 +19,30 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
 from gspo.model.export import DCP_DIR, save_config_and_tokenizer, save_streamed
-from gspo.model.load import save_pretrained
-from gspo.model.unwrap import is_peft
+from gspo.model.load import AUTO_DTYPE, save_pretrained
+from gspo.model.unwrap import is_peft, unwrap
 from gspo.plans import CheckpointPlan
 from gspo.training import checkpoint_files as files
 from gspo.training import distributed as dist_utils
-from gspo.training.run import Run
+
+
+class Stateful(Protocol):
+    """A part of the run whose state a checkpoint holds: its entries of ``trainer_state.pt``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its entries (collective: every rank calls it; rank 0's are saved)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take its entries back from a checkpoint's whole state (every rank)."""
+        ...
 
 
 class CheckpointManager:
@@ -38,14 +54,38 @@ class CheckpointManager:
         self.sharded = False  # each rank saves its own shards (FSDP2 on N ranks): set by :meth:`attach`
         self.saving = False  # writing a checkpoint (a stop lets it finish)
         self.lock: Any = None  # the run folder's lock (rank 0)
+        self.last_saved = -1  # the step of the newest complete checkpoint
+        # what it saves, set by :meth:`attach`: the trainer's weights, optimizer and tokenizer, and the
+        # parts that keep the rest of a checkpoint (saved and restored in this order)
+        self.policy: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.tokenizer: Any = None
+        self.parts: tuple[Stateful, ...] = ()
+        # the dtype the model's own files store (final/'s under save_dtype auto for a hub id, read
+        # from its local snapshot at the start and kept in each checkpoint: a resume asks no hub)
+        self.source_dtype: str | None = None
 
     @property
     def _rank(self) -> int:
         return self.dctx.rank if self.dctx is not None else 0
 
-    def attach(self, policy: nn.Module) -> None:
-        """The trainer's policy is built: checkpoints are sharded when it is FSDP2 over N ranks."""
+    def attach(
+        self, policy: nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any, parts: tuple[Stateful, ...]
+    ) -> None:
+        """The run is built: what every checkpoint saves (sharded when the policy is FSDP2 over N
+        ranks)."""
+        self.policy, self.optimizer, self.tokenizer, self.parts = policy, optimizer, tokenizer, parts
         self.sharded = files.uses_sharded_checkpoints(policy, self.plan.lora)
+
+    @property
+    def _dctx(self) -> dist_utils.DistContext:
+        assert self.dctx is not None, "a run's checkpoints know its ranks"
+        return self.dctx
+
+    @property
+    def _model(self) -> nn.Module:
+        """The Hugging Face model being trained (its PEFT wrapper with LoRA)."""
+        return unwrap(self.policy, "model")
 
     # --------------------------------------------------------------------------------------------
     # the run folder: claimed, and the checkpoint to resume from chosen
@@ -166,15 +206,22 @@ class CheckpointManager:
     def is_sharded(path: Path | None) -> bool:
         return path is not None and files.is_sharded(path)
 
+    def weights_dir(self, resume_from: Path) -> Path:
+        """The HF folder a resume's weights come from: a whole-model checkpoint's own, or with LoRA
+        the frozen base the adapters apply to (checked against its manifest: no other copy to fall
+        back on). A sharded checkpoint's holds its config and tokenizer (its weights: shards)."""
+        weights_dir = self.run_dir / "checkpoints" / "lora-base" if self.plan.lora else resume_from
+        why = files.check_manifest(weights_dir) if self.plan.lora else ""
+        if why:
+            raise GspoError(f"--resume: {weights_dir}: {why}; start the run over with --overwrite")
+        return weights_dir
+
     def load_weights(self, model: nn.Module, resume_from: Path) -> None:
         """A whole-model checkpoint's weights (with LoRA: the frozen base the adapters apply to)."""
         from transformers import AutoModelForCausalLM
 
         # from_pretrained undoes the on-disk layout conversions (e.g. per-expert MoE weights)
-        weights_dir = self.run_dir / "checkpoints" / "lora-base" if self.plan.lora else resume_from
-        why = files.check_manifest(weights_dir) if self.plan.lora else ""
-        if why:  # the frozen base every checkpoint's adapters apply to: no other copy to fall back on
-            raise GspoError(f"--resume: {weights_dir}: {why}; start the run over with --overwrite")
+        weights_dir = self.weights_dir(resume_from)
         saved = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
 
@@ -201,94 +248,76 @@ class CheckpointManager:
         the weights)."""
         files.load_shards(policy, optimizer, resume_from, state["optimizer"]["dcp"])
 
-    def restore(self, run: Run, state: dict[str, Any]) -> None:
-        """Take a checkpoint's trainer state (weights are loaded where the run is built)."""
-        t, s = run.trainer, run.state
-        if "dcp" not in state["optimizer"]:  # a sharded checkpoint's optimizer was loaded with the weights
-            dist_utils.load_optimizer_state_dict(t.policy, t.optimizer, state["optimizer"], run.dctx)
-        t.scheduler.load_state_dict(state["scheduler"])
-        s.step = s.last_saved = state["step"]
-        s.data_pos = state["data_pos"]
-        gens = state["sample_gen"]
-        if run.rank < len(gens):  # a rank the saved run did not have keeps its fresh seed
-            s.sample_gen.set_state(gens[run.rank])
-        rngs = state.get("rng_ranks") or [state["rng"]]
-        files.set_rng_state(rngs[run.rank] if run.rank < len(rngs) else state["rng"])
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state: the optimizer's (a sharded checkpoint's came with the weights,
+        which are loaded where the run is built), then each part's, in order."""
+        if "dcp" not in state["optimizer"]:
+            dist_utils.load_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"], self._dctx)
+        for part in self.parts:
+            part.load_state_dict(state)
+        self.last_saved = state["step"]
 
     # --------------------------------------------------------------------------------------------
     # saving
-    def save(self, run: Run) -> None:
-        """Checkpoint the last finished step (collective: every rank calls it)."""
+    def save(self, step: int) -> None:
+        """Checkpoint finished step ``step`` (collective: every rank calls it)."""
         self.saving = True
         try:
-            self._save(run)
+            self._save(step)
         finally:
             self.saving = False
 
-    def _save(self, run: Run) -> None:
-        t, s = run.trainer, run.state
+    def _save(self, step: int) -> None:
+        policy, dctx = self.policy, self._dctx
         # a no-grad forward after the last backward (e.g. the routing-volatility probe) leaves FSDP2's
         # root group unsharded: its parameters are then plain full tensors beside the others' DTensors
-        dist_utils.reshard(t.policy)
-        _check_finite(t.policy, s.step, s.last_saved, run.dctx)
-        gens = dist_utils.gather_objects(s.sample_gen.get_state(), run.dctx)
+        dist_utils.reshard(policy)
+        _check_finite(policy, step, self.last_saved, dctx)
         tmp, known = None, None
         if self.sharded:  # each rank writes (and checksums) its shards; rank 0 the rest, as below
-            tmp, opt_sd, known = self._save_shards(run)
-            write = lambda p: save_config_and_tokenizer(t.hf, run.tokenizer, p)  # noqa: E731
+            tmp, opt_sd, known = self._save_shards(step)
+            write = lambda p: save_config_and_tokenizer(self._model, self.tokenizer, p)  # noqa: E731
         else:
-            model, full_sd = savable(run)
-            opt_sd = dist_utils.optimizer_state_dict(t.policy, t.optimizer, run.dctx)
-            write = lambda p: save_hf(model, run.tokenizer, p, full_sd)  # noqa: E731
-        # each rank's generators (rewards draw from them), after the collectives above, which may draw
-        rngs = dist_utils.gather_objects(files.rng_state(), run.dctx)
-        if run.rank == 0:
-            state = {
-                "optimizer": opt_sd,
-                "scheduler": t.scheduler.state_dict(),
-                "step": s.step,
-                "data_pos": s.data_pos,
-                "sample_gen": gens,
-                "rng": rngs[0],
-                "rng_ranks": rngs,
-                "config": self.plan.config,
-                "initial": s.initial,
-            }
-            state |= run.sampler.sampler.state(s.step)  # e.g. batches sampled ahead, from older versions
+            model, full_sd = savable(policy, dctx)
+            opt_sd = dist_utils.optimizer_state_dict(policy, self.optimizer, dctx)
+            write = lambda p: save_hf(model, self.tokenizer, p, full_sd)  # noqa: E731
+        state = {"optimizer": opt_sd, "config": self.plan.config, "source_dtype": self.source_dtype}
+        for part in self.parts:  # after the collectives above, which may draw from the generators
+            state |= part.state_dict()
+        if dctx.rank == 0:
             keep = self.plan.keep
-            save = lambda: files.save_checkpoint(self.run_dir, s.step, write, state, keep, tmp, known)  # noqa: E731
-            self._attempt(run, save)
-        s.last_saved = s.step
+            save = lambda: files.save_checkpoint(self.run_dir, step, write, state, keep, tmp, known)  # noqa: E731
+            self._attempt(step, save)
+        self.last_saved = step
 
-    def _save_shards(self, run: Run) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    def _save_shards(self, step: int) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         """Every rank writes its model and optimizer shards into the new checkpoint's folder, which
         rank 0 makes, and checksums its own files (collective). Returns the folder, the trainer
         state's optimizer entry and the manifest entries of every rank's shard files."""
+        dctx = self._dctx
         made: tuple[Path | None, str] = (None, "")
-        if run.rank == 0:
+        if dctx.rank == 0:
             try:
-                step = run.state.step
-                made = (self._attempt(run, lambda: files.begin_checkpoint(self.run_dir, step)), "")
+                made = (self._attempt(step, lambda: files.begin_checkpoint(self.run_dir, step)), "")
             except GspoError as e:
                 made = (None, str(e))
-        tmp, error = dist_utils.gather_objects(made, run.dctx)[0]
+        tmp, error = dist_utils.gather_objects(made, dctx)[0]
         if tmp is None:
             raise GspoError(error)
         try:
-            t = run.trainer
-            saved = self._attempt(run, lambda: files.save_shards(t.policy, t.optimizer, tmp))
+            saved = self._attempt(step, lambda: files.save_shards(self.policy, self.optimizer, tmp))
             own = {  # the files DCP's writer gave this rank (__<rank>_<n>.distcp)
                 f.relative_to(tmp).as_posix(): files.file_entry(f)
-                for f in sorted((tmp / DCP_DIR).glob(f"__{run.rank}_*.distcp"))
+                for f in sorted((tmp / DCP_DIR).glob(f"__{dctx.rank}_*.distcp"))
             }
-            known = {k: v for part in dist_utils.gather_objects(own, run.dctx) for k, v in part.items()}
+            known = {k: v for part in dist_utils.gather_objects(own, dctx) for k, v in part.items()}
         except BaseException:
-            if run.rank == 0:
+            if dctx.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tmp, {"dcp": saved}, known
 
-    def _attempt(self, run: Run, write: Callable[[], Any]) -> Any:
+    def _attempt(self, step: int, write: Callable[[], Any]) -> Any:
         """``write()``; a failure to write (e.g. a full disk) is one line naming what is kept."""
         import torch.distributed.checkpoint as dcp
 
@@ -297,48 +326,51 @@ class CheckpointManager:
         except Exception as e:
             why = files.write_failure(e)
             if why is None and isinstance(e, dcp.api.CheckpointException):
-                why = (str(e).splitlines() or [type(e).__name__])[0]
+                why = one_line(e, typed=False)
             if why is None:
                 raise
-            last = run.state.last_saved
-            kept = f"step {last}" if last >= 0 else "none"
+            kept = f"step {self.last_saved}" if self.last_saved >= 0 else "none"
             raise GspoError(
-                f"cannot write checkpoint step {run.state.step} under {self.run_dir}/checkpoints "
+                f"cannot write checkpoint step {step} under {self.run_dir}/checkpoints "
                 f"({files.free_space(self.run_dir)}): {why}; the last complete checkpoint is kept ({kept})"
             ) from None
 
-    def write_final(self, run: Run, save_dtype: str | None) -> Path | None:
+    def write_final(self, save_dtype: str | None) -> Path | None:
         """The run's ``final/`` HF folder, in ``save_dtype`` if given (collective; rank 0 writes it
         beside and renames it: a ``final/`` is complete, or absent). Returns it on rank 0."""
-        hf = run.trainer.hf
+        hf, tokenizer, rank = self._model, self.tokenizer, self._dctx.rank
+        if save_dtype == AUTO_DTYPE:  # a hub id's stored dtype, known once its files were local
+            save_dtype = self.source_dtype
         dtype = getattr(torch, save_dtype) if save_dtype else None
         if dtype == next(hf.parameters()).dtype:
             dtype = None  # saved as trained
         if self.sharded or (dtype is not None and not is_peft(hf)):
             # gathered, cast and written one decoder layer at a time (collective)
-            dist_utils.reshard(run.trainer.policy)
-            write = lambda p: save_streamed(hf, run.tokenizer, p, dtype)  # noqa: E731
-            if run.rank != 0:
-                save_streamed(hf, run.tokenizer, None, dtype)  # the gathers only
+            dist_utils.reshard(self.policy)
+            write = lambda p: save_streamed(hf, tokenizer, p, dtype)  # noqa: E731
+            if rank != 0:
+                save_streamed(hf, tokenizer, None, dtype)  # the gathers only
         else:
-            model, final_sd = savable(run)  # collective
-            write = lambda p: save_hf(model, run.tokenizer, p, final_sd, dtype)  # noqa: E731
-        if run.rank != 0:
+            model, final_sd = savable(self.policy, self._dctx)  # collective
+            write = lambda p: save_hf(model, tokenizer, p, final_sd, dtype)  # noqa: E731
+        if rank != 0:
             return None
-        return files.write_final(self.run_dir, write, run.state.last_saved)
+        return files.write_final(self.run_dir, write, self.last_saved)
 
     def say(self, note: str) -> None:
         if note and self._rank == 0:
             print(f"gspo: {note}", file=sys.stderr, flush=True)
 
 
-def savable(run: Run) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
+def savable(
+    policy: nn.Module, dctx: dist_utils.DistContext
+) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
     """What rank 0 writes as the HF folder (collective): the trained module, with the full state
     dict gathered from the shards when distributed (PEFT merges a LoRA model's adapters itself)."""
-    hf = run.trainer.hf
-    if is_peft(hf) and run.world > 1 and not dist_utils.is_fsdp(run.trainer.policy):
+    hf = unwrap(policy, "model")
+    if is_peft(hf) and dctx.world_size > 1 and not dist_utils.is_fsdp(policy):
         return hf, None  # DDP: every rank holds the whole PEFT model, which merges a copy
-    return hf, dist_utils.full_state_dict(run.trainer.policy, run.dctx)
+    return hf, dist_utils.full_state_dict(policy, dctx)
 
 
 def _check_finite(policy: nn.Module, step: int, last_saved: int, dctx: dist_utils.DistContext) -> None:

@@ -17,7 +17,8 @@ disk (no LoRA, no warm start to train first): every rank builds the model on the
 it, and reads its own shards from the safetensors files (a hub id's snapshot fetched once per node
 first: :func:`node_snapshot`); where the files cannot feed that, rank 0 alone reads the weights (on
 the CPU) and broadcasts them through ``torch.distributed.checkpoint.state_dict`` (:func:`builds_sharded`).
-The process group's timeout is the config's ``dist_timeout_min``.
+The process group's timeout is the config's ``dist_timeout_min``, and every group made over part of the
+world (HSDP's and expert parallelism's meshes, :func:`subgroup`) is given the same.
 
 Each rank samples its own prompts and stops at EOS, so its generation forwards differ from the other
 ranks'; nothing collective may run inside generation. DDP samples from the HF module inside the
@@ -28,6 +29,7 @@ for the rollout and freed after it (:func:`gathered`); no second copy of the mod
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -115,34 +117,56 @@ def setup(plan: DistPlan) -> DistContext:
 _TIMEOUT: timedelta | None = None  # the process group's, as set up here (None: torch's default)
 
 
-def pg_timeout() -> timedelta | None:
-    """The timeout :func:`setup` gave the process group, for subgroups made later (None: not set up here)."""
-    return _TIMEOUT
-
-
 def timeout_note() -> str:
     """How long a wait in a collective may last, for the lines that say what a rank waits for."""
     minutes = int(_TIMEOUT.total_seconds() // 60) if _TIMEOUT else None
     return f"up to dist_timeout_min = {minutes} min" if minutes else "up to the process group's timeout"
 
 
-def node_snapshot(repo_id: str, ctx: DistContext) -> Path:
-    """A hub model's snapshot folder on this rank's node (collective): local rank 0 of each node
-    downloads the weights into the hub's cache once, the node's other ranks wait for it in a gather
-    (bounded by the process group's timeout, and said), then each rank finds the snapshot in the cache
-    and reads its own shards from it as from a local folder. A failed download stops every rank with
-    its one line."""
-    from gspo.model.load import hub_snapshot
+def subgroup(ranks: list[list[int]]) -> Any:
+    """This rank's group among ``ranks`` (disjoint lists covering the world; collective: every rank
+    calls it), waiting as long as the world group (``dist_timeout_min``): ``new_group`` without a
+    timeout gives torch's default (10 minutes on NCCL), not the world group's."""
+    return dist.new_subgroups_by_enumeration(ranks, timeout=_TIMEOUT)[0]
 
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    """A device mesh of ``shape`` over every rank (rank-major) whose groups all wait as long as the
+    world group. A 1-D mesh is the world group itself (``init_device_mesh``); a mesh of several
+    dimensions gets each dimension's groups from :func:`subgroup` and is assembled by
+    ``DeviceMesh.from_group`` (``init_device_mesh`` would make them with torch's default timeout,
+    10 minutes on NCCL, whatever ``init_process_group`` was given)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if len(shape) == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    ranks = torch.arange(math.prod(shape)).view(shape)
+    groups = [subgroup(ranks.movedim(d, -1).reshape(-1, n).tolist()) for d, n in enumerate(shape)]
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
+
+
+def node_snapshot(repo_id: str, ctx: DistContext, patterns: tuple[str, ...] | None = None) -> Path:
+    """A hub model's snapshot folder on this rank's node (collective): local rank 0 of each node
+    downloads its files (``patterns``, default: weights, config and tokenizer) into the hub's cache
+    once, under the cache's ``flock`` (:func:`gspo.model.hub_lock.cache_lock`: nodes sharing one cache
+    take turns), the node's other ranks wait for it in a gather (bounded by the process group's
+    timeout, and said), then each rank finds the snapshot in the cache and reads it as a local
+    folder: no rank but local rank 0 asks the hub anything. A failed download stops every rank with
+    its one line."""
+    from gspo.model.hub_lock import cache_lock
+    from gspo.model.load import HUB_WEIGHT_FILES, hub_snapshot
+
+    patterns = patterns or HUB_WEIGHT_FILES
     error, path = None, None
     if ctx.local_rank == 0:
         print(
-            f"gspo: rank {ctx.rank} fetches {repo_id}'s weights into the hub cache, once on this node "
+            f"gspo: rank {ctx.rank} fetches {repo_id}'s files into the hub cache, once on this node "
             f"(the node's other ranks wait for it, {timeout_note()})",
             file=sys.stderr, flush=True,
         )  # fmt: skip
         try:
-            path = hub_snapshot(repo_id)
+            with cache_lock(repo_id, _TIMEOUT.total_seconds() if _TIMEOUT else None):
+                path = hub_snapshot(repo_id, patterns=patterns)
         except GspoError as e:
             error = str(e)
     elif ctx.local_rank == 1:
@@ -154,7 +178,7 @@ def node_snapshot(repo_id: str, ctx: DistContext) -> Path:
     errors = [e for e in gather_objects(error, ctx) if e]  # every node's download done (or failed)
     if errors:
         raise GspoError(errors[0])
-    return path if path is not None else hub_snapshot(repo_id, local_files_only=True)
+    return path if path is not None else hub_snapshot(repo_id, local_files_only=True, patterns=patterns)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,24 +225,26 @@ def wrap(
     ctx: DistContext,
     source: nn.Module | None = None,
     folder: Path | None = None,
+    *,
+    empty: bool = False,
 ) -> nn.Module:
     """Data-parallel wrapper (FSDP2 or DDP) of the trainer's forward when world_size > 1; else itself.
     A ``policy`` on the meta device (:func:`builds_sharded`) is sharded first, then filled: each rank
     reading its own shards from the safetensors of ``folder`` (:mod:`gspo.model.shard_load`), or
-    from ``source``, the full model on rank 0's CPU (None on the other ranks)."""
+    from ``source``, the full model on rank 0's CPU (None on the other ranks); ``empty``: zeros, for
+    a sharded checkpoint's shards to fill (a resume reads no other weights)."""
     if not _distributed(ctx):
         return policy
     from gspo.model.logprobs import probe
 
     meta = _on_meta(policy)
     if not meta:  # (a model on the meta device took rank 0's answers: share_probes)
-        probe(unwrap(policy, "hf"))  # the probes' plain forwards cannot run on sharded weights
+        probe(unwrap(policy, "transformers"))  # the probes' plain forwards cannot run on sharded weights
         _broadcast_from_rank0(policy)  # identical replicas whatever happened before (init, warm start)
     if plan.parallel == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # buffers (rotary tables) never change; syncing them is a collective inside every forward
         return nn.parallel.DistributedDataParallel(policy, device_ids=ids, broadcast_buffers=False)
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()  # the parameters' own dtype throughout
@@ -228,16 +254,16 @@ def wrap(
         mesh = _shard_experts(policy, plan, ctx, mp)
     elif plan.dp_replicate_size > 1:  # HSDP: replicated over the first dim, sharded over the second
         reps = plan.dp_replicate_size
-        mesh = init_device_mesh(
-            ctx.device.type, (reps, ctx.world_size // reps), mesh_dim_names=("dp", "fsdp")
-        )
+        mesh = device_mesh(ctx.device.type, (reps, ctx.world_size // reps), ("dp", "fsdp"))
     else:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = device_mesh(ctx.device.type, (ctx.world_size,))
     for layer in _decoder_layers(policy.model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
     if meta and folder is not None:
         _load_own_shards(policy, folder, ctx)
+    elif meta and empty:
+        _allocate(policy, ctx)
     elif meta:
         _load_from_rank0(policy, source, ctx)
     _first_forward(policy, ctx.device)
@@ -256,10 +282,12 @@ def _shard_experts(policy: nn.Module, plan: DistPlan, ctx: DistContext, mp: Any)
     from gspo.compat.transformers_ep import meshes as ep_meshes
     from gspo.model.expert_parallel import check_divides, shard_experts
 
-    hf = unwrap(policy, "hf")
+    hf = unwrap(policy, "transformers")
     ep = plan.expert_parallel_size
     check_divides(hf, ep, ctx.world_size)
-    meshes = ep_meshes(ctx.world_size, ep)
+    # transformers' expert mesh (its pp and dp_replicate of size 1), every group with our timeout
+    root = device_mesh(ctx.device.type, (ctx.world_size // ep, ep, 1), ("efsdp", "ep", "tp"))
+    meshes = ep_meshes(root)
     for experts in shard_experts(hf, meshes).values():
         fully_shard(experts, mesh=meshes["efsdp"], mp_policy=mp)
         # an expert's gradient sums the tokens of its N-rank group (the all-to-all's backward) and
@@ -275,9 +303,20 @@ def _load_own_shards(policy: nn.Module, folder: Path, ctx: DistContext) -> None:
     from gspo.model.shard_load import load_own_shards
 
     policy.to_empty(device=ctx.device)
-    hf = unwrap(policy, "hf")
+    hf = unwrap(policy, "transformers")
     transformers_model.init_buffers(hf)  # rotary tables: to_empty left them uninitialised
     load_own_shards(hf, folder)
+
+
+@torch.no_grad()
+def _allocate(policy: nn.Module, ctx: DistContext) -> None:
+    """Allocate this rank's shards as zeros (no weight read): a sharded checkpoint's resume fills them."""
+    policy.to_empty(device=ctx.device)
+    transformers_model.init_buffers(
+        unwrap(policy, "transformers")
+    )  # rotary tables: to_empty left them uninitialised
+    for p in policy.parameters():
+        p.zero_()
 
 
 def probe_sharded(policy: nn.Module) -> None:
@@ -287,10 +326,10 @@ def probe_sharded(policy: nn.Module) -> None:
     from gspo.model.logprobs import probe
 
     if not is_fsdp(policy):
-        return probe(unwrap(policy, "hf"))
+        return probe(unwrap(policy, "transformers"))
     policy.unshard()
     try:
-        probe(unwrap(policy, "hf"))
+        probe(unwrap(policy, "transformers"))
     finally:
         reshard(policy)
 
@@ -317,7 +356,7 @@ def _first_forward(policy: nn.Module, device: torch.device) -> None:
     layers without the root: run the root once now (collective; two rows of two tokens)."""
     from gspo.model.logprobs import make_layout
 
-    V = unwrap(policy, "hf").config.vocab_size
+    V = unwrap(policy, "transformers").config.vocab_size
     ids = (torch.arange(4, device=device).view(2, 2) + 5) % V
     ones = torch.ones_like(ids)
     policy(make_layout(ids, ones, ids, ones, "rows"), ids, ones)

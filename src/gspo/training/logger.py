@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gspo.errors import GspoError
+from gspo.errors import GspoError, one_line
+from gspo.repro import write_environment
 from gspo.training.trackers import Tracker, close_all, open_trackers, tracker_names
 
 
@@ -53,6 +54,8 @@ class MetricsLogger:
             self.path.unlink()
         self.file = self.path.open("a")
         self.opened, self.last_step = time.time(), resume_step or 0
+        # beside the metrics: what decided their bits (versions, threads, kernels, CPU), per session
+        write_environment(run_dir, resume_step or 0, config.get("reproducible"))
         try:
             self.trackers = open_trackers(names, run_dir, config, resume_step)
         except BaseException:
@@ -80,9 +83,10 @@ class MetricsLogger:
                 self.trackers.remove(t)
                 with contextlib.suppress(Exception):
                     t.close()
-                msg = " ".join(str(e).split())[:200] or type(e).__name__
                 print(
-                    f"gspo: report_to {t.name}: {msg}; no longer logging to it", file=sys.stderr, flush=True
+                    f"gspo: report_to {t.name}: {one_line(e, typed=False)}; no longer logging to it",
+                    file=sys.stderr,
+                    flush=True,
                 )
 
     def close(self) -> None:

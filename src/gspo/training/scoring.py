@@ -15,31 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gspo.advantages import check_finite_rewards, group_advantages, overlong_penalty
-from gspo.data import RolloutEngine, SampleBatch, Sampler, TrainBatch, left_pad
+from gspo.advantages import check_finite_rewards, check_maxrl_rewards, group_advantages, overlong_penalty
+from gspo.data import RolloutEngine, SampleBatch, TrainBatch, left_pad
 from gspo.envs.episodes import EnvSampleBatch, env_eval_scores
 from gspo.plans import ScorePlan
 from gspo.tasks import Task
 from gspo.tasks.datasets import Example
 from gspo.tasks.prompts import completion_texts
 from gspo.tasks.rewards import safe_rewards
-
-
-def collect_rollout(
-    sampler: Sampler,
-    tokenizer: Any,
-    task: Task,
-    examples: list[Example],
-    prompt_ids: list[list[int]],
-    plan: ScorePlan,
-    step: int = 1,
-) -> tuple[TrainBatch, dict[str, float]]:
-    """RL step ``step``: G samples (or trajectories) per prompt, rewards, group advantages ->
-    TrainBatch (groups contiguous) and the rollout's metrics, for given prompts (benchmarks, tests;
-    the training loop asks its sampler for the next batch, :meth:`gspo.data.Sampler.next_batch`)."""
-    s = sampler.sample(step, examples, prompt_ids)
-    data, metrics = score_rollout(s.batch, tokenizer, task, examples, plan, s.gen_s)
-    return data, metrics | s.info
 
 
 @dataclass
@@ -76,6 +59,8 @@ def score_rollout(
     penalty_B = overlong_penalty(rw.len_B, rw.max_len, plan.overlong_buffer, plan.overlong_penalty)
     rewards_NG = (rw.reward_B + penalty_B).view(-1, plan.group_size)
     check_finite_rewards(rewards_NG.view(-1), penalty_B, rw.name, plan.overlong_penalty)
+    if plan.adv_scale == "maxrl":  # it divides by the group's mean: a negative reward stops the run
+        check_maxrl_rewards(rewards_NG.view(-1), rw.name)
     adv_B = group_advantages(rewards_NG, plan.adv_scale).view(-1)
     if plan.overlong_filter:  # a cut-off response says nothing about its (unseen) ending
         adv_B = torch.where(rw.cut_B, 0.0, adv_B)

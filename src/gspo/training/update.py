@@ -5,7 +5,11 @@
         for each micro-batch:        logp = pi_theta(rows); loss(logp, pi_old, A) / N; backward
                                      (pi_old: the sampler's or the trainer's, as the plan says)
         clip the gradient norm, optimizer step
-        after the first step:        expert volatility (MoE), once
+
+What only reports on the update (the expert volatility of an MoE, once, after the first step; the
+train/rollout mismatch where no correction uses it) attaches as observers the plan chose, called at
+named points of it (:class:`UpdateObserver`); what changes the loss's weight or mask beside the loss
+(a mismatch correction, OPSM, a random drop) is the plan's ``adjustments``: none by default.
 
 ``N`` is the global normalizer of the whole minibatch (its sequences, or its tokens for a token-level
 aggregation, over all ranks), so micro-batches and ranks add up to the update one process would make
@@ -15,6 +19,7 @@ world size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -23,7 +28,7 @@ from torch import nn
 
 from gspo import correction as C
 from gspo.data import TrainBatch
-from gspo.loss_inputs import loss_inputs
+from gspo.loss_prologue import loss_inputs
 from gspo.losses import LOSSES
 from gspo.model import routing as R
 from gspo.model.logprobs import Layout, as_policy, make_layout
@@ -53,6 +58,8 @@ METRICS: dict[str, str] = {
     "loss/gate_tok_mean": TOKEN,  # SAPO's soft gate
     "loss/gate_seq_mean": SEQUENCE,
     "loss/gate_min": MIN,
+    "loss/cov_frac_tok": TOKEN,  # Clip-Cov / KL-Cov: the share of tokens selected
+    "loss/cov_threshold": SEQUENCE,  # ... and the smallest selected covariance, of each call
     "rollout/entropy": TOKEN,
     # |trainer pi_old - sampler| log-probs: per-sequence token mean, and of the sequence mean
     "mismatch/token_abs_logp_diff": SEQUENCE,
@@ -153,7 +160,7 @@ def forward(
 ) -> Forward:
     """Response log-probs of ``mb`` under ``policy`` (a :class:`PolicyLogprobs`, possibly wrapped by
     DDP/FSDP), optionally forcing (``replay``) or recording (``capture``) the MoE routing."""
-    hf = unwrap(policy, "hf")
+    hf = unwrap(policy, "transformers")
     forcing = R.replay_routing(hf, replay) if replay is not None else nullcontext()
     with forcing, R.capture_routing(hf) if capture else nullcontext() as rec:
         out = policy(
@@ -209,16 +216,76 @@ def pi_old(mb: MicroBatch, f: Forward, plan: UpdatePlan) -> tuple[torch.Tensor, 
     return (mb.data.sampler_logp_BT if plan.sampler_pi_old else trainer_BT), trainer_BT
 
 
+# ------------------------------------------------------------------------------------------------
+# observers: what only reports on the update, chosen by the plan (UpdatePlan.observers)
+
+
+class UpdateObserver:
+    """Watches one policy update from outside its loss, at named points: whether a minibatch's
+    training forwards record their routing (``captures``), each micro-batch after its backward,
+    each minibatch's routings, each optimizer step; then its metrics. Each point does nothing here."""
+
+    def captures(self, i: int) -> bool:
+        return False
+
+    def micro_batch(self, mb: MicroBatch, trainer_BT: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return {}
+
+    def minibatch(self, i: int, minibatch: list[MicroBatch], routings: list[R.Routing | None]) -> None:
+        pass
+
+    def stepped(self, i: int, policy: nn.Module) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class Volatility(UpdateObserver):
+    """Expert-activation volatility (MoE): the fraction of response tokens whose top-k experts one
+    optimizer step changed, on minibatch ``plan.volatility_minibatch``, against pi_old's routing.
+    Read off that minibatch's own training forwards when it is next trained one step after pi_old
+    (``free``); else one no-grad forward of it after the first step (``forward``)."""
+
+    def __init__(self, plan: UpdatePlan, minibatches: list[list[MicroBatch]]) -> None:
+        self.plan, self.i = plan, plan.volatility_minibatch
+        assert self.i is not None, "volatility is measured on a minibatch"
+        self.minibatch_i = minibatches[self.i]
+        self.old: list[R.Routing | None] = [mb.old_routing for mb in self.minibatch_i]
+        self.out: dict[str, float] = {}
+
+    def captures(self, i: int) -> bool:
+        # minibatch 0's forwards show pi_old's routing; a "free" minibatch's the routing one step on
+        return i == self.i and (i == 0 or self.plan.volatility_free)
+
+    def minibatch(self, i: int, minibatch: list[MicroBatch], routings: list[R.Routing | None]) -> None:
+        if not self.captures(i):
+            return
+        if self.plan.volatility_free:
+            self.out = volatility(minibatch, self.old, routings)
+        else:  # minibatch 0 is pi_old: its routing (unless R3 replayed it and it came before)
+            self.old = [r if r is not None else o for r, o in zip(routings, self.old, strict=True)]
+
+    def stepped(self, i: int, policy: nn.Module) -> None:
+        if i == 0 and self.plan.volatility_forward:  # now exactly one optimizer step from pi_old
+            self.out = measure_volatility(policy, self.minibatch_i, self.old, self.plan)
+
+    def metrics(self) -> dict[str, float]:
+        return self.out
+
+
 @torch.no_grad()
 def measure_volatility(
-    policy: nn.Module, mbs: list[MicroBatch], old: list[R.Routing], plan: UpdatePlan
+    policy: nn.Module, mbs: list[MicroBatch], old: list[R.Routing | None], plan: UpdatePlan
 ) -> dict[str, float]:
     """Expert-activation volatility of ``mbs`` under the current policy against pi_old's routing
     ``old``: costs one no-grad forward of them (the plan's ``forward`` volatility)."""
     return volatility(mbs, old, [forward(policy, mb, plan, capture=True).routing for mb in mbs])
 
 
-def volatility(mbs: list[MicroBatch], old: list[R.Routing], new: list[R.Routing]) -> dict[str, float]:
+def volatility(
+    mbs: list[MicroBatch], old: list[R.Routing | None], new: list[R.Routing | None]
+) -> dict[str, float]:
     """Expert-activation volatility: the fraction of response tokens whose top-k expert set in
     ``new`` differs from pi_old's ``old`` (per micro-batch; per layer, and over all layers), and in
     the paper's unit the share of activated experts that changed (``moe/volatility_experts``),
@@ -226,6 +293,7 @@ def volatility(mbs: list[MicroBatch], old: list[R.Routing], new: list[R.Routing]
     totals: dict[str, torch.Tensor] = {}
     n_tok = 0
     for mb, old_routing, new_routing in zip(mbs, old, new, strict=True):
+        assert old_routing is not None and new_routing is not None, "both routings were recorded"
         overall, layers = R.routing_volatility(old_routing, new_routing, mb.layout.response_pos_RL)
         share = R.routing_share_changed(old_routing, new_routing, mb.layout.response_pos_RL)
         w = int(mb.n_tokens)
@@ -234,6 +302,81 @@ def volatility(mbs: list[MicroBatch], old: list[R.Routing], new: list[R.Routing]
         for k, v in per_key.items():
             totals[k] = totals.get(k, torch.zeros(())) + v.float().cpu() * w
     return {f"moe/volatility{k}": float(v) / max(n_tok, 1) for k, v in totals.items()}
+
+
+class MismatchObserver(UpdateObserver):
+    """|trainer pi_old - sampler| log-probs of each micro-batch whose trainer pi_old is known, where
+    no correction reports them (:func:`gspo.correction.abs_logp_diff`)."""
+
+    def micro_batch(self, mb: MicroBatch, trainer_BT: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        if trainer_BT is None:  # the loss took the sampler's: the trainer's own was not computed
+            return {}
+        diff = C.abs_logp_diff(trainer_BT, mb.data.sampler_logp_BT, mb.mask_BT)
+        return {f"mismatch/{k}": v for k, v in diff.items()}
+
+
+#: observer name (UpdatePlan.observers) -> its class, built for each update
+OBSERVERS: dict[str, Callable[[UpdatePlan, list[list[MicroBatch]]], UpdateObserver]] = {
+    "volatility": Volatility,
+    "mismatch": lambda plan, minibatches: MismatchObserver(),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# adjustments: what changes the loss's weight or mask beside the loss (UpdatePlan.adjustments)
+
+
+@dataclass
+class Adjusted:
+    """The loss's per-sequence (or per-token) weight and its mask, as the adjustments left them,
+    and their metrics (logged under ``mismatch/``)."""
+
+    weight: torch.Tensor | None
+    mask_BT: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def _correct(
+    a: Adjusted, mb: MicroBatch, logp_BT: torch.Tensor, trainer_BT: torch.Tensor | None, plan: UpdatePlan
+) -> Adjusted:
+    """The plan's train/inference mismatch correction (:data:`gspo.correction.CORRECTIONS`), from
+    the trainer's pi_old (always computed when a correction is on)."""
+    assert trainer_BT is not None, "a correction needs the trainer's pi_old"
+    weight, mask_BT, metrics = C.CORRECTIONS[plan.correction](
+        trainer_BT, mb.data.sampler_logp_BT, mb.mask_BT,
+        cap=plan.mismatch_cap, lo=plan.mismatch_low, hi=plan.mismatch_high,
+    )  # fmt: skip
+    return Adjusted(weight, mask_BT, a.metrics | metrics)
+
+
+def _opsm(
+    a: Adjusted, mb: MicroBatch, logp_BT: torch.Tensor, trainer_BT: torch.Tensor | None, plan: UpdatePlan
+) -> Adjusted:
+    """Off-policy sequence masking, with this forward's pi_theta (:func:`gspo.correction.with_opsm`)."""
+    assert plan.opsm_threshold is not None
+    data = mb.data
+    weight, opsm = C.with_opsm(
+        a.weight, logp_BT, data.sampler_logp_BT, data.adv_B, mb.mask_BT, plan.opsm_threshold
+    )
+    return Adjusted(weight, a.mask_BT, a.metrics | opsm)
+
+
+def _random_drop(
+    a: Adjusted, mb: MicroBatch, logp_BT: torch.Tensor, trainer_BT: torch.Tensor | None, plan: UpdatePlan
+) -> Adjusted:
+    """An ablation (docs/stability): sequences dropped at random, the global generator's draws."""
+    u_B = torch.rand(mb.mask_BT.shape[0], device=mb.mask_BT.device)
+    weight, drop = C.with_random_drop(a.weight, u_B, mb.mask_BT, plan.random_seq_drop)
+    return Adjusted(weight, a.mask_BT, a.metrics | drop)
+
+
+#: adjustment name (UpdatePlan.adjustments) -> (the adjusted so far, the micro-batch, this forward's
+#: log-probs, the trainer's pi_old or None, the plan) -> the adjusted
+ADJUSTMENTS: dict[str, Callable[..., Adjusted]] = {
+    "correction": _correct,
+    "opsm": _opsm,
+    "random_drop": _random_drop,
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,59 +399,33 @@ def _train_micro_batch(
     normalizer: float | torch.Tensor,
     world_size: int,
     capture: bool,
+    observers: list[UpdateObserver],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], R.Routing | None]:
     """Forward, loss and backward of one micro-batch -> (its loss, its metrics, its routing when
     ``capture`` and not replayed). A replayed routing stays forced through the backward, where
     activation checkpointing recomputes each layer's forward: the same experts, exactly."""
     forcing = nullcontext()
     if mb.replay is not None:
-        forcing = R.replay_routing(unwrap(policy, "hf"), mb.replay, backward_inside=True)
+        forcing = R.replay_routing(unwrap(policy, "transformers"), mb.replay, backward_inside=True)
     with forcing:
         f = forward(policy, mb, plan, entropy=True, capture=capture and mb.replay is None)
         old_logp_BT, trainer_BT = pi_old(mb, f, plan)
-        sampler_BT, m_BT = mb.data.sampler_logp_BT, mb.mask_BT
-        weight, loss_mask_BT, corr = None, m_BT, {}  # the trainer's pi_old unknown here: nothing to compare
-        if trainer_BT is not None:  # the plan's train/inference mismatch correction (gspo.correction)
-            weight, loss_mask_BT, corr = C.CORRECTIONS[plan.correction](
-                trainer_BT,
-                sampler_BT,
-                m_BT,
-                cap=plan.mismatch_cap,
-                lo=plan.mismatch_low,
-                hi=plan.mismatch_high,
-            )
-        if plan.opsm_threshold is not None or plan.random_seq_drop:  # with this forward's pi_theta
-            weight, corr = _sequence_masks(weight, corr, f.logp_BT, mb.data, m_BT, plan)
+        a = Adjusted(None, mb.mask_BT, {})
+        for name in plan.adjustments:  # the plan's, in order: none by default
+            a = ADJUSTMENTS[name](a, mb, f.logp_BT, trainer_BT, plan)
         inp = loss_inputs(
-            f.logp_BT, old_logp_BT, loss_mask_BT, mb.data.adv_B, normalizer=normalizer, weight=weight
+            f.logp_BT, old_logp_BT, a.mask_BT, mb.data.adv_B, normalizer=normalizer, weight=a.weight
         )
         out = LOSSES[plan.algo].fn(inp, **dict(plan.loss_kwargs))
         (out.loss * world_size).backward()
-    metrics = {f"loss/{k}": v for k, v in out.metrics.items()} | {f"mismatch/{k}": v for k, v in corr.items()}
+    metrics = {f"loss/{k}": v for k, v in out.metrics.items()} | {
+        f"mismatch/{k}": v for k, v in a.metrics.items()
+    }
+    m_BT = mb.mask_BT
     metrics["rollout/entropy"] = (f.entropy_BT * m_BT).sum() / m_BT.sum().clamp(min=1)
+    for o in observers:
+        metrics |= o.micro_batch(mb, trainer_BT)
     return out.loss.detach() * world_size, metrics, f.routing
-
-
-def _sequence_masks(
-    weight: torch.Tensor | None,
-    metrics: dict[str, torch.Tensor],
-    logp_BT: torch.Tensor,
-    data: TrainBatch,
-    mask_BT: torch.Tensor,
-    plan: UpdatePlan,
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The plan's sequence masks on a micro-batch (``data``: its rows), each multiplying the loss's
-    ``weight`` and adding its metrics: OPSM (``plan.opsm_threshold``) and the random drop."""
-    if plan.opsm_threshold is not None:
-        weight, opsm = C.with_opsm(
-            weight, logp_BT, data.sampler_logp_BT, data.adv_B, mask_BT, plan.opsm_threshold
-        )
-        metrics = metrics | opsm
-    if plan.random_seq_drop:  # an ablation (docs/stability): the global generator's draws
-        u_B = torch.rand(mask_BT.shape[0], device=mask_BT.device)
-        weight, drop = C.with_random_drop(weight, u_B, mask_BT, plan.random_seq_drop)
-        metrics = metrics | drop
-    return weight, metrics
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
@@ -351,37 +468,37 @@ def policy_update(
     n_mb = plan.num_minibatches
     micro = plan.micro_batch_size or len(data) // n_mb
     minibatches = record_pi_old(policy, split_minibatches(data, n_mb, micro, plan.layout, dtype), plan)
-    vol_i = plan.volatility_minibatch
+    observers = [OBSERVERS[name](plan, minibatches) for name in plan.observers]
     parts: list[tuple[dict[str, torch.Tensor], MicroBatch]] = []
-    step_losses, grad_norms, n_steps, out = [], [], 0, {}
-    vol_old: list[R.Routing] = [mb.old_routing for mb in minibatches[vol_i]] if vol_i is not None else []
+    step_losses, grad_norms, n_steps = [], [], 0
     policy.train()
     for i, minibatch in enumerate(minibatches):
         optimizer.zero_grad(set_to_none=True)
         normalizer = _normalizer(minibatch, plan, world_size)
-        # minibatch 0's forwards show pi_old's routing; a "free" minibatch's the routing one step on
-        capture = i == vol_i and (i == 0 or plan.volatility_free)
+        capture = any(o.captures(i) for o in observers)
         loss, routings = torch.zeros(()), []
         for mb in minibatch:
-            mb_loss, metrics, routing = _train_micro_batch(policy, mb, plan, normalizer, world_size, capture)
+            mb_loss, metrics, routing = _train_micro_batch(
+                policy, mb, plan, normalizer, world_size, capture, observers
+            )
             loss = loss + mb_loss.float().cpu()
             parts.append((metrics, mb))
             routings.append(routing)
-        if capture and plan.volatility_free:
-            out.update(volatility(minibatch, vol_old, routings))
-        elif capture:  # minibatch 0 is pi_old: its routing (unless R3 replayed it and it came before)
-            vol_old = [r if r is not None else o for r, o in zip(routings, vol_old, strict=True)]
+        for o in observers:
+            o.minibatch(i, minibatch, routings)
         norm, stepped = _optimizer_step(optimizer, plan.max_grad_norm)
         scheduler.step()
         step_losses.append(loss)
         grad_norms.append(norm.float().cpu())
         n_steps += stepped
-        if i == 0 and plan.volatility_forward:  # now exactly one optimizer step from pi_old
-            out.update(measure_volatility(policy, minibatches[vol_i], vol_old, plan))
+        for o in observers:
+            o.stepped(i, policy)
 
     optimizer.zero_grad(set_to_none=True)  # the rollout and the sync that follow need no gradients
     token_ratio = LOSSES[plan.algo].token_ratio  # a loss's own per-token ratio has a token mean
-    out.update(reduce_metrics(parts, METRICS | ({"loss/ratio_mean": TOKEN} if token_ratio else {})))
+    out = reduce_metrics(parts, METRICS | ({"loss/ratio_mean": TOKEN} if token_ratio else {}))
+    for o in observers:
+        out |= o.metrics()
     out["loss/loss"], out["loss/grad_norm"] = torch.stack(
         [torch.stack(step_losses).mean(), torch.stack(grad_norms).mean()]
     ).tolist()

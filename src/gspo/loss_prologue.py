@@ -55,6 +55,15 @@ def ratio_stats(prefix: str, ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
 
 
+@dataclass(frozen=True)
+class LossOutput:
+    """What a loss returns: the scalar to minimize and its metrics (keys: the docstring of
+    :mod:`gspo.losses`). Defined here, below every loss module, so that each can return it."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
 def check_aggregation(aggregation: str) -> None:
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be 'seq_mean_token_mean' or 'token_mean', got {aggregation!r}")
