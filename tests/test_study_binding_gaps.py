@@ -98,6 +98,8 @@ def test_the_resolution_holds_what_the_code_decides(tmp_path, capsys):
         resolved_settings(p, _base_config(p, None, {}, 1))
     )
     assert resolved_sha256(resolved_settings(p, _base_config(p, None, {"lr": 1e-4}, 2))) != resolved_sha256(r)
+    # what the command prints is what a compare's runs record (studies run in reproducible mode)
+    assert resolved_sha256(resolved_settings(p, _base_config(p, None, {}, 2))) == resolved_sha256(r)
     assert main([str(path)]) == 0 and capsys.readouterr().out.strip() == resolved_sha256(r)
 
 

@@ -788,6 +788,15 @@ MUTANTS: list[Mutant] = [
         "issue 59 step 5: a code default changed after the declaration (the resolved config) goes unnoticed",
     ),
     Mutant(
+        "study-declared-hash-without-study-defaults",
+        "src/gspo/study/binding.py",
+        "base = make_config(None, study_values(preset))",
+        "base = make_config(None, dict(preset.config))",
+        ("tests/test_study_binding_gaps.py::test_the_resolution_holds_what_the_code_decides",),
+        "issue 59: the hash python -m gspo.study.binding prints resolves the preset without the studies'"
+        " reproducible default (a declaration no compare's runs can match)",
+    ),
+    Mutant(
         "study-earlier-commit-date",
         "src/gspo/study/binding.py",
         "when = max(int(at), int(ct)) if at and ct else None",

@@ -34,7 +34,15 @@ from gspo.study.presets import (
 )
 from gspo.study.statistics import ALPHA, interim_levels
 
-__all__ = ["RUN_RECORD", "STEERING", "declaration", "resolved_settings", "resolved_sha256", "run_record"]
+__all__ = [
+    "RUN_RECORD",
+    "STEERING",
+    "declaration",
+    "resolved_settings",
+    "resolved_sha256",
+    "run_record",
+    "study_values",
+]
 
 # config fields that steer a run but do not change what it computes: a finished run with other
 # values of these is still reused, and the resolved config takes their defaults
@@ -65,6 +73,12 @@ def preset_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def study_values(preset: Preset) -> dict[str, Any]:
+    """The config values a compare starts each arm from before its own settings: the preset's
+    config over studies' own default, the reproducible mode (:mod:`gspo.repro`)."""
+    return {"reproducible": True} | dict(preset.config)
+
+
 def resolved_settings(
     preset: Preset, base: Any | None = None, variants: list[str] | None = None, target: Any = "declared"
 ) -> dict[str, Any]:
@@ -78,7 +92,7 @@ def resolved_settings(
     from gspo.config import Config, make_config
 
     if base is None:
-        base = make_config(None, dict(preset.config))
+        base = make_config(None, study_values(preset))
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     fixed = {k: defaults[k] for k in STEERING} | {"seed": defaults["seed"]}
     per = {}

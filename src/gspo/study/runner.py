@@ -26,7 +26,7 @@ from gspo.compat.process_pool import kill_workers
 from gspo.config import Config, make_config
 from gspo.errors import GspoError
 from gspo.procs import die_with_parent
-from gspo.study.binding import STEERING, resolved_settings, run_record
+from gspo.study.binding import STEERING, resolved_settings, run_record, study_values
 from gspo.study.folders import claim_folder
 from gspo.study.metrics import Criteria
 from gspo.study.presets import RUN_RECORD, VARIANTS, Preset, load_preset
@@ -246,7 +246,7 @@ def _check_args(
 def _base_config(p: Preset, config_path: str | None, overrides: dict[str, Any], workers: int) -> Config:
     from gspo.config import load_yaml
 
-    values = {"reproducible": True} | dict(p.config)  # studies pin their kernels unless told otherwise
+    values = study_values(p)  # studies pin their kernels unless told otherwise
     if config_path:
         values |= load_yaml(config_path)
     values |= overrides
