@@ -274,8 +274,9 @@ def test_one_sigterm_ends_an_endless_dynamic_sampling_step(tmp_path):
     time.sleep(1.0)  # inside step 1's sampling rounds
     t1 = time.time()
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
-    assert time.time() - t1 < 8, "the stop took too long"
+    out, err = proc.communicate(timeout=60)
+    # seconds, not the 1000 rounds the flag allows (8 s held on a quiet machine; 12 s seen at load 4)
+    assert time.time() - t1 < 25, "the stop took too long"
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert "gspo: SIGTERM: stopping" in err and "stopping" not in out  # a notice: stderr
     assert "progress is saved at step 0; continue with --resume" in err

@@ -172,3 +172,30 @@ def test_the_tiny_tool_gain_p_for_the_procedure_followed():
     text = " ".join((DOCS / "guides" / "multiturn.md").read_text().split())
     assert "**about 0.050** with the t test (0.064" in text and "p 0.029" in text
     assert "holds even with its p doubled" not in text
+
+
+def test_the_positive_control_numbers_the_write_up_quotes():
+    """Issue 59 step 2 (pre-registered, 16 seeds): Routing Replay does not help GRPO on the most
+    volatile MoE calibrated here: AUC -0.007 [-0.026, 0.012], exact sign-flip p 0.44, Holm 0.87 over
+    the 2 endpoints; collapses 4 vs 6 of 16; R2 narrows the token-ratio spread in 15 of 16 seeds."""
+    name = "confirm-routing-replay-control"
+
+    def paired(key: str) -> list[float]:
+        a, b = _column(name, "grpo_replay", key), _column(name, "grpo", key)
+        assert sorted(a) == sorted(b) == list(range(600, 616))
+        return [a[s] - b[s] for s in sorted(a)]
+
+    auc = paired("acc_auc")
+    assert t_interval(auc).fmt() == "-0.007 [-0.026, 0.012]" and sum(d > 0 for d in auc) == 4
+    with (DOCS / "stability" / name / "per_seed.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    fell = {(r["variant"], int(r["seed"])): r["collapsed"] == "True" for r in rows}
+    collapsed = [float(fell["grpo", s]) - float(fell["grpo_replay", s]) for s in range(600, 616)]
+    assert sum(fell["grpo", s] for s in range(600, 616)) == 4
+    assert sum(fell["grpo_replay", s] for s in range(600, 616)) == 6
+    p_auc, p_col = sign_flip_p(auc), sign_flip_p(collapsed)
+    assert f"{p_auc:.2f}" == "0.44" and f"{max(holm([p_auc, p_col])):.2f}" == "0.87"
+    spread = paired("tok_ratio_spread")
+    assert t_interval(spread).fmt() == "-0.541 [-0.793, -0.289]" and sum(d < 0 for d in spread) == 15
+    summary = json.loads((DOCS / "stability" / name / "summary.json").read_text())
+    assert summary["preregistration"]["preregistered"] is True

@@ -83,11 +83,9 @@ python benchmarks/volatility_calibration.py --phase choice --seeds 9000,9001 --w
 python benchmarks/volatility_calibration.py --write --work runs/volatility-calibration
 
 # The positive control (issue 59 step 2; family routing-replay-control, 2 primary endpoints, seeds
-# 600-615; declared at 1997abd), run 2026-12-07 from a frozen worktree of ae95b71 in batches of two
-# seeds (a stop leaves complete pairs; the next batch resumes); partial: 600-609 so far
-for b in 600,601 602,603 604,605 606,607 608,609 610,611 612,613 614,615; do
-  gspo compare --preset confirm-routing-replay-control --seeds $b --workers 2 --threads 1 --out runs/confirm-routing-replay-control
-done
+# 600-615). The bound run: declared at 8d50dbb, run 2026-12-07 from a frozen worktree of that commit
+# (git worktree add /tmp/wt-control2 8d50dbb; PYTHONPATH=/tmp/wt-control2/src), 8.0 min with the warm
+# starts of the earlier full run at ddb5d7e (24 min; same numbers to the bit, not bound: see README)
 gspo compare --preset confirm-routing-replay-control --workers 2 --threads 1 --out runs/confirm-routing-replay-control
 mkdir -p docs/stability/confirm-routing-replay-control
 cp runs/confirm-routing-replay-control/{report.md,summary.json,per_seed.csv,timing.json,warm_starts.json} runs/confirm-routing-replay-control/*.png docs/stability/confirm-routing-replay-control/

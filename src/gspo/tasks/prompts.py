@@ -34,25 +34,34 @@ def encode_prompts(tokenizer: Any, examples: list[Example], plan: PromptPlan) ->
         raise GspoError(
             f"config field '{flag}': the tokenizer has no chat template (an instruct model's has)"
         )
-    out = []
+    templated = [plan.chat_template or is_chat(ex.prompt) for ex in examples]  # messages always need it
+    texts = [
+        apply_chat_template(tokenizer, ex.prompt, plan.system_prompt) if t else ex.prompt
+        for ex, t in zip(examples, templated, strict=True)
+    ]
+    out: list[list[int]] = [[] for _ in examples]
+    for flag in (False, True):  # one batched call per setting (the rows' ids equal single calls')
+        rows = [i for i, t in enumerate(templated) if bool(t) == flag]
+        if rows:
+            ids_N = tokenizer([texts[i] for i in rows], add_special_tokens=not flag).input_ids
+            for i, ids in zip(rows, ids_N, strict=True):
+                out[i] = list(ids)
     unk = getattr(tokenizer, "unk_token_id", None)
     with_unk: list[str] = []
-    for ex in examples:
-        templated = plan.chat_template or is_chat(ex.prompt)  # a list of messages always needs it
-        text = apply_chat_template(tokenizer, ex.prompt, plan.system_prompt) if templated else ex.prompt
-        ids = tokenizer(text, add_special_tokens=not templated).input_ids
-        shown = prompt_text(ex.prompt)[:60]
+    for ex, ids in zip(examples, out, strict=True):
         if not ids:
-            raise GspoError(f"prompt is empty after tokenization: {shown!r}")
+            raise GspoError(f"prompt is empty after tokenization: {prompt_text(ex.prompt)[:60]!r}")
         if len(ids) > plan.max_prompt_tokens:
             raise GspoError(
-                f"prompt has {len(ids)} tokens > max_prompt_tokens={plan.max_prompt_tokens}: {shown!r}"
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={plan.max_prompt_tokens}: "
+                f"{prompt_text(ex.prompt)[:60]!r}"
             )
         if unk is not None and unk in ids:
             if all(t == unk or t in tokenizer.all_special_ids for t in ids):
-                raise GspoError(f"prompt is only unknown tokens for this tokenizer: {shown!r}")
-            with_unk.append(shown)
-        out.append(ids)
+                raise GspoError(
+                    f"prompt is only unknown tokens for this tokenizer: {prompt_text(ex.prompt)[:60]!r}"
+                )
+            with_unk.append(prompt_text(ex.prompt)[:60])
     if with_unk:
         warn(
             f"{len(with_unk)} of {len(examples)} prompts hold characters the tokenizer maps to its unknown "
