@@ -178,7 +178,7 @@ def _one_node() -> Config:
 def test_gpu_memory_is_read_in_the_unit_given_and_printed_in_gib(capsys):
     """--gpu-memory-gb 141 is 141e9 bytes = 131.3 GiB, --gpu-memory-gib 139.8 is 139.8 x 2**30; vLLM's
     share is a fraction of those true bytes (0.55 x 139.8 GiB, not of 131.3)."""
-    from gspo.capacity import gpu_bytes_of
+    from gspo.capacity_comm import gpu_bytes_of
     from gspo.errors import GspoError
 
     assert gpu_bytes_of(gb=141) == (141e9, "--gpu-memory-gb 141")

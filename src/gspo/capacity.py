@@ -58,7 +58,6 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CONTEXT_GIB = 0.5
 VLLM_NON_KV_GIB = 1.5
 MAX_MODEL_CONFIG_BYTES = 16 << 20  # an HF config.json is a few kB
-MAX_GPU_GB = 1e6  # --gpu-memory-gb: a petabyte per GPU is a typo
 
 # config numbers of models users ask for by hub id (this machine cannot download them)
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
@@ -498,19 +497,6 @@ def kv_lines(plan: CapacityPlan, shape: Shape, world: int, kv_bytes: float) -> l
             "larger vllm_gpu_memory_utilization, avoid it"
         )
     return lines
-
-
-def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[float, str]:
-    """One GPU's memory in bytes, from ``--gpu-memory-gib`` (2**30 bytes, what ``nvidia-smi`` and
-    ``torch.cuda`` report: an H200 is ~139.8 GiB) or ``--gpu-memory-gb`` (1e9 bytes: the "141 GB" of a
-    data sheet), and the flag as given; 80 GB when neither is."""
-    if gb is not None and gib is not None:
-        raise GspoError("give --gpu-memory-gib or --gpu-memory-gb, not both")
-    flag, value, unit = ("--gpu-memory-gib", gib, 2**30) if gib is not None else ("--gpu-memory-gb", gb, 1e9)
-    value = 80.0 if value is None else value
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_GPU_GB):
-        raise GspoError(f"{flag} must be a number in (0, {MAX_GPU_GB:g}] (got {value!r})")
-    return value * unit, f"{flag} {value:g}"
 
 
 def _title(

@@ -39,6 +39,8 @@ from gspo.errors import GspoError
 from gspo.limits import INT_LIMITS
 from gspo.plans import CapacityPlan
 
+MAX_GPU_GB = 1e6  # --gpu-memory-gb: a petabyte per GPU is a typo
+
 # per GPU and direction, in Gb/s (1e9 bits/s): NVLink 4 on H100/H200 is 900 GB/s both ways together,
 # 450 GB/s = 3600 Gb/s each way; one 400 Gb/s NDR InfiniBand NIC per GPU (ConnectX-7)
 INTRA_GBPS = 3600.0
@@ -59,6 +61,19 @@ class Link:
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+def gpu_bytes_of(gb: float | None = None, gib: float | None = None) -> tuple[float, str]:
+    """One GPU's memory in bytes, from ``--gpu-memory-gib`` (2**30 bytes, what ``nvidia-smi`` and
+    ``torch.cuda`` report: an H200 is ~139.8 GiB) or ``--gpu-memory-gb`` (1e9 bytes: the "141 GB" of a
+    data sheet), and the flag as given; 80 GB when neither is."""
+    if gb is not None and gib is not None:
+        raise GspoError("give --gpu-memory-gib or --gpu-memory-gb, not both")
+    flag, value, unit = ("--gpu-memory-gib", gib, 2**30) if gib is not None else ("--gpu-memory-gb", gb, 1e9)
+    value = 80.0 if value is None else value
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_GPU_GB):
+        raise GspoError(f"{flag} must be a number in (0, {MAX_GPU_GB:g}] (got {value!r})")
+    return value * unit, f"{flag} {value:g}"
 
 
 def link_of(

@@ -363,8 +363,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from gspo.capacity import gpu_bytes_of, report, shape_of
-    from gspo.capacity_comm import check_layout, comm_report, launch_lines, link_of
+    from gspo.capacity import report, shape_of
+    from gspo.capacity_comm import check_layout, comm_report, gpu_bytes_of, launch_lines, link_of
     from gspo.config import make_config
     from gspo.resolve import capacity_plan
 

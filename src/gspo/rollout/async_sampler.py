@@ -123,46 +123,58 @@ class AsyncSampler:
         if not devices:
             self._publish(version, start=False)  # every rank: the slots are made from the first stream
         if self.rank == 0:
-            check_spawnable()
-            ctx = mp.get_context("spawn")
-            self.versions: Any = ctx.Queue()
-            self.batches: Any = ctx.Queue()
-            # what the process starts from goes through a queue, not the spawn's own pipe: CPython
-            # writes a process's arguments to a pipe its child reads, and a child that dies before
-            # reading them (e.g. it cannot re-run the main script) would block start() for ever; nor
-            # may the exit wait on the queue's thread still writing them to that dead child
-            self.setup: Any = ctx.Queue()
-            self.setup.cancel_join_thread()
-            first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
-            weights: Any = self.slots
-            if devices:  # the process joins a group with this one and receives every version
-                self.sender = WeightSender(
-                    backend_for(devices), next(self.model.parameters()).device,
-                    timeout_s=60.0 * plan.engine.dist_timeout_min,  # as every collective of the run
-                )  # fmt: skip
-                cuda = visible_devices(devices) if devices[0].startswith("cuda") else None
-                weights = SamplerLink(self.sender.rendezvous, self.names, cuda)
-            args = (
-                plan,
-                make_engine,
-                score if plan.dynamic_sampling else None,  # the process scores its rounds
-                self.model.config,
-                tokenizer,
-                prompt_ids,
-                weights,
-                first,
-            )
-            queues = (self.setup, self.versions, self.batches)
-            # named: gspo.train, re-run by a main script without a guard, knows its process by it
-            self.proc = ctx.Process(target=_sampler_main, args=queues, daemon=True, name=SAMPLER_PROCESS)
-            self.proc.start()
-            self.setup.put(args)
-            if self.sender is None:
-                self.versions.put(version)
-            else:
-                self._connect()
+            self._start_process(version, pending, make_engine, score)
         if devices:
             self._publish(version)  # every rank: the first version crosses like every other
+
+    def _start_process(
+        self,
+        version: int,
+        pending: list[Ahead],
+        make_engine: Callable[..., Any] | None,
+        score: Callable[..., Any] | None,
+    ) -> None:
+        """Rank 0: the sampler process, started from the trainer's ``version`` (and the batches a
+        resumed run has in flight), with the queues it talks through."""
+        plan, devices, tokenizer, prompt_ids = self.plan, self.devices, self.tokenizer, self.prompt_ids
+        check_spawnable()
+        ctx = mp.get_context("spawn")
+        self.versions: Any = ctx.Queue()
+        self.batches: Any = ctx.Queue()
+        # what the process starts from goes through a queue, not the spawn's own pipe: CPython
+        # writes a process's arguments to a pipe its child reads, and a child that dies before
+        # reading them (e.g. it cannot re-run the main script) would block start() for ever; nor
+        # may the exit wait on the queue's thread still writing them to that dead child
+        self.setup: Any = ctx.Queue()
+        self.setup.cancel_join_thread()
+        first = (version + self.K + 1, pending[-1].data_end) if pending else (1, 0)  # step, data position
+        weights: Any = self.slots
+        if devices:  # the process joins a group with this one and receives every version
+            self.sender = WeightSender(
+                backend_for(devices), next(self.model.parameters()).device,
+                timeout_s=60.0 * plan.engine.dist_timeout_min,  # as every collective of the run
+            )  # fmt: skip
+            cuda = visible_devices(devices) if devices[0].startswith("cuda") else None
+            weights = SamplerLink(self.sender.rendezvous, self.names, cuda)
+        args = (
+            plan,
+            make_engine,
+            score if plan.dynamic_sampling else None,  # the process scores its rounds
+            self.model.config,
+            tokenizer,
+            prompt_ids,
+            weights,
+            first,
+        )
+        queues = (self.setup, self.versions, self.batches)
+        # named: gspo.train, re-run by a main script without a guard, knows its process by it
+        self.proc = ctx.Process(target=_sampler_main, args=queues, daemon=True, name=SAMPLER_PROCESS)
+        self.proc.start()
+        self.setup.put(args)
+        if self.sender is None:
+            self.versions.put(version)
+        else:
+            self._connect()
 
     def next_batch(
         self, step: int, data_pos: int, short_anywhere: Callable[[bool], bool] = bool
