@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import gspo
+from cli_helpers import one_line
 from safetensors.torch import save_file
 from test_study_report import TINY, _runs
 
@@ -37,19 +37,19 @@ def _one_line(r) -> str:
     return err
 
 
-def test_compare_and_study_never_overwrite_a_users_report_files(tmp_path):
+def test_compare_and_study_never_overwrite_a_users_report_files(tmp_path, capsys):
     """A folder holding a user's report.md, summary.json and per_seed.csv (not a compare's): compare
     --out it is refused in one line before any run, every byte kept (md5 before and after); the same
     for --study over a user's study.json. A folder the comparison wrote (its marker, or from before
-    the marker its own summary.json) is written again."""
+    the marker its own summary.json) is written again. (In-process: the command's own code path, no
+    interpreter start per call; a subprocess's one-line refusals are tested in test_reliability.)"""
     mine = tmp_path / "D"
     mine.mkdir()
     for name in ("report.md", "summary.json", "per_seed.csv"):
         (mine / name).write_text(f"mine: {name}\n")
     before = _md5s(mine)
-    r = gspo("compare", *FAST, "--out", str(mine), timeout=120)
-    err = _one_line(r)
-    assert str(mine) in err and "report.md" in err and "did not write" in err
+    err = one_line(capsys, ["compare", *FAST, "--out", str(mine)], "did not write")
+    assert str(mine) in err and "report.md" in err and err.startswith("gspo: error:")
     assert _md5s(mine) == before and sorted(p.name for p in mine.iterdir()) == sorted(before)
 
     ran = tmp_path / "ran"  # a compare's folder, as write_report leaves it (the summary the study reads)
@@ -59,15 +59,13 @@ def test_compare_and_study_never_overwrite_a_users_report_files(tmp_path):
     study.mkdir()
     (study / "study.json").write_text('{"my": "data"}')
     before = _md5s(study)
-    r = gspo("compare", "--study", str(ran), "--out", str(study), timeout=120)
-    err = _one_line(r)
-    assert "study.json" in err and "did not write" in err and _md5s(study) == before
+    err = one_line(capsys, ["compare", "--study", str(ran), "--out", str(study)], "did not write")
+    assert "study.json" in err and _md5s(study) == before
 
     fresh = tmp_path / "fresh"
-    r = gspo("compare", "--study", str(ran), "--out", str(fresh), timeout=120)
-    assert r.returncode == 0, r.stderr
-    r = gspo("compare", "--study", str(ran), "--out", str(fresh), timeout=120)  # its own: again
-    assert r.returncode == 0 and (fresh / "study.json").exists() and (fresh / ".gspo-study").is_file()
+    assert main(["compare", "--study", str(ran), "--out", str(fresh)]) == 0, capsys.readouterr().err
+    assert main(["compare", "--study", str(ran), "--out", str(fresh)]) == 0  # its own: again
+    assert (fresh / "study.json").exists() and (fresh / ".gspo-study").is_file()
     claim_folder(ran, "compare")  # from before the marker: its own summary.json says so
     assert (ran / ".gspo-compare").is_file()
 
