@@ -2,8 +2,10 @@
 test file: pytest does not collect it)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # a run that finishes in seconds: a short warm start, small batches, one thread, no progress bar
@@ -33,6 +35,20 @@ def wait_proc(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
         out, _ = proc.communicate()
         return -9, out
     return proc.returncode, out
+
+
+def kill_9_after_checkpoint(proc: subprocess.Popen, run: Path, step: int, timeout: float) -> None:
+    """kill -9 ``proc`` (a ``gspo train`` of the run folder ``run``) once its latest checkpoint is at
+    ``step`` or later, before it ends; asserts it was still running and left no ``final/``."""
+    latest, deadline = run / "checkpoints" / "latest", time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        if latest.exists() and latest.read_text().strip() >= f"step-{step:06d}":
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "final").exists()
 
 
 def gspo_at_once(runs: dict[str, list[str]], cwd: Path, timeout: float) -> dict[str, tuple[int, str]]:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from cli_helpers import kill_9_after_checkpoint
 
 from gspo.config import Config
 from gspo.data import SampleBatch
@@ -702,9 +703,6 @@ def test_kill_9_while_slow_tools_run_and_resume_is_exact(tmp_path):
     """``gspo train`` with the tool's steps in a pool and of random (unseeded) latency, killed with -9
     during a step after its checkpoint and resumed, ends with the uninterrupted run's weights bit for
     bit (its own tools finished in another order); the tool was called."""
-    import os
-    import signal
-
     env_file = tmp_path / "slow_calc.py"
     env_file.write_text(SLOW_CALC)
     args = ["train", "--model", "embedded:tiny-dense", "--task", "add_long", "--env", f"{env_file}:SlowCalc",
@@ -719,15 +717,7 @@ def test_kill_9_while_slow_tools_run_and_resume_is_exact(tmp_path):
     assert (r := run(*args, "--name", "full")).returncode == 0, r.stderr[-2000:]
     proc = subprocess.Popen([sys.executable, "-m", "gspo", *args, "--name", "killed"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest", time.time() + 600
-    while proc.poll() is None and time.time() < deadline:
-        if latest.exists() and latest.read_text().strip() >= "step-000002":
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "final").exists()
+    kill_9_after_checkpoint(proc, tmp_path / "killed", 2, timeout=600)
     assert (r := run(*args, "--name", "killed", "--resume")).returncode == 0, r.stderr[-2000:]
     from transformers import AutoModelForCausalLM
 

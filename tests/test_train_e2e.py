@@ -2,15 +2,13 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import one_line
+from cli_helpers import kill_9_after_checkpoint, one_line
 
 TINY = [
     "--steps",
@@ -106,16 +104,8 @@ def test_resume_after_kill_9_is_exact(tmp_path):
         stderr=subprocess.DEVNULL,
         env=env,
     )
+    kill_9_after_checkpoint(proc, tmp_path / "killed", 3, timeout=240)
     latest = tmp_path / "killed" / "checkpoints" / "latest"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step-000003":
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (tmp_path / "killed" / "final").exists()
     resumed_from = latest.read_text().strip()
     kill_step = int(resumed_from.split("-")[1])
     assert kill_step < 6, resumed_from
