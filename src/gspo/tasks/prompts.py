@@ -49,19 +49,17 @@ def encode_prompts(tokenizer: Any, examples: list[Example], plan: PromptPlan) ->
     unk = getattr(tokenizer, "unk_token_id", None)
     with_unk: list[str] = []
     for ex, ids in zip(examples, out, strict=True):
+        shown = prompt_text(ex.prompt)[:60]
         if not ids:
-            raise GspoError(f"prompt is empty after tokenization: {prompt_text(ex.prompt)[:60]!r}")
+            raise GspoError(f"prompt is empty after tokenization: {shown!r}")
         if len(ids) > plan.max_prompt_tokens:
             raise GspoError(
-                f"prompt has {len(ids)} tokens > max_prompt_tokens={plan.max_prompt_tokens}: "
-                f"{prompt_text(ex.prompt)[:60]!r}"
+                f"prompt has {len(ids)} tokens > max_prompt_tokens={plan.max_prompt_tokens}: {shown!r}"
             )
         if unk is not None and unk in ids:
             if all(t == unk or t in tokenizer.all_special_ids for t in ids):
-                raise GspoError(
-                    f"prompt is only unknown tokens for this tokenizer: {prompt_text(ex.prompt)[:60]!r}"
-                )
-            with_unk.append(prompt_text(ex.prompt)[:60])
+                raise GspoError(f"prompt is only unknown tokens for this tokenizer: {shown!r}")
+            with_unk.append(shown)
     if with_unk:
         warn(
             f"{len(with_unk)} of {len(examples)} prompts hold characters the tokenizer maps to its unknown "
