@@ -112,7 +112,7 @@ def open_run(
     checkpoints = CheckpointManager(plan.checkpoints, dctx)  # holds the run folder's lock
     resume_from, state = check_run_dir(cfg, checkpoints)
     try:
-        return _build(plan, dctx, checkpoints, resume_from, state, should_stop)
+        loop = _build(plan, dctx, checkpoints, resume_from, state, should_stop)
     except BaseException as e:
         checkpoints.abandon(fresh=state is None)  # a new run that never finished step 0 leaves no trace
         if state is None and isinstance(e, KeyboardInterrupt) and not str(e):
@@ -120,6 +120,9 @@ def open_run(
                 "stopped before step 0 was saved, so nothing was kept: run the same command again"
             ) from None
         raise
+    if state is not None and dctx.rank == 0:  # a resume that failed to start left it as it was
+        save_yaml(cfg, cfg.run_dir / "config.yaml")  # only RESUMABLE_CHANGES can differ
+    return loop
 
 
 def _build(
@@ -372,8 +375,8 @@ def check_run_dir(cfg: Config, checkpoints: CheckpointManager) -> tuple[Path | N
         if state is not None:
             _check_resumable(cfg, path, state)
         checkpoints.say(note)
-        if checkpoints.dctx is None or checkpoints.dctx.rank == 0:
-            save_yaml(cfg, cfg.run_dir / "config.yaml")  # after a resume only RESUMABLE_CHANGES can differ
+        if state is None and (checkpoints.dctx is None or checkpoints.dctx.rank == 0):
+            save_yaml(cfg, cfg.run_dir / "config.yaml")  # a resume's, once it has started (open_run)
     except BaseException:
         checkpoints.release()
         raise

@@ -822,6 +822,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_repro.py::test_two_cpu_capabilities_give_identical_numbers_in_reproducible_mode",),
         "issue 59 step 4: the reproducible mode leaves ATen on the CPU's own kernels (bits differ by ISA)",
     ),
+    Mutant(
+        "resume-config-written-before-start-up",
+        "src/gspo/launch.py",
+        "        if state is None and (checkpoints.dctx is None or checkpoints.dctx.rank == 0):",
+        "        if checkpoints.dctx is None or checkpoints.dctx.rank == 0:",
+        ("tests/test_mutation_gaps.py::test_a_resume_that_fails_at_start_up_keeps_the_run",),
+        "issue 57: a --resume that fails at start-up rewrote config.yaml with settings the run never ran",
+    ),
 ]
 
 
