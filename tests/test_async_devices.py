@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import one_line
 from safetensors.torch import load_file
 
 from gspo import Config, train
@@ -174,14 +175,13 @@ def test_bad_rollout_devices_are_refused_in_one_line(extra, says):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU that does not exist: this machine has none")
-def test_a_missing_gpu_is_refused_before_any_weight_is_read(tmp_path):
-    """``gspo train``: exit 2 with one line, before the model loads or the run folder holds a run."""
-    cmd = [sys.executable, "-m", "gspo", "train", "--async-staleness", "1", "--rollout-devices", "cuda:1",
-           "--output-dir", str(tmp_path), "--no-progress"]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2, p.stderr[-2000:]
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "config field 'rollout_devices': cuda:1 does not exist (0 GPUs)" in lines[0]
+def test_a_missing_gpu_is_refused_before_any_weight_is_read(tmp_path, capsys):
+    """``gspo train`` (in-process: the command's code path without an interpreter start): exit 2 with
+    one line, before the model loads or the run folder holds a run."""
+    args = ["train", "--async-staleness", "1", "--rollout-devices", "cuda:1", "--output-dir", str(tmp_path)]
+    one_line(
+        capsys, [*args, "--no-progress"], "config field 'rollout_devices': cuda:1 does not exist (0 GPUs)"
+    )
     assert not any(tmp_path.rglob("*.safetensors"))
 
 

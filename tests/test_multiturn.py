@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from cli_helpers import kill_9_after_checkpoint
+from cli_helpers import kill_9_after_checkpoint, one_line
 
 from gspo.config import Config
 from gspo.data import SampleBatch
@@ -622,19 +622,17 @@ def test_bad_environment_is_one_line_naming_it(tmp_path, tiny_moe, kind, workers
             run_episodes(eng, tok, spec0, ex, ids, Limits(2, 4, 16), 1.0)
 
 
-def test_cli_bad_environment_exits_2(tmp_path):
+def test_cli_bad_environment_exits_2(tmp_path, capsys):
+    """``gspo train --env`` with a broken environment (in-process: the command's code path without an
+    interpreter start): exit 2, one line naming the file and what reset() returned."""
     spec = _write_env(
         tmp_path,
         "class Env:\n    def reset(self, ex):\n        return 42\n    def step(self, t):\n        pass\n",
     )
     args = ["--env", spec, "--sft-steps", "0", "--steps", "1", "--model", "embedded:tiny-dense"]
     args += ["--output-dir", str(tmp_path), "--eval-size", "4", "--threads", "1", "--no-progress"]
-    p = subprocess.run(
-        [sys.executable, "-m", "gspo", "train", *args], capture_output=True, text=True, timeout=120
-    )
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("gspo: error")]
-    assert len(lines) == 1 and "reset() returned int" in lines[0] and spec in lines[0]
+    line = one_line(capsys, ["train", *args], "reset() returned int")
+    assert line.startswith("gspo: error") and spec in line
 
 
 def test_unknown_env_and_config_checks():
