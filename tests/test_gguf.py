@@ -6,6 +6,7 @@ path and its final/ is a plain ``from_pretrained`` folder. CI installs both pack
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -31,6 +32,29 @@ ROOT = Path(__file__).resolve().parents[1]
 # the copy run below: 2 RL steps, held-out on 8 prompts (3 steps and 16 prompts measured 0.866 -> 0.904
 # on 2026-12-05). Measured 2026-12-06 with these settings: held-out credit 0.863 -> 0.894
 COPY_STEPS, COPY_EVAL = 2, 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_header_parse():
+    """transformers parses the file's header (a 49k-token vocabulary, field by field: ~5 s here) anew
+    for the tokenizer, for each config read and for the weights, and builds gguf's tensor-name table
+    anew for each of the model's ~400 submodules; this module's loads share one parsed reader
+    (read-only, memory-mapped) and one table per (architecture, layers). What each load builds from
+    them, the dequantization included, is unchanged."""
+    real, parsed = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if mode != "r":
+            return real(path, mode)
+        if key not in parsed:
+            parsed[key] = real(path, mode)
+        return parsed[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="module")
