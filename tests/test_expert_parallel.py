@@ -280,13 +280,13 @@ def test_expert_parallel_checkpoints_hold_every_expert(ep_runs):
     weights (every expert of every rank read in place), and the step-4 export equals final/."""
     from safetensors.torch import load_file
 
-    from tests.test_sharded_checkpoints import _gspo, _weights
+    from tests.test_sharded_checkpoints import _export, _weights
 
     tmp, straight, _, first = ep_runs
-    _gspo(tmp, "export", str(first / "checkpoints" / "step-000000"), "--out", "step0")
+    _export(first / "checkpoints" / "step-000000", tmp / "step0")
     want, got = load_file(tmp / "model" / "model.safetensors"), _weights(tmp / "step0")
     assert got.keys() == want.keys() and any(".experts." in k for k in got)
     assert all(torch.equal(got[k], want[k]) for k in want)
-    _gspo(tmp, "export", str(straight / "checkpoints" / "step-000004"), "--out", "step4")
+    _export(straight / "checkpoints" / "step-000004", tmp / "step4")
     a, b = _weights(straight / "final"), _weights(tmp / "step4")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

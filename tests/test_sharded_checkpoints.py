@@ -51,6 +51,13 @@ def _train(cwd: Path, out: str, *extra: str) -> Path:
     return next((cwd / out).iterdir())
 
 
+def _export(step: Path, out: Path) -> None:
+    """``gspo export STEP --out OUT``, in-process (one process is what the command runs anyway)."""
+    from gspo.cli import main
+
+    assert main(["export", str(step), "--out", str(out)]) == 0
+
+
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
@@ -118,7 +125,7 @@ def test_export_streams_the_same_weights_as_the_final_folder(runs):
     from transformers import AutoModelForCausalLM
 
     tmp, straight, _ = runs
-    _gspo(tmp, "export", str(straight / "checkpoints" / "step-000004"), "--out", "exported")
+    _export(straight / "checkpoints" / "step-000004", tmp / "exported")
     a, b = _weights(straight / "final"), _weights(tmp / "exported")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     model = AutoModelForCausalLM.from_pretrained(tmp / "exported")
@@ -131,7 +138,7 @@ def test_a_sharded_checkpoint_resumes_in_one_process(straight_run):
     """DCP reshards on load: the 2-rank step-2 checkpoint resumed by one process holds its weights
     (final/ written at once equals the checkpoint's export), and trains on from there."""
     tmp, straight = straight_run
-    _gspo(tmp, "export", str(tmp / "at-step-2" / "checkpoints" / "step-000002"), "--out", "exported-2")
+    _export(tmp / "at-step-2" / "checkpoints" / "step-000002", tmp / "exported-2")
     run = _killed_after_step_2(straight, tmp / "one" / straight.name)
     _train(tmp, "one", "--nproc", "1", "--steps", "2", "--resume")
     a, b = _weights(run / "final"), _weights(tmp / "exported-2")
@@ -151,7 +158,10 @@ def test_a_sharded_checkpoint_resumes_in_one_process(straight_run):
 
 
 @pytest.mark.slow  # the slow tier (an end-to-end run of ~20 s here): CI runs it
-def test_eval_and_export_name_the_problem(straight_run, tmp_path):
+def test_eval_and_export_name_the_problem(straight_run, tmp_path, capsys):
+    """(In-process: the commands' code paths without an interpreter start.)"""
+    from gspo.cli import main
+
     tmp, straight = straight_run
     step = straight / "checkpoints" / "step-000002"
     for args, words in (
@@ -159,8 +169,6 @@ def test_eval_and_export_name_the_problem(straight_run, tmp_path):
         (["export", str(tmp / "model"), "--out", str(tmp_path / "x")], "not a sharded checkpoint"),
         (["export", str(step), "--out", str(tmp / "model")], "already exists"),
     ):
-        p = subprocess.run(
-            [sys.executable, "-m", "gspo", *args], capture_output=True, text=True, cwd=tmp,
-            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
-        )  # fmt: skip
-        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+        rc = main(args)
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and "Traceback" not in err, err

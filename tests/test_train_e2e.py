@@ -77,11 +77,16 @@ def test_train_writes_all_artifacts(tmp_path, algo):
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
-    """Starting a run whose folder has checkpoints fails with one line instead of destroying work (the
-    second start in-process: the command's code path without an interpreter start)."""
+    """Starting a run whose folder has checkpoints fails with one line instead of destroying work (both
+    starts in-process: the command's code path without an interpreter start)."""
+    from gspo.cli import main
+
     args = ["train", *TINY, "--steps", "1", "--output-dir", str(tmp_path), "--name", "r"]
-    assert _gspo(*args).returncode == 0
+    assert main(args) == 0
+    capsys.readouterr()  # the first run's own output
+    kept = (tmp_path / "r" / "metrics.jsonl").read_text()
     one_line(capsys, args, "already holds checkpoints; pass --resume")
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == kept
 
 
 def _final_params(run: Path) -> dict[str, torch.Tensor]:
