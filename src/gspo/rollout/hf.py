@@ -198,14 +198,8 @@ class HFRolloutEngine:
         :class:`~gspo.rollout.turns.Ticks`), holding masked columns meanwhile. A pending answer's
         observation is fed in one forward (the step's other rows left-padded to its width), one
         given at once a token per step. A row holds at most ``max_tokens`` tokens after its context."""
-        if len(contexts) > self.max_batch_size:  # a batch at a time
-            for i in range(0, len(contexts), self.max_batch_size):
-                part, end = (
-                    slice(i, i + self.max_batch_size),
-                    lambda j, ids, lp, i=i: turn_end(i + j, ids, lp),
-                )
-                self.play(contexts[part], budgets[part], max_tokens, end, temperature, greedy, tick)
-            return
+        if len(contexts) > self.max_batch_size:
+            return self._play_in_parts(contexts, budgets, max_tokens, turn_end, temperature, greedy, tick)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -214,6 +208,21 @@ class HFRolloutEngine:
             )
         finally:
             self.model.train(was_training)
+
+    def _play_in_parts(
+        self,
+        contexts: list[list[int]],
+        budgets: list[int],
+        max_tokens: int,
+        turn_end: TurnEnd,
+        temperature: float,
+        greedy: bool,
+        tick: int,
+    ) -> None:
+        """:meth:`play` of more rows than ``max_batch_size``: a batch of them at a time."""
+        for i in range(0, len(contexts), self.max_batch_size):
+            part, end = slice(i, i + self.max_batch_size), lambda j, ids, lp, i=i: turn_end(i + j, ids, lp)
+            self.play(contexts[part], budgets[part], max_tokens, end, temperature, greedy, tick)
 
     def _draw(
         self, logits_BV: torch.Tensor, temperature: float, greedy: bool

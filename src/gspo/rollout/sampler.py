@@ -104,19 +104,31 @@ class SyncSampler:
         rewards and group advantages. Dynamic sampling draws more rounds of prompts while a rank is
         short of informative groups (``short_anywhere``; it may stop the step between rounds)."""
         assert self.score is not None and self.train_ids is not None, "a trainer's sampler scores"
+        data, metrics = self._one(step, data_pos)
+        if self.plan.dynamic_sampling:
+            return self._more_rounds(step, data_pos, data, metrics, short_anywhere)
+        return StepBatch(data, metrics, data_pos + self.plan.prompts_per_step)
 
-        def one(pos: int) -> tuple[TrainBatch, dict[str, float]]:
-            idx = share(self.plan, len(self.train_ids), pos, self.rank, self.world)
-            examples = [self.task.train[i] for i in idx]
-            s = self.sample(step, examples, [self.train_ids[i] for i in idx])
-            data, metrics = self.score(s.batch, self.tokenizer, self.task, examples, t_gen=s.gen_s)
-            return data, metrics | s.info
+    def _one(self, step: int, pos: int) -> tuple[TrainBatch, dict[str, float]]:
+        """This rank's share of the prompts from ``pos`` on, sampled and scored (:meth:`next_batch`)."""
+        idx = share(self.plan, len(self.train_ids), pos, self.rank, self.world)
+        examples = [self.task.train[i] for i in idx]
+        s = self.sample(step, examples, [self.train_ids[i] for i in idx])
+        data, metrics = self.score(s.batch, self.tokenizer, self.task, examples, t_gen=s.gen_s)
+        return data, metrics | s.info
 
+    def _more_rounds(
+        self,
+        step: int,
+        data_pos: int,
+        data: TrainBatch,
+        metrics: dict[str, float],
+        short_anywhere: Callable[[bool], bool],
+    ) -> StepBatch:
+        """Dynamic sampling: rounds of the next prompts after the first (``data``) until no rank is
+        short of informative groups or the rounds run out."""
         P, G = self.plan.prompts_per_step, self.plan.group_size
-        data, metrics = one(data_pos)
         pos = data_pos + P
-        if not self.plan.dynamic_sampling:
-            return StepBatch(data, metrics, pos)
         groups: GroupFilter[TrainBatch] = GroupFilter(
             len(data) // G, G, self.plan.dynamic_sampling_max_rounds
         )
@@ -124,7 +136,7 @@ class SyncSampler:
             groups.add(data.reward_B, [data.rows(slice(g * G, (g + 1) * G)) for g in range(len(data) // G)])
             if groups.done(short_anywhere):
                 break
-            data, more = one(pos)
+            data, more = self._one(step, pos)
             pos += P
             metrics["time/generate_s"] += more["time/generate_s"]
         return StepBatch(TrainBatch.cat(groups.chosen()), metrics | groups.metrics(), pos)

@@ -108,9 +108,11 @@ def run_loop(loop: Loop, plan: LoopPlan, stop: _StopFlag) -> TrainResult:
         metrics = _guarded_step(loop, plan, lambda: stop.requested, watch)
         skipped = skipped + 1 if _diverging(metrics) else 0
         loop.log(state.step, metrics)
-        ran, rank0 = state.step - start, loop.dctx.rank == 0
-        _stop_if_diverged(skipped, state.step, ran, plan.steps, checkpoints.last_saved, rank0)
-        bar.update(state.step, _status(metrics))
+        if skipped:
+            ran, rank0 = state.step - start, loop.dctx.rank == 0
+            _stop_if_diverged(skipped, state.step, ran, plan.steps, checkpoints.last_saved, rank0)
+        if bar.enabled:
+            bar.update(state.step, _status(metrics))
         step, every = state.step, plan.save_every
         if step == plan.steps or (every and step % every == 0):
             checkpoints.save(step)
@@ -124,8 +126,6 @@ def _stop_if_diverged(skipped: int, step: int, ran: int, last: int, saved: int, 
     up to the last one (``last``), stop the run in one line: no final/, its checkpoints kept (the
     newest is ``saved``). Fewer at the last step of a run that had healthy ones are a warning (``say``:
     this rank says it)."""
-    if not skipped:
-        return
     first = step - skipped + 1
     span = f"steps {first}-{step}" if skipped > 1 else f"step {first}"
     if skipped >= MAX_SKIPPED_STEPS or (step == last and skipped == ran):
