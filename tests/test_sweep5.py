@@ -306,3 +306,42 @@ def test_config_takes_a_path_as_the_string_it_spells():
     cfg = gspo_api.Config(output_dir=Path("somewhere") / "runs", model=Path("embedded:tiny-moe")).validate()
     assert (cfg.output_dir, cfg.model) == (str(Path("somewhere") / "runs"), "embedded:tiny-moe")
     assert cfg.to_dict()["output_dir"] == "somewhere/runs"  # plain values: config.yaml stays YAML
+
+
+def test_overwrite_that_cannot_delete_a_trace_is_one_line_and_releases_the_folder(tmp_path, monkeypatch):
+    """``--overwrite`` over a run whose ``tensorboard/`` cannot be removed (a mount point: rmdir gives
+    EBUSY, played here by the OS error itself) stops in one line naming that folder, not a traceback,
+    and leaves the run folder unlocked for the next command."""
+    import errno
+    import shutil
+
+    from gspo.config import Config
+    from gspo.resolve import checkpoint_plan
+    from gspo.training import checkpoint_files as ckpt
+    from gspo.training.checkpoints import CheckpointManager
+
+    run = tmp_path / "r"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    rmtree = shutil.rmtree
+
+    def busy(path, *a, **kw):
+        if Path(path).name == "tensorboard":
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+        rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", busy)
+
+    def claim():
+        m = CheckpointManager(checkpoint_plan(Config(output_dir=str(tmp_path), name="r", overwrite=True)))
+        try:
+            return m.claim()
+        finally:
+            m.release()
+
+    with pytest.raises(GspoError) as e:
+        claim()
+    assert str(e.value).startswith(f"--overwrite: cannot delete {run / 'tensorboard'}: ")
+    assert "busy" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree)
+    assert claim()[:2] == (None, None) and ckpt.run_traces(run) == []  # the lock was released

@@ -158,7 +158,13 @@ class CheckpointManager:
                 f"run folder {run_dir} already holds checkpoints; pass --resume to continue it, --overwrite "
                 "to delete it and start over, or --name to start a new run"
             )
-        files.remove_traces(run_dir)  # --overwrite (nothing to remove otherwise)
+        try:
+            files.remove_traces(run_dir)  # --overwrite (nothing to remove otherwise)
+        except OSError as e:  # a mount point, a read-only file: said, the rest of the folder as it is
+            raise GspoError(
+                f"--overwrite: cannot delete {e.filename or run_dir}: {e.strerror or e}; remove it by hand "
+                "or pick another --name"
+            ) from None
         return None, None, ""
 
     def _verify_shares(
