@@ -23,14 +23,31 @@ ROOT = Path(__file__).resolve().parents[1]
 REWARD = f"{ROOT / 'tests' / 'fixture_rewards.py'}:length_parity"  # deterministic: no rank's generator
 
 
-def _train(cwd: Path, out: str, *extra: str) -> Path:
-    args = ["train", "--model", "model", "--sft-steps", "0", "--eval-size", "4", "--eval-every", "0"]
+def _train(cwd: Path, out: str, *extra: str, here: bool = False) -> Path:
+    """``gspo train`` of the folder ``cwd/model`` into ``cwd/out``: a process of its own, or with
+    ``here`` (one process, no rank) through ``gspo.cli.main`` in this one (no interpreter start)."""
+    args = [
+        "train",
+        "--model",
+        str(cwd / "model"),
+        "--sft-steps",
+        "0",
+        "--eval-size",
+        "4",
+        "--eval-every",
+        "0",
+    ]
     args += ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--threads", "1"]
     # one optimizer step per RL step: the ranks' rows together are the one process's minibatch (with
     # more, rank r's i-th slice of its own rows is its part of minibatch i, as in the synchronous path)
     args += ["--no-progress", "--save-every", "2", "--steps", "4", "--async-staleness", "2"]
     args += ["--num-minibatches", "1"]
-    args += ["--reward", REWARD, "--lr", "1e-4", "--warmup-steps", "1", "--output-dir", out]
+    args += ["--reward", REWARD, "--lr", "1e-4", "--warmup-steps", "1", "--output-dir", str(cwd / out)]
+    if here:
+        from gspo.cli import main
+
+        assert main([*args, *extra]) == 0, extra
+        return next((cwd / out).iterdir())
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     p = subprocess.run(
@@ -52,7 +69,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async-ranks")
     tok = build_char_tokenizer()
     save_pretrained(build_tiny_moe(len(tok), seed=3), tok, tmp / "model")
-    one = _train(tmp, "one", "--nproc", "1")
+    one = _train(tmp, "one", "--nproc", "1", here=True)
     two = _train(tmp, "two", "--nproc", "2")
     killed = tmp / "part" / two.name
     shutil.copytree(two, killed)

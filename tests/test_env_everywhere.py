@@ -88,7 +88,10 @@ def _cli(tmp: Path, name: str, model: str, nproc: int, *extra: str) -> list[str]
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """The 2-rank worker on the trajectories, and ``gspo train`` with an environment on 2 ranks and on
-    one process, all started at once (their start-ups overlap)."""
+    one process, all started at once (their start-ups overlap); the one-process runs (the warm start
+    and "one") through ``gspo.cli.main`` in this process (no interpreter start of their own)."""
+    from gspo.cli import main
+
     data = _trajectories()
     tmp = tmp_path_factory.mktemp("env-ranks")
     torch.save({"data": data, "runs": RUNS}, tmp / "in.pt")
@@ -100,17 +103,15 @@ def launches(tmp_path_factory):
     procs = {"worker": subprocess.Popen(worker, **kw)}
     # a warm start (one process) that ends its turns with EOS, so greedy held-out trajectories go on
     # after an observation; both runs below start from its final/ without one of their own
-    warm = wait_proc(
-        subprocess.Popen(_cli(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40"), **kw), 600
-    )
-    assert warm[0] == 0, warm[1][-6000:]
+    assert main(_cli(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40")[3:]) == 0
     model = str(next((tmp / "warm").iterdir()) / "final")
     procs["two"] = subprocess.Popen(_cli(tmp, "two", model, NPROC, "--sft-steps", "0"), **kw)
-    procs["one"] = subprocess.Popen(_cli(tmp, "one", model, 1, "--sft-steps", "0"), **kw)
     procs["lora"] = subprocess.Popen(
         _cli(tmp, "lora", model, NPROC, "--sft-steps", "0", "--lora-rank", "4"), **kw
     )
+    one = main(_cli(tmp, "one", model, 1, "--sft-steps", "0")[3:])
     done = {name: wait_proc(p, 600) for name, p in procs.items()}
+    done["one"] = (one, "(in-process: its output is the test's captured output)")
     return {"data": data, "tmp": tmp, "done": done}
 
 

@@ -321,15 +321,19 @@ def test_a_damaged_sharded_checkpoint_falls_back_to_the_previous_one(base, tmp_p
     assert "skipped newer damaged checkpoints (step-000002: " in note and words in note and "\n" not in note
 
 
-def test_a_damaged_sharded_checkpoint_resumes_from_the_command_line(base, tmp_path):
-    """Through `gspo train --resume` (one process, resharded): one line says which checkpoint and why
-    the newer one was skipped, and the run trains on to its last step."""
+def test_a_damaged_sharded_checkpoint_resumes_from_the_command_line(base, tmp_path, capsys, monkeypatch):
+    """Through `gspo train --resume` (one process, resharded; the command in-process: its code path
+    without an interpreter start): one line says which checkpoint and why the newer one was skipped,
+    and the run trains on to its last step."""
     run = _copy_run(base, tmp_path)
     _truncate_shard(run / "checkpoints" / "step-000002")
     ckpt.write_manifest(run / "checkpoints" / "step-000002")
-    p = _gspo(tmp_path, *ARGS, "--nproc", "1", "--steps", "2", "--resume")
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-4000:]
-    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("gspo: resuming")]
+    monkeypatch.chdir(tmp_path)  # ARGS' model and runs folders
+    capsys.readouterr()
+    rc = gspo_main([*ARGS, "--nproc", "1", "--steps", "2", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "Traceback" not in err, err[-4000:]
+    notes = [ln for ln in err.splitlines() if ln.startswith("gspo: resuming")]
     assert len(notes) == 1 and "step-000001; skipped newer damaged checkpoints (step-000002: " in notes[0]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]

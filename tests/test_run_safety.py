@@ -141,16 +141,21 @@ def test_resume_with_no_complete_checkpoint_says_why_and_how(base_run, tmp_path)
         _claim(run, resume=True)
 
 
-def test_damaged_run_resumes_from_the_command_line_and_drops_a_torn_metrics_line(base_run, tmp_path):
-    """Through `gspo train --resume`: one line names the checkpoint and why the newer one was skipped;
-    the metrics log, whose last line was torn by a kill, continues from the resumed step."""
+def test_damaged_run_resumes_from_the_command_line_and_drops_a_torn_metrics_line(base_run, tmp_path, capsys):
+    """Through `gspo train --resume` (in-process: the command's code path without an interpreter
+    start): one line names the checkpoint and why the newer one was skipped; the metrics log, whose
+    last line was torn by a kill, continues from the resumed step."""
+    from gspo.cli import main
+
     run = _copy(base_run, tmp_path)
     _truncate(run / "checkpoints" / "step-000002" / "trainer_state.pt")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rollout/rew')  # a kill in the middle of a write
-    r = _gspo("train", *TINY, "--steps", "3", "--output-dir", str(tmp_path), "--name", "r", "--resume")
-    assert r.returncode == 0, r.stderr[-2000:]
-    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("gspo: resuming")]
+    capsys.readouterr()
+    rc = main(["train", *TINY, "--steps", "3", "--output-dir", str(tmp_path), "--name", "r", "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    notes = [ln for ln in err.splitlines() if ln.startswith("gspo: resuming")]
     assert len(notes) == 1 and "step-000001; skipped newer damaged checkpoints (step-000002: " in notes[0]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
