@@ -10,9 +10,6 @@ import functools
 import importlib.util
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -122,7 +119,9 @@ def test_gguf_names_a_package_holding_one_gguf_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gspo_on_copy_raises_smollm2s_held_out_reward_and_writes_a_plain_hf_folder(tmp_path):
+def test_gspo_on_copy_raises_smollm2s_held_out_reward_and_writes_a_plain_hf_folder(
+    tmp_path, capfd, monkeypatch
+):
     """A few GSPO steps on the embedded task `copy` (22-30 two-digit numbers, 65-89 answer tokens)
     through ``gspo train`` raise SmolLM2's greedy held-out reward (per-position credit, 8 prompts of
     seed 0), print no GGUF progress bar, and leave a final/ that ``from_pretrained`` loads as a plain
@@ -131,24 +130,26 @@ def test_gspo_on_copy_raises_smollm2s_held_out_reward_and_writes_a_plain_hf_fold
     teach little about its greedy output. Held-out EXACT match stays 0 before and after: the trained
     model copies the list but runs on past its end (cut at 96 tokens), so this test asserts the credit;
     more steps to learn to stop are the pilot's (presets/smollm2-copy.yaml), not a CI test's, budget.
-    Measured: see COPY_STEPS."""
+    Measured: see COPY_STEPS. The command runs in-process (``gspo.cli.main``: no interpreter start,
+    and the module's one parsed GGUF header)."""
     from transformers import AutoModelForCausalLM
+
+    from gspo.cli import main
 
     args = ["train", "--model", f"gguf:{FILE}", "--chat-template", "--task", "copy", "--sft-steps", "0"]
     args += ["--reward", "gspo.tasks.synthetic:position_credit", "--temperature", "0.6", "--lr", "2e-5"]
     args += ["--steps", str(COPY_STEPS), "--prompts-per-step", "4", "--group-size", "4"]
     args += ["--num-minibatches", "4", "--max-new-tokens", "96", "--eval-size", str(COPY_EVAL)]
     args += ["--eval-every", "0", "--threads", "2", "--no-progress", "--output-dir", str(tmp_path)]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    p = subprocess.run(
-        [sys.executable, "-m", "gspo", *args, "--name", "copy"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "GGUF tensors" not in p.stderr and "Loading weights" not in p.stderr, p.stderr[-2000:]
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    capfd.readouterr()
+    try:
+        rc = main([*args, "--name", "copy"])
+    finally:
+        torch.set_num_threads(1)  # (--threads 2 set this process's; the tests' is 1)
+    err = capfd.readouterr().err
+    assert rc == 0, err[-4000:]
+    assert "GGUF tensors" not in err and "Loading weights" not in err, err[-2000:]
     run = tmp_path / "copy"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     held_out = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]

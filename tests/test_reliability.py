@@ -180,15 +180,20 @@ def test_bad_input_through_the_command_is_one_line_and_exit_2(tmp_path, case):
 
 
 @pytest.mark.slow  # the slow tier (multi-process, ~30-60 s here): CI runs it
-def test_eval_reads_the_runs_own_task_settings_and_flags_override(tmp_path):
-    r = _gspo("train", *TINY, "--steps", "1", "--task", "sort", "--output-dir", str(tmp_path), "--name", "r")
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = _gspo("eval", str(tmp_path / "r" / "final"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+def test_eval_reads_the_runs_own_task_settings_and_flags_override(tmp_path, capsys):
+    """(The commands in-process: their code paths without an interpreter start each.)"""
+    from gspo.cli import main
+
+    assert (
+        main(["train", *TINY, "--steps", "1", "--task", "sort", "--output-dir", str(tmp_path), "--name", "r"])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "r" / "final")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["task"] == "sort" and out["n"] == 8 and out["settings"].endswith("r/config.yaml")
-    r = _gspo("eval", str(tmp_path / "r" / "final"), "--eval-size", "4", "--task", "add")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert main(["eval", str(tmp_path / "r" / "final"), "--eval-size", "4", "--task", "add"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["task"] == "add" and out["n"] == 4
 
 

@@ -43,11 +43,28 @@ def _gspo(cwd: Path, *args: str, timeout: float = 300) -> str:
     return p.stdout + p.stderr
 
 
-def _train(cwd: Path, out: str, *extra: str) -> Path:
-    args = ["train", "--model", "model", "--sft-steps", "0", "--eval-size", "4", "--eval-every", "0"]
+def _train(cwd: Path, out: str, *extra: str, here: bool = False) -> Path:
+    """``gspo train`` of ``cwd/model`` into ``cwd/out``: a process of its own, or with ``here`` (one
+    process, no rank) through ``gspo.cli.main`` in this one (no interpreter start)."""
+    args = [
+        "train",
+        "--model",
+        str(cwd / "model"),
+        "--sft-steps",
+        "0",
+        "--eval-size",
+        "4",
+        "--eval-every",
+        "0",
+    ]
     args += ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--threads", "1"]
     args += ["--no-progress", "--save-every", "2", "--warmup-steps", "64", "--reward", REWARD]
-    _gspo(cwd, *args, "--output-dir", out, *extra)
+    if here:
+        from gspo.cli import main
+
+        assert main([*args, "--output-dir", str(cwd / out), *extra]) == 0, extra
+    else:
+        _gspo(cwd, *args, "--output-dir", str(cwd / out), *extra)
     return next((cwd / out).iterdir())
 
 
@@ -140,10 +157,10 @@ def test_a_sharded_checkpoint_resumes_in_one_process(straight_run):
     tmp, straight = straight_run
     _export(tmp / "at-step-2" / "checkpoints" / "step-000002", tmp / "exported-2")
     run = _killed_after_step_2(straight, tmp / "one" / straight.name)
-    _train(tmp, "one", "--nproc", "1", "--steps", "2", "--resume")
+    _train(tmp, "one", "--nproc", "1", "--steps", "2", "--resume", here=True)  # one process: in this one
     a, b = _weights(run / "final"), _weights(tmp / "exported-2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
-    _train(tmp, "one", "--nproc", "1", "--steps", "3", "--resume")
+    _train(tmp, "one", "--nproc", "1", "--steps", "3", "--resume", here=True)
     rows = (run / "metrics.jsonl").read_text().splitlines()
     last = json.loads(rows[-1])
     assert last["step"] == 3

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import TINY, env, gspo, one_line
+from cli_helpers import TINY, env, one_line
 
 import gspo as gspo_api
 from gspo.cli import main
@@ -229,18 +229,22 @@ FAST += ["--no-progress", "--threads", "1"]
 
 
 @pytest.mark.slow
-def test_compare_does_not_reuse_a_truncated_final_model(tmp_path):
+def test_compare_does_not_reuse_a_truncated_final_model(tmp_path, capsys):
     """A finished arm whose final/model.safetensors was cut to 1,000 bytes: gspo compare refuses it
     in one line naming the file (was: "done already", reused). (test_compare_folders checks the same
-    in the default tier through plan_run, and that --overwrite trains it again.)"""
+    in the default tier through plan_run, and that --overwrite trains it again.) Both commands
+    in-process: their code paths without an interpreter start each."""
+    from gspo.cli import main
+
     out = tmp_path / "cmp"
-    first = gspo("compare", *FAST, "--out", str(out))
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert main(["compare", *FAST, "--out", str(out)]) == 0
+    capsys.readouterr()
     weights = out / "gspo-s0" / "final" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    again = gspo("compare", *FAST, "--out", str(out))
-    assert again.returncode == 2 and "done already" not in again.stdout, again.stdout + again.stderr[-3000:]
-    assert again.stderr.strip().splitlines() == [
+    rc = main(["compare", *FAST, "--out", str(out)])
+    again = capsys.readouterr()
+    assert rc == 2 and "done already" not in again.out, again.out + again.err[-3000:]
+    assert again.err.strip().splitlines() == [
         f"gspo: error: {out / 'gspo-s0'} is a finished run whose final model is damaged (model.safetensors: "
         "1,000 bytes, shorter than its header says); pass --overwrite to train it again (its checkpoints "
         "and metrics are deleted), or another --out"
