@@ -121,7 +121,7 @@ def open_run(
             ) from None
         raise
     if state is not None and dctx.rank == 0:  # a resume that failed to start left it as it was
-        save_yaml(cfg, cfg.run_dir / "config.yaml")  # only RESUMABLE_CHANGES can differ
+        save_yaml(cfg, plan.checkpoints.run_dir / "config.yaml")  # only RESUMABLE_CHANGES can differ
     return loop
 
 

@@ -241,8 +241,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "hf-batch-parts-row-index",
         "src/gspo/rollout/hf.py",
-        "lambda j, ids, lp, i=i: turn_end(i + j, ids, lp),",
-        "lambda j, ids, lp, i=i: turn_end(j, ids, lp),",
+        "lambda j, ids, lp, i=i: turn_end(i + j, ids, lp)",
+        "lambda j, ids, lp, i=i: turn_end(j, ids, lp)",
         ("tests/test_rollout.py::test_a_batch_past_max_batch_size_is_played_in_parts_each_row_kept",),
         "issue 57 gap 1: the rows of a batch's second part (past max_batch_size) written over the first's",
     ),
@@ -365,8 +365,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sync-rounds-same-prompts",
         "src/gspo/rollout/sampler.py",
-        "            data, more = one(pos)\n            pos += P\n",
-        "            data, more = one(pos)\n",
+        "            data, more = self._one(step, pos)\n            pos += P\n",
+        "            data, more = self._one(step, pos)\n",
         ("tests/test_data_controls.py::test_sync_dynamic_sampling_rounds_draw_the_next_prompts",),
         "issue 57 gap 5: synchronous dynamic sampling's extra rounds redraw the first round's prompts, the data position stays",
     ),
