@@ -15,6 +15,13 @@ TINY = [
 ]  # fmt: skip
 
 
+def tiny_train_args(model: Path) -> list[str]:
+    """``gspo train`` of the model folder ``model`` at the tests' tiny size: no warm start, 4 held-out
+    prompts evaluated at the end only, 4 prompts x 4 samples of at most 6 tokens, one thread."""
+    args = ["train", "--model", str(model), "--sft-steps", "0", "--eval-size", "4", "--eval-every", "0"]
+    return args + ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--threads", "1"]
+
+
 def rank_env() -> dict[str, str]:
     """The environment of a torchrun launch from a test: one thread per rank, this checkout's gspo."""
     root = Path(__file__).resolve().parents[1]

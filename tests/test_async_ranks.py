@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import tiny_train_args
 from safetensors.torch import load_file
 
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
@@ -26,18 +27,7 @@ REWARD = f"{ROOT / 'tests' / 'fixture_rewards.py'}:length_parity"  # determinist
 def _train(cwd: Path, out: str, *extra: str, here: bool = False) -> Path:
     """``gspo train`` of the folder ``cwd/model`` into ``cwd/out``: a process of its own, or with
     ``here`` (one process, no rank) through ``gspo.cli.main`` in this one (no interpreter start)."""
-    args = [
-        "train",
-        "--model",
-        str(cwd / "model"),
-        "--sft-steps",
-        "0",
-        "--eval-size",
-        "4",
-        "--eval-every",
-        "0",
-    ]
-    args += ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--threads", "1"]
+    args = tiny_train_args(cwd / "model")
     # one optimizer step per RL step: the ranks' rows together are the one process's minibatch (with
     # more, rank r's i-th slice of its own rows is its part of minibatch i, as in the synchronous path)
     args += ["--no-progress", "--save-every", "2", "--steps", "4", "--async-staleness", "2"]

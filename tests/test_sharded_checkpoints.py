@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import tiny_train_args
 from safetensors.torch import load_file
 
 from gspo.model.load import build_char_tokenizer, build_tiny_moe, save_pretrained
@@ -46,18 +47,7 @@ def _gspo(cwd: Path, *args: str, timeout: float = 300) -> str:
 def _train(cwd: Path, out: str, *extra: str, here: bool = False) -> Path:
     """``gspo train`` of ``cwd/model`` into ``cwd/out``: a process of its own, or with ``here`` (one
     process, no rank) through ``gspo.cli.main`` in this one (no interpreter start)."""
-    args = [
-        "train",
-        "--model",
-        str(cwd / "model"),
-        "--sft-steps",
-        "0",
-        "--eval-size",
-        "4",
-        "--eval-every",
-        "0",
-    ]
-    args += ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "6", "--threads", "1"]
+    args = tiny_train_args(cwd / "model")
     args += ["--no-progress", "--save-every", "2", "--warmup-steps", "64", "--reward", REWARD]
     if here:
         from gspo.cli import main
