@@ -76,9 +76,13 @@ ENV_FILE = Path(__file__).with_name("fixture_observe_env.py")  # a user's enviro
 ENV_ARGS = ["--task", "reverse", "--max-new-tokens", "8", "--max-turns", "3", "--max-trajectory-tokens", "40"]
 
 
-def _cli(tmp: Path, name: str, model: str, nproc: int, *extra: str) -> list[str]:
+GSPO = [sys.executable, "-m", "gspo"]  # the command, as a process of its own
+
+
+def _args(tmp: Path, name: str, model: str, nproc: int, *extra: str) -> list[str]:
+    """``gspo train``'s arguments (after ``gspo``) for the run ``name`` with the environment."""
     return [
-        sys.executable, "-m", "gspo", "train", "--model", model, *ENV_ARGS, "--env",
+        "train", "--model", model, *ENV_ARGS, "--env",
         f"{ENV_FILE}:Observe", "--steps", "2", "--eval-size", "8", "--prompts-per-step", "4",
         "--group-size", "4", "--threads", "1", "--no-progress", "--nproc", str(nproc), "--output-dir",
         str(tmp / name), "--save-every", "0", *extra,
@@ -103,13 +107,13 @@ def launches(tmp_path_factory):
     procs = {"worker": subprocess.Popen(worker, **kw)}
     # a warm start (one process) that ends its turns with EOS, so greedy held-out trajectories go on
     # after an observation; both runs below start from its final/ without one of their own
-    assert main(_cli(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40")[3:]) == 0
+    assert main(_args(tmp, "warm", "embedded:tiny-moe", 1, "--sft-steps", "40")) == 0
     model = str(next((tmp / "warm").iterdir()) / "final")
-    procs["two"] = subprocess.Popen(_cli(tmp, "two", model, NPROC, "--sft-steps", "0"), **kw)
+    procs["two"] = subprocess.Popen([*GSPO, *_args(tmp, "two", model, NPROC, "--sft-steps", "0")], **kw)
     procs["lora"] = subprocess.Popen(
-        _cli(tmp, "lora", model, NPROC, "--sft-steps", "0", "--lora-rank", "4"), **kw
+        [*GSPO, *_args(tmp, "lora", model, NPROC, "--sft-steps", "0", "--lora-rank", "4")], **kw
     )
-    one = main(_cli(tmp, "one", model, 1, "--sft-steps", "0")[3:])
+    one = main(_args(tmp, "one", model, 1, "--sft-steps", "0"))
     done = {name: wait_proc(p, 600) for name, p in procs.items()}
     done["one"] = (one, "(in-process: its output is the test's captured output)")
     return {"data": data, "tmp": tmp, "done": done}

@@ -234,8 +234,6 @@ def test_compare_does_not_reuse_a_truncated_final_model(tmp_path, capsys):
     in one line naming the file (was: "done already", reused). (test_compare_folders checks the same
     in the default tier through plan_run, and that --overwrite trains it again.) Both commands
     in-process: their code paths without an interpreter start each."""
-    from gspo.cli import main
-
     out = tmp_path / "cmp"
     assert main(["compare", *FAST, "--out", str(out)]) == 0
     capsys.readouterr()

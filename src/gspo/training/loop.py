@@ -111,8 +111,7 @@ def run_loop(loop: Loop, plan: LoopPlan, stop: _StopFlag) -> TrainResult:
         if skipped:
             ran, rank0 = state.step - start, loop.dctx.rank == 0
             _stop_if_diverged(skipped, state.step, ran, plan.steps, checkpoints.last_saved, rank0)
-        if bar.enabled:
-            bar.update(state.step, _status(metrics))
+        bar.update(state.step, _status(metrics))
         step, every = state.step, plan.save_every
         if step == plan.steps or (every and step % every == 0):
             checkpoints.save(step)

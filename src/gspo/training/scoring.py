@@ -56,9 +56,7 @@ def score_rollout(
     else:
         assert task is not None, "single-turn responses are scored by the task's reward"
         rw, obs_BT = _response_rewards(rb, tokenizer, task, examples, plan), None
-    penalty_B = torch.zeros_like(rw.len_B, dtype=torch.float32)  # DAPO's overlong penalty (off by default)
-    if plan.overlong_buffer > 0:
-        penalty_B = overlong_penalty(rw.len_B, rw.max_len, plan.overlong_buffer, plan.overlong_penalty)
+    penalty_B = overlong_penalty(rw.len_B, rw.max_len, plan.overlong_buffer, plan.overlong_penalty)
     rewards_NG = (rw.reward_B + penalty_B).view(-1, plan.group_size)
     check_finite_rewards(rewards_NG.view(-1), penalty_B, rw.name, plan.overlong_penalty)
     if plan.adv_scale == "maxrl":  # it divides by the group's mean: a negative reward stops the run
